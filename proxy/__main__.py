@@ -1,0 +1,3 @@
+from proxy.cli import main
+
+main(prog_name="blazar-proxy")

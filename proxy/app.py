@@ -1,0 +1,167 @@
+"""The ASGI application: the relay for the API paths, Starlette for the rest.
+
+The relay paths are picked with one dict lookup before Starlette's router,
+middleware and exception handling see the request: those cost more per
+request than the whole relay is allowed to add. Everything else (models,
+probes, unknown paths) goes through Starlette.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Mapping
+
+import orjson
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from proxy import __version__
+from proxy.asgi import Receive, Scope, Send
+from proxy.errors import error_body
+from proxy.relay import ENDPOINTS, Relay, RelaySettings
+from proxy.routing import RoutingTable, UpstreamAddress
+from proxy.upstream import Pool
+
+_PROBE_TIMEOUT_S = 1.0
+
+
+class Gateway:
+    """Top-level ASGI app: a choice of which app serves the request."""
+
+    def __init__(self, relay: Relay, admin: Starlette) -> None:
+        self.relay = relay
+        self.admin = admin
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] in ENDPOINTS:
+            await self.relay(scope, receive, send)
+        else:
+            await self.admin(scope, receive, send)
+
+
+def build_app(
+    table: RoutingTable,
+    *,
+    relay_settings: RelaySettings | None = None,
+    connect_timeout_s: float = 5.0,
+) -> Gateway:
+    """Build the gateway for a routing table; every setting is resolved here."""
+    pools = {address: Pool(address, connect_timeout_s=connect_timeout_s) for address in table.upstreams()}
+    relay = Relay(table, pools, relay_settings or RelaySettings())
+    created = int(time.time())
+    models = {
+        route.model: {"id": route.model, "object": "model", "created": created, "owned_by": "blazar-proxy"}
+        for route in table
+    }
+    model_list = orjson.dumps({"object": "list", "data": list(models.values())})
+
+    async def list_models(request: Request) -> Response:
+        return _json(200, model_list)
+
+    async def get_model(request: Request) -> Response:
+        model = models.get(request.path_params["model"])
+        if model is None:
+            return _json(
+                404,
+                error_body(
+                    404,
+                    f"The model `{request.path_params['model']}` does not exist or is not served here",
+                    param="model",
+                    code="model_not_found",
+                ),
+            )
+        return _json(200, orjson.dumps(model))
+
+    async def livez(request: Request) -> Response:
+        return _json(200, b'{"status":"ok"}')
+
+    async def readyz(request: Request) -> Response:
+        return await _readiness(table, pools)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            for pool in pools.values():
+                pool.close()
+
+    admin = Starlette(
+        routes=[
+            Route("/v1/models", list_models, methods=["GET"]),
+            Route("/models", list_models, methods=["GET"]),
+            Route("/v1/models/{model:path}", get_model, methods=["GET"]),
+            Route("/models/{model:path}", get_model, methods=["GET"]),
+            Route("/livez", livez, methods=["GET"]),
+            Route("/readyz", readyz, methods=["GET"]),
+            Route("/version", lambda r: _json(200, orjson.dumps({"version": __version__})), methods=["GET"]),
+        ],
+        exception_handlers={HTTPException: _http_exception, Exception: _unexpected},
+        lifespan=lifespan,
+    )
+    return Gateway(relay, admin)
+
+
+async def _readiness(table: RoutingTable, pools: Mapping[UpstreamAddress, Pool]) -> Response:
+    """200 when at least one model's upstream accepts connections."""
+    addresses = list(pools)
+    results = await asyncio.gather(*(_reachable(a) for a in addresses))
+    reachable = dict(zip(addresses, results, strict=True))
+    models = {route.model: "ready" if reachable[route.upstream] is None else "unreachable" for route in table}
+    if not models:
+        return _json(503, orjson.dumps({"status": "unavailable", "reason": "no models are configured"}))
+    if "ready" not in models.values():
+        reasons = sorted({r for r in reachable.values() if r})
+        return _json(
+            503,
+            orjson.dumps(
+                {
+                    "status": "unavailable",
+                    "reason": "no upstream is reachable: " + "; ".join(reasons),
+                    "models": models,
+                }
+            ),
+            headers={"retry-after": "2"},
+        )
+    return _json(200, orjson.dumps({"status": "ready", "models": models}))
+
+
+async def _reachable(address: UpstreamAddress) -> str | None:
+    """None if a TCP connection to the upstream opens, else why not."""
+    try:
+        async with asyncio.timeout(_PROBE_TIMEOUT_S):
+            _, writer = await asyncio.open_connection(address.host, address.port)
+    except TimeoutError:
+        return f"{address.host_header.decode()}: no answer within {_PROBE_TIMEOUT_S:g} s"
+    except OSError as exc:
+        return f"{address.host_header.decode()}: {exc.strerror or exc}"
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return None
+
+
+def _json(status: int, body: bytes, headers: Mapping[str, str] | None = None) -> Response:
+    return Response(body, status_code=status, media_type="application/json", headers=headers)
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        message = f"Invalid URL ({request.method} {request.url.path})"
+        return _json(404, error_body(404, message, code="unknown_url"))
+    if exc.status_code == 405:
+        message = f"method {request.method} is not allowed on {request.url.path}"
+        return _json(405, error_body(405, message, code="method_not_allowed"), headers=exc.headers)
+    return _json(exc.status_code, error_body(exc.status_code, str(exc.detail)), headers=exc.headers)
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    # Starlette re-raises after this for the server's log; the client still
+    # gets the OpenAI envelope rather than a bare text 500.
+    return _json(500, error_body(500, "internal gateway error; see the gateway's log", code="internal_error"))

@@ -1,0 +1,18 @@
+"""Gateway settings, resolved once at startup into one frozen object."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from proxy.routing import Route
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    routes: tuple[Route, ...]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_body_bytes: int = 32 * 1024 * 1024
+    connect_timeout_s: float = 5.0
+    first_byte_timeout_s: float = 600.0
+    log_level: str = "info"

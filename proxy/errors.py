@@ -1,0 +1,147 @@
+"""OpenAI-shaped errors: the ones the gateway makes and the ones it normalises.
+
+OpenAI clients read ``{"error": {"message", "type", "param", "code"}}`` and
+nothing else: openai-python shows ``error.message`` and picks the exception
+class from the status. Engines answer in other shapes (mlx_lm.server sends
+``{"error": "text"}``, FastAPI servers ``{"detail": ...}``, some an HTML page),
+so every error that reaches a client goes through this module.
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+from typing import Any
+
+import orjson
+
+# How much of an upstream's non-JSON error body to quote in the message.
+_QUOTE_LIMIT_CHARS = 300
+
+
+class HTTPError(Exception):
+    """An error answered before the response has started."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        headers: tuple[tuple[bytes, bytes], ...] = (),
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.headers = headers
+
+    def body(self) -> bytes:
+        return error_body(self.status, self.message, code=self.code, param=self.param)
+
+
+def error_type(status: int) -> str:
+    """The OpenAI error ``type`` for an HTTP status."""
+    if status == 401:
+        return "authentication_error"
+    if status == 403:
+        return "permission_error"
+    if status == 429:
+        return "rate_limit_error"
+    if status >= 500:
+        return "server_error"
+    return "invalid_request_error"
+
+
+def error_body(
+    status: int,
+    message: str,
+    *,
+    code: str | None = None,
+    param: str | None = None,
+    type_: str | None = None,
+) -> bytes:
+    """Serialise one error in OpenAI's envelope."""
+    return orjson.dumps(
+        {
+            "error": {
+                "message": message,
+                "type": type_ or error_type(status),
+                "param": param,
+                "code": code,
+            }
+        }
+    )
+
+
+def sse_error_event(status: int, message: str, *, code: str | None = None) -> bytes:
+    """One SSE event carrying an error, for failures after a stream has started.
+
+    openai-python raises ``APIError`` when a ``data:`` event holds an ``error``.
+    """
+    return b"data: " + error_body(status, message, code=code) + b"\n\n"
+
+
+def normalize_error(status: int, body: bytes) -> bytes:
+    """Rewrite an upstream's error body into OpenAI's envelope.
+
+    A body that already is the envelope, with all four keys, comes back as
+    it was, byte for byte.
+    """
+    try:
+        doc: Any = orjson.loads(body) if body else None
+    except orjson.JSONDecodeError:
+        doc = None
+    if isinstance(doc, dict):
+        err = doc.get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            if all(key in err for key in ("message", "type", "param", "code")):
+                return body
+            return _envelope(status, err["message"], err)
+        for key in ("error", "detail", "message"):
+            value = doc.get(key)
+            if isinstance(value, str) and value:
+                return _envelope(status, value, doc)
+        if isinstance(doc.get("detail"), list):
+            # FastAPI validation errors: a list of {"loc", "msg", ...}.
+            return _envelope(status, orjson.dumps(doc["detail"]).decode(), doc)
+    return error_body(status, _describe(status, body), code=_default_code(status))
+
+
+def _envelope(status: int, message: str, source: dict[str, Any]) -> bytes:
+    type_ = source.get("type")
+    param = source.get("param")
+    code = source.get("code")
+    return orjson.dumps(
+        {
+            "error": {
+                "message": message,
+                "type": type_ if isinstance(type_, str) and type_ else error_type(status),
+                "param": param if isinstance(param, str) else None,
+                "code": code if isinstance(code, (str, int)) else _default_code(status),
+            }
+        }
+    )
+
+
+def _describe(status: int, body: bytes) -> str:
+    try:
+        phrase = HTTPStatus(status).phrase
+    except ValueError:
+        phrase = "Unknown Status"
+    text = body.decode("utf-8", "replace").strip()
+    if not text or text.startswith("<"):
+        # An HTML error page says nothing a client can use.
+        return f"upstream answered {status} {phrase}"
+    if len(text) > _QUOTE_LIMIT_CHARS:
+        text = text[:_QUOTE_LIMIT_CHARS] + "..."
+    return f"upstream answered {status} {phrase}: {text}"
+
+
+def _default_code(status: int) -> str | None:
+    if status == 404:
+        return "not_found"
+    if status == 429:
+        return "rate_limit_exceeded"
+    return None

@@ -1,0 +1,119 @@
+"""Which headers cross the proxy, in each direction. Pure functions, no I/O.
+
+RFC 9110 7.6.1: ``Connection``, the fields it names, and the hop-by-hop
+fields below describe one connection, not the message, so they never cross.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+Header = tuple[bytes, bytes]
+
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+
+# Towards the upstream the gateway writes Host and Content-Length itself.
+# Accept-Encoding is dropped so that streams arrive uncompressed: a compressed
+# SSE stream could not be checked for its final "[DONE]", and an upstream's
+# compressor may hold events back.
+_DROP_REQUEST = HOP_BY_HOP | {
+    b"host",
+    b"content-length",
+    b"expect",
+    b"accept-encoding",
+    b"x-request-id",
+}
+
+# Towards the client, uvicorn writes Date and the framing; the request id and
+# Server-Timing are the gateway's own; mlx_lm.server's blanket
+# "Access-Control-Allow-Origin: *" must not turn CORS on behind our back.
+_DROP_RESPONSE = HOP_BY_HOP | {
+    b"content-length",
+    b"date",
+    b"server",
+    b"x-request-id",
+    b"server-timing",
+    b"access-control-allow-origin",
+    b"access-control-allow-credentials",
+    b"access-control-allow-headers",
+    b"access-control-allow-methods",
+    b"access-control-expose-headers",
+    b"access-control-max-age",
+}
+
+SSE_HEADERS: tuple[Header, ...] = (
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+)
+
+_REQUEST_ID_MAX_CHARS = 200
+
+
+def connection_tokens(headers: Iterable[Header]) -> frozenset[bytes]:
+    """The field names that a ``Connection`` header marks as hop-by-hop."""
+    names: set[bytes] = set()
+    for name, value in headers:
+        if name.lower() == b"connection":
+            names.update(t.strip().lower() for t in value.split(b",") if t.strip())
+    return frozenset(names)
+
+
+def forward_request_headers(headers: Iterable[Header]) -> list[Header]:
+    """The client's headers that go on to the upstream (names lower-case)."""
+    headers = list(headers)
+    extra = connection_tokens(headers)
+    drop = _DROP_REQUEST | extra if extra else _DROP_REQUEST
+    return [(n, v) for n, v in headers if n not in drop]
+
+
+def filter_response_headers(headers: Iterable[Header]) -> list[Header]:
+    """The upstream's headers that go on to the client (names lower-case)."""
+    lowered = [(n.lower(), v) for n, v in headers]
+    extra = connection_tokens(lowered)
+    drop = _DROP_RESPONSE | extra if extra else _DROP_RESPONSE
+    return [(n, v) for n, v in lowered if n not in drop]
+
+
+def is_event_stream(headers: Iterable[Header]) -> bool:
+    """Whether the response is Server-Sent Events (by its Content-Type)."""
+    for name, value in headers:
+        if name == b"content-type":
+            return value.split(b";", 1)[0].strip().lower() == b"text/event-stream"
+    return False
+
+
+def valid_request_id(value: bytes) -> bool:
+    """A client's X-Request-Id is echoed only if it is short, visible ASCII."""
+    return 0 < len(value) <= _REQUEST_ID_MAX_CHARS and all(0x21 <= b <= 0x7E for b in value)
+
+
+def request_head(
+    method: bytes, target: bytes, host: bytes, headers: Iterable[Header], content_length: int
+) -> bytes:
+    """Serialise an HTTP/1.1 request head for the upstream."""
+    parts = [
+        method,
+        b" ",
+        target,
+        b" HTTP/1.1\r\nhost: ",
+        host,
+        b"\r\ncontent-length: ",
+        str(content_length).encode(),
+        b"\r\n",
+    ]
+    for name, value in headers:
+        parts += (name, b": ", value, b"\r\n")
+    parts.append(b"\r\n")
+    return b"".join(parts)

@@ -1,0 +1,330 @@
+"""The hot path: one request in, the original bytes out, the response relayed.
+
+Per request and nothing more: read the body once (bounded), find ``model``
+with one ``orjson.loads``, pick the route, send the client's bytes with one
+Content-Length, relay the response bytes as they arrive, release the upstream
+connection in one place. No per-chunk parsing or logging: the only look at
+the relayed bytes is a ``[DONE]`` check on the last few bytes of a stream.
+
+Errors before the response starts are OpenAI JSON; after a stream has
+started, one SSE ``data: {"error": ...}`` event ends it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from time import perf_counter
+
+from proxy.asgi import Receive, Scope, Send, send_json
+from proxy.errors import HTTPError, normalize_error, sse_error_event
+from proxy.headers import (
+    SSE_HEADERS,
+    filter_response_headers,
+    forward_request_headers,
+    is_event_stream,
+    request_head,
+    valid_request_id,
+)
+from proxy.payload import extract_model
+from proxy.routing import RoutingTable, UpstreamAddress
+from proxy.upstream import (
+    BodyBroken,
+    ClientGone,
+    Connection,
+    EmptyReply,
+    Pool,
+    UpstreamError,
+)
+
+log = logging.getLogger("blazar.relay")
+
+# Client path → the endpoint below the upstream's /v1. Paths without /v1 are
+# served too: clients often get the base URL wrong.
+ENDPOINTS: Mapping[str, bytes] = {
+    "/v1/chat/completions": b"/chat/completions",
+    "/chat/completions": b"/chat/completions",
+    "/v1/completions": b"/completions",
+    "/completions": b"/completions",
+    "/v1/embeddings": b"/embeddings",
+    "/embeddings": b"/embeddings",
+}
+
+# Upstream error bodies are read whole to be normalised, up to this size.
+_ERROR_BODY_LIMIT_BYTES = 1024 * 1024
+# Enough of a stream's end to hold "data: [DONE]" and its newlines.
+_TAIL_BYTES = 32
+_RETRY_AFTER_S = b"2"
+
+_ACCEPTED_CONTENT_TYPES = frozenset(
+    {
+        b"application/json",
+        # curl -d sends this unless told otherwise; the body is JSON all the same.
+        b"application/x-www-form-urlencoded",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RelaySettings:
+    max_body_bytes: int = 32 * 1024 * 1024
+    head_timeout_s: float = 600.0
+
+
+class Relay:
+    """The relay endpoint, as a pure ASGI application."""
+
+    def __init__(
+        self,
+        table: RoutingTable,
+        pools: Mapping[UpstreamAddress, Pool],
+        settings: RelaySettings,
+    ) -> None:
+        self._routes = {route.model: (route.upstream, pools[route.upstream]) for route in table}
+        self._max_body_bytes = settings.max_body_bytes
+        self._head_timeout_s = settings.head_timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = perf_counter()
+        request_id = b""
+        try:
+            request_id = _request_id(scope)
+            if scope["method"] != "POST":
+                raise HTTPError(
+                    405,
+                    f"method {scope['method']} is not allowed on {scope['path']}; use POST",
+                    code="method_not_allowed",
+                    headers=((b"allow", b"POST"),),
+                )
+            endpoint = ENDPOINTS[scope["path"]]
+            body = await self._read_body(scope, receive)
+            model = extract_model(body)
+            entry = self._routes.get(model)
+            if entry is None:
+                raise HTTPError(
+                    404,
+                    f"The model `{model}` does not exist or is not served here; "
+                    "GET /v1/models lists the models this gateway serves",
+                    param="model",
+                    code="model_not_found",
+                )
+        except HTTPError as exc:
+            await send_json(send, exc.status, exc.body(), [(b"x-request-id", request_id), *exc.headers])
+            return
+        except ClientGone:
+            return
+        address, pool = entry
+        headers = forward_request_headers(scope["headers"])
+        headers.append((b"x-request-id", request_id))
+        target = address.target(endpoint)
+        if scope["query_string"]:
+            target += b"?" + scope["query_string"]
+        head = request_head(b"POST", target, address.host_header, headers, len(body))
+        await self._exchange(pool, head, body, receive, send, request_id, started)
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
+        limit = self._max_body_bytes
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                if value.isdigit() and int(value) > limit:
+                    raise _too_large(limit)
+            elif name == b"content-type":
+                media = value.split(b";", 1)[0].strip().lower()
+                if media not in _ACCEPTED_CONTENT_TYPES and not media.endswith(b"+json"):
+                    raise HTTPError(
+                        415,
+                        f"Content-Type {media.decode('latin-1')!r} is not supported; send application/json",
+                        code="unsupported_media_type",
+                    )
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone()
+            chunk: bytes = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def _exchange(
+        self,
+        pool: Pool,
+        head: bytes,
+        body: bytes,
+        receive: Receive,
+        send: Send,
+        request_id: bytes,
+        started: float,
+    ) -> None:
+        retried = False
+        while True:
+            try:
+                conn = await pool.acquire()
+            except UpstreamError as exc:
+                await _send_upstream_error(send, exc, request_id)
+                return
+            reused = conn.requests_sent > 0
+            conn.send(head, body)
+            sent_at = perf_counter()
+            # The only event left on `receive` is the disconnect: watch for
+            # it, so that the upstream is closed at once, even in a prefill
+            # that sends nothing for minutes.
+            watcher = asyncio.ensure_future(receive())
+            watcher.add_done_callback(conn.client_event)
+            try:
+                await conn.read_head(self._head_timeout_s)
+            except ClientGone:
+                watcher.cancel()
+                return
+            except UpstreamError as exc:
+                watcher.cancel()
+                conn.close()
+                if isinstance(exc, EmptyReply) and reused and not retried:
+                    # A pooled connection the upstream closed as we wrote to
+                    # it: the request never reached the application. Once.
+                    retried = True
+                    continue
+                await _send_upstream_error(send, exc, request_id)
+                return
+            break
+        try:
+            await self._respond(conn, send, request_id, started, sent_at)
+        except ClientGone:
+            pass
+        finally:
+            if watcher.done():
+                conn.close()
+            else:
+                watcher.cancel()
+                pool.release(conn)
+
+    async def _respond(
+        self, conn: Connection, send: Send, request_id: bytes, started: float, sent_at: float
+    ) -> None:
+        head_at = perf_counter()
+        status = conn.status
+        if not 200 <= status <= 599:
+            conn.close()
+            await send_json(
+                send,
+                502,
+                _upstream_error_body(502, f"upstream answered with status {status}", "upstream_bad_response"),
+                [(b"x-request-id", request_id)],
+            )
+            return
+        headers = filter_response_headers(conn.headers)
+        sse = is_event_stream(headers)
+        if status >= 400 and not sse:
+            await self._relay_error(conn, send, status, headers, request_id)
+            return
+        if sse:
+            headers += SSE_HEADERS
+        headers.append((b"x-request-id", request_id))
+        now = perf_counter()
+        headers.append(
+            (
+                b"server-timing",
+                b"gateway;dur=%.3f, upstream;dur=%.3f"
+                % ((sent_at - started + now - head_at) * 1000, (head_at - sent_at) * 1000),
+            )
+        )
+        if not conn.close_delimited:
+            for name, value in conn.headers:
+                if name == b"content-length":
+                    headers.append((name, value))
+                    break
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+
+        tail = b""
+        try:
+            while True:
+                chunk = await conn.read()
+                if not chunk:
+                    break
+                if sse:
+                    tail = (
+                        chunk[-_TAIL_BYTES:] if len(chunk) >= _TAIL_BYTES else (tail + chunk)[-_TAIL_BYTES:]
+                    )
+                if conn.complete and not (sse and conn.close_delimited):
+                    await send({"type": "http.response.body", "body": chunk})
+                    return
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except BodyBroken as exc:
+            if not sse:
+                # Headers are out: the only honest signal left is to cut the
+                # client's connection before the declared end of the body.
+                log.warning("upstream body broken, aborting client response: %s", exc)
+                return
+            await send({"type": "http.response.body", "body": sse_error_event(502, str(exc), code=exc.code)})
+            return
+        if sse and conn.close_delimited and b"[DONE]" not in tail:
+            # An HTTP/1.0 stream ends with the close either way: without
+            # [DONE], the engine crashed or cut it, and the client must know.
+            message = "upstream stream ended without [DONE]: the response is truncated"
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": sse_error_event(502, message, code="upstream_truncated"),
+                }
+            )
+            return
+        await send({"type": "http.response.body", "body": b""})
+
+    async def _relay_error(
+        self,
+        conn: Connection,
+        send: Send,
+        status: int,
+        headers: list[tuple[bytes, bytes]],
+        request_id: bytes,
+    ) -> None:
+        chunks: list[bytes] = []
+        size = 0
+        while size <= _ERROR_BODY_LIMIT_BYTES:
+            try:
+                chunk = await conn.read()
+            except BodyBroken:
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        body = normalize_error(status, b"".join(chunks))
+        if not conn.complete:
+            conn.close()
+        kept = [(n, v) for n, v in headers if n == b"retry-after"]
+        await send_json(send, status, body, [(b"x-request-id", request_id), *kept])
+
+
+def _request_id(scope: Scope) -> bytes:
+    for name, value in scope["headers"]:
+        if name == b"x-request-id" and valid_request_id(value):
+            return bytes(value)
+    return uuid.uuid4().hex.encode()
+
+
+def _too_large(limit: int) -> HTTPError:
+    return HTTPError(
+        413,
+        f"request body is larger than the limit of {limit} bytes",
+        code="request_too_large",
+        headers=((b"connection", b"close"),),
+    )
+
+
+def _upstream_error_body(status: int, message: str, code: str) -> bytes:
+    return HTTPError(status, message, code=code).body()
+
+
+async def _send_upstream_error(send: Send, exc: UpstreamError, request_id: bytes) -> None:
+    headers = [(b"x-request-id", request_id)]
+    if exc.status == 503:
+        headers.append((b"retry-after", _RETRY_AFTER_S))
+    await send_json(send, exc.status, _upstream_error_body(exc.status, str(exc), exc.code), headers)

@@ -1,0 +1,112 @@
+"""The routing table: which upstream serves which model name.
+
+Built once at startup into frozen objects; the hot path does one dict lookup.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from urllib.parse import urlsplit
+
+
+class UpstreamSpecError(ValueError):
+    """A ``NAME=URL`` upstream argument that cannot be used."""
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamAddress:
+    """Where an OpenAI-compatible server listens.
+
+    ``prefix`` is the URL path before ``/v1``: users paste base URLs both with
+    and without ``/v1``, and both mean the same server.
+    """
+
+    host: str
+    port: int
+    prefix: str = ""
+
+    @property
+    def host_header(self) -> bytes:
+        host = f"[{self.host}]" if _is_ipv6(self.host) else self.host
+        return f"{host}:{self.port}".encode("ascii")
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host_header.decode()}{self.prefix}/v1"
+
+    def target(self, endpoint: bytes) -> bytes:
+        """The request target for an endpoint like ``b"/chat/completions"``."""
+        return self.prefix.encode() + b"/v1" + endpoint
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """A model name as clients see it, and the upstream that serves it."""
+
+    model: str
+    upstream: UpstreamAddress
+
+
+class RoutingTable:
+    """Model name → route. Immutable once built."""
+
+    def __init__(self, routes: Iterable[Route]) -> None:
+        table: dict[str, Route] = {}
+        for route in routes:
+            if route.model in table:
+                raise UpstreamSpecError(f"model {route.model!r} is given twice")
+            table[route.model] = route
+        self._routes: Mapping[str, Route] = MappingProxyType(table)
+
+    def get(self, model: str) -> Route | None:
+        return self._routes.get(model)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self._routes.values())
+
+    def __len__(self) -> int:
+        return len(self._routes)
+
+    def upstreams(self) -> list[UpstreamAddress]:
+        """Each distinct upstream once, in the order first named."""
+        return list(dict.fromkeys(r.upstream for r in self._routes.values()))
+
+
+def parse_upstream_url(url: str) -> UpstreamAddress:
+    """Parse ``http://host:port[/prefix][/v1]`` into an address."""
+    parts = urlsplit(url.strip())
+    if parts.scheme != "http":
+        raise UpstreamSpecError(
+            f"upstream URL {url!r}: only http:// is supported (TLS to local engines is not)"
+        )
+    if not parts.hostname:
+        raise UpstreamSpecError(f"upstream URL {url!r} has no host")
+    if parts.query or parts.fragment or parts.username or parts.password:
+        raise UpstreamSpecError(f"upstream URL {url!r}: no query, fragment or credentials allowed")
+    try:
+        port = parts.port or 80
+    except ValueError as exc:
+        raise UpstreamSpecError(f"upstream URL {url!r}: {exc}") from None
+    prefix = parts.path.rstrip("/")
+    if prefix.endswith("/v1"):
+        prefix = prefix[: -len("/v1")]
+    return UpstreamAddress(host=parts.hostname, port=port, prefix=prefix)
+
+
+def parse_upstream_spec(spec: str) -> Route:
+    """Parse one ``NAME=URL`` command-line argument."""
+    name, sep, url = spec.partition("=")
+    name = name.strip()
+    if not sep or not name or not url.strip():
+        raise UpstreamSpecError(f"upstream {spec!r}: expected NAME=URL, e.g. qwen=http://127.0.0.1:8080")
+    return Route(model=name, upstream=parse_upstream_url(url))
+
+
+def _is_ipv6(host: str) -> bool:
+    try:
+        return isinstance(ipaddress.ip_address(host), ipaddress.IPv6Address)
+    except ValueError:
+        return False
