@@ -106,7 +106,8 @@ def normalize_error(status: int, body: bytes) -> bytes:
         if isinstance(doc.get("detail"), list):
             # FastAPI validation errors: a list of {"loc", "msg", ...}.
             return _envelope(status, orjson.dumps(doc["detail"]).decode(), doc)
-    return error_body(status, _describe(status, body), code=_default_code(status))
+    code = "not_found" if status == 404 else _default_code(status)
+    return error_body(status, _describe(status, body), code=code)
 
 
 def _envelope(status: int, message: str, source: dict[str, Any]) -> bytes:
@@ -140,8 +141,8 @@ def _describe(status: int, body: bytes) -> str:
 
 
 def _default_code(status: int) -> str | None:
-    if status == 404:
-        return "not_found"
+    # Not "not_found" for a JSON 404: mlx_lm.server answers 404 for
+    # generation failures too, and its text says which it was.
     if status == 429:
         return "rate_limit_exceeded"
     return None

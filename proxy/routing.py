@@ -77,23 +77,28 @@ class RoutingTable:
 
 def parse_upstream_url(url: str) -> UpstreamAddress:
     """Parse ``http://host:port[/prefix][/v1]`` into an address."""
-    parts = urlsplit(url.strip())
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port
+    except ValueError as exc:
+        raise UpstreamSpecError(f"upstream URL {url!r}: {exc}") from None
     if parts.scheme != "http":
         raise UpstreamSpecError(
             f"upstream URL {url!r}: only http:// is supported (TLS to local engines is not)"
         )
-    if not parts.hostname:
+    host = parts.hostname
+    if not host:
         raise UpstreamSpecError(f"upstream URL {url!r} has no host")
+    if not host.isascii() or any(not 0x21 <= ord(c) <= 0x7E for c in host):
+        raise UpstreamSpecError(f"upstream URL {url!r}: the host must be an IP address or an ASCII host name")
     if parts.query or parts.fragment or parts.username or parts.password:
         raise UpstreamSpecError(f"upstream URL {url!r}: no query, fragment or credentials allowed")
-    try:
-        port = parts.port or 80
-    except ValueError as exc:
-        raise UpstreamSpecError(f"upstream URL {url!r}: {exc}") from None
-    prefix = parts.path.rstrip("/")
-    if prefix.endswith("/v1"):
+    if port == 0:
+        raise UpstreamSpecError(f"upstream URL {url!r}: port 0 is not a port to connect to")
+    prefix = "/" + parts.path.strip("/")
+    if prefix == "/v1" or prefix.endswith("/v1"):
         prefix = prefix[: -len("/v1")]
-    return UpstreamAddress(host=parts.hostname, port=port, prefix=prefix)
+    return UpstreamAddress(host=host, port=80 if port is None else port, prefix=prefix.rstrip("/"))
 
 
 def parse_upstream_spec(spec: str) -> Route:

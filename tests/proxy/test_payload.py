@@ -1,0 +1,119 @@
+"""proxy.payload.extract_model: the one look inside the request body."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from proxy.errors import HTTPError
+from proxy.payload import extract_model
+
+
+def body_of(**fields: Any) -> bytes:
+    return orjson.dumps({"messages": [{"role": "user", "content": "hi"}], **fields})
+
+
+def rejection(body: bytes) -> HTTPError:
+    """The HTTPError extract_model raises for body, checked to be a 400."""
+    with pytest.raises(HTTPError) as info:
+        extract_model(body)
+    assert info.value.status == 400
+    return info.value
+
+
+def test_valid_body_returns_model() -> None:
+    """A JSON object with a string model returns that model unchanged."""
+    assert extract_model(body_of(model="org/Qwen2.5-0.5B-Instruct")) == "org/Qwen2.5-0.5B-Instruct"
+
+
+def test_model_is_returned_byte_for_byte_with_unicode_and_spaces() -> None:
+    """The model name is not trimmed or normalised."""
+    assert extract_model(body_of(model=" modèle ")) == " modèle "
+
+
+def test_empty_body_is_400_invalid_json() -> None:
+    """An empty body is a 400 invalid_json with no param."""
+    err = rejection(b"")
+    assert err.code == "invalid_json"
+    assert err.param is None
+
+
+@pytest.mark.parametrize("body", [b"{", b"not json", b'{"model": "m",}', b"\xff\xfe", b'{"model": "m"} x'])
+def test_invalid_json_is_400_invalid_json(body: bytes) -> None:
+    """A body that is not JSON (or not UTF-8) is a 400 invalid_json."""
+    err = rejection(body)
+    assert err.code == "invalid_json"
+    assert err.param is None
+    assert err.message.startswith("request body is not valid JSON")
+
+
+@pytest.mark.parametrize("body", [b"[]", b'[{"model": "m"}]', b'"m"', b"42", b"null", b"true"])
+def test_json_that_is_not_an_object_is_400_invalid_json(body: bytes) -> None:
+    """A JSON array, string, number, null or boolean is a 400 invalid_json."""
+    err = rejection(body)
+    assert err.code == "invalid_json"
+    assert err.message == "request body must be a JSON object"
+
+
+def test_missing_model_is_400_missing_model() -> None:
+    """A body without model is a 400 with param "model" and code missing_model."""
+    err = rejection(body_of())
+    assert (err.param, err.code) == ("model", "missing_model")
+
+
+def test_null_model_is_400_missing_model() -> None:
+    """ "model": null counts as missing."""
+    err = rejection(body_of(model=None))
+    assert (err.param, err.code) == ("model", "missing_model")
+
+
+@pytest.mark.parametrize("model", [1, 0, "", ["m"], {"name": "m"}, True, 1.5])
+def test_non_string_or_empty_model_is_400_invalid_model(model: Any) -> None:
+    """A model that is not a non-empty string is a 400 with param "model" and code invalid_model."""
+    err = rejection(body_of(model=model))
+    assert (err.param, err.code) == ("model", "invalid_model")
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+@pytest.mark.parametrize("value", [0, -1, True, False, 1.5, 1.0, "5", [5], {"n": 5}])
+def test_token_limit_below_one_or_not_an_integer_is_400(field: str, value: Any) -> None:
+    """A token limit below 1 or not an integer (bool, float, string) is a 400 naming the field.
+
+    mlx_lm.server's generation thread dies for good on max_tokens 0 and drops the socket on -1.
+    """
+    err = rejection(body_of(model="m", **{field: value}))
+    assert (err.param, err.code) == (field, "invalid_value")
+    assert err.message == f"{field} must be an integer of at least 1"
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+@pytest.mark.parametrize("value", [None, 1, 4096, 2**40])
+def test_token_limit_null_or_positive_integer_is_accepted(field: str, value: Any) -> None:
+    """A token limit that is null or an integer of at least 1 passes."""
+    assert extract_model(body_of(model="m", **{field: value})) == "m"
+
+
+def test_absent_token_limits_are_accepted() -> None:
+    """A body without max_tokens or max_completion_tokens passes."""
+    assert extract_model(b'{"model":"m"}') == "m"
+
+
+def test_model_is_checked_before_token_limits() -> None:
+    """With both a bad model and a bad max_tokens, the error names the model."""
+    err = rejection(body_of(model=5, max_tokens=0))
+    assert err.param == "model"
+
+
+def test_error_body_of_a_rejection_is_openai_shaped() -> None:
+    """The rejection's body is OpenAI's envelope with the param and code set."""
+    err = rejection(body_of(model="m", max_completion_tokens=0))
+    assert orjson.loads(err.body()) == {
+        "error": {
+            "message": "max_completion_tokens must be an integer of at least 1",
+            "type": "invalid_request_error",
+            "param": "max_completion_tokens",
+            "code": "invalid_value",
+        }
+    }

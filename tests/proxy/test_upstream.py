@@ -1,0 +1,317 @@
+"""The relay's upstream transport against scripted servers on real sockets.
+
+Each server here writes exact bytes, so that every framing case the pool must
+survive (keep-alive, HTTP/1.0 close-delimited, chunked, a close at the wrong
+moment) is produced on purpose rather than hoped for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import pytest
+
+from proxy.routing import UpstreamAddress
+from proxy.upstream import (
+    BadResponse,
+    BodyBroken,
+    ConnectFailed,
+    Connection,
+    ConnState,
+    EmptyReply,
+    HeadTimeout,
+    Pool,
+)
+
+pytestmark = pytest.mark.anyio
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+REQUEST = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n"
+
+
+class Scripted:
+    """A loopback server whose handler writes what the test says."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.connections = 0
+        self.server: asyncio.Server | None = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            await self.handler(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    @property
+    def address(self) -> UpstreamAddress:
+        assert self.server is not None
+        return UpstreamAddress("127.0.0.1", self.server.sockets[0].getsockname()[1])
+
+
+@asynccontextmanager
+async def scripted(handler: Handler) -> AsyncIterator[Scripted]:
+    server = Scripted(handler)
+    server.server = await asyncio.start_server(server._serve, "127.0.0.1", 0)
+    try:
+        yield server
+    finally:
+        server.server.close()
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":", 1)[1])
+    return head + await reader.readexactly(length)
+
+
+async def roundtrip(pool: Pool, timeout_s: float = 5.0) -> tuple[Connection, bytes]:
+    conn = await pool.acquire()
+    conn.send(REQUEST, b"{}")
+    await conn.read_head(timeout_s)
+    chunks = []
+    while chunk := await conn.read():
+        chunks.append(chunk)
+    return conn, b"".join(chunks)
+
+
+async def test_keep_alive_connection_is_reused() -> None:
+    """Two requests to an HTTP/1.1 keep-alive upstream share one connection."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for _ in range(2):
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello")
+            await writer.drain()
+
+    async with scripted(handler) as server:
+        pool = Pool(server.address, connect_timeout_s=1)
+        first, body = await roundtrip(pool)
+        assert body == b"hello"
+        pool.release(first)
+        assert first.state is ConnState.IDLE
+        second, body = await roundtrip(pool)
+        assert second is first and body == b"hello"
+        assert server.connections == 1
+        pool.release(second)
+        pool.close()
+        assert second.state is ConnState.CLOSED
+
+
+async def test_http10_close_delimited_body_ends_at_close() -> None:
+    """An HTTP/1.0 body without Content-Length is complete when the upstream closes."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.0 200 OK\r\nContent-Type: text/event-stream\r\n\r\ndata: a\n\n")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"data: [DONE]\n\n")
+
+    async with scripted(handler) as server:
+        pool = Pool(server.address, connect_timeout_s=1)
+        conn, body = await roundtrip(pool)
+        assert body == b"data: a\n\ndata: [DONE]\n\n"
+        assert conn.close_delimited and conn.complete and not conn.reusable
+        pool.release(conn)
+        assert conn.state is ConnState.CLOSED
+
+
+async def test_chunked_body_is_decoded() -> None:
+    """A chunked body arrives as its payload bytes, and the connection stays reusable."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.02)
+        writer.write(b"2\r\nde\r\n0\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.5)
+
+    async with scripted(handler) as server:
+        pool = Pool(server.address, connect_timeout_s=1)
+        conn, body = await roundtrip(pool)
+        assert body == b"abcde"
+        assert not conn.close_delimited and conn.reusable
+
+
+async def test_close_before_content_length_is_broken_body() -> None:
+    """A close before the declared Content-Length is reached raises BodyBroken."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nhalf")
+
+    async with scripted(handler) as server:
+        pool = Pool(server.address, connect_timeout_s=1)
+        with pytest.raises(BodyBroken):
+            await roundtrip(pool)
+
+
+async def test_close_mid_chunked_body_is_broken_body() -> None:
+    """A close before the last chunk raises BodyBroken, never a clean end."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n")
+
+    async with scripted(handler) as server:
+        pool = Pool(server.address, connect_timeout_s=1)
+        with pytest.raises(BodyBroken):
+            await roundtrip(pool)
+
+
+async def test_close_without_response_is_empty_reply() -> None:
+    """An upstream that closes with 0 bytes (mlx_lm.server on bad fields) raises EmptyReply."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+
+    async with scripted(handler) as server:
+        pool = Pool(server.address, connect_timeout_s=1)
+        with pytest.raises(EmptyReply, match="without sending a response"):
+            await roundtrip(pool)
+
+
+async def test_garbage_is_bad_response() -> None:
+    """Bytes that are not HTTP raise BadResponse."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"\x00\x01garbage that is not http\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.5)
+
+    async with scripted(handler) as server:
+        pool = Pool(server.address, connect_timeout_s=1)
+        with pytest.raises(BadResponse):
+            await roundtrip(pool)
+
+
+async def test_close_in_the_middle_of_the_head_is_bad_response() -> None:
+    """A close after part of the status line raises BadResponse, not EmptyReply."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-")
+
+    async with scripted(handler) as server:
+        pool = Pool(server.address, connect_timeout_s=1)
+        with pytest.raises(BadResponse):
+            await roundtrip(pool)
+
+
+async def test_interim_100_continue_is_skipped() -> None:
+    """A 1xx interim response is skipped and the final response is read."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+        await asyncio.sleep(0.2)
+
+    async with scripted(handler) as server:
+        pool = Pool(server.address, connect_timeout_s=1)
+        conn, body = await roundtrip(pool)
+        assert conn.status == 201 and body == b"ok"
+
+
+async def test_head_timeout() -> None:
+    """No response head within the budget raises HeadTimeout and closes the connection."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        await asyncio.sleep(5)
+
+    async with scripted(handler) as server:
+        pool = Pool(server.address, connect_timeout_s=1)
+        conn = await pool.acquire()
+        conn.send(REQUEST, b"{}")
+        with pytest.raises(HeadTimeout, match=r"0\.2 s"):
+            await conn.read_head(0.2)
+        assert conn.state is ConnState.CLOSED
+
+
+async def test_connection_refused_is_connect_failed() -> None:
+    """A port with no listener raises ConnectFailed (a 503 for the client)."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+
+    async with scripted(handler) as server:
+        address = server.address
+    pool = Pool(address, connect_timeout_s=1)
+    with pytest.raises(ConnectFailed, match="cannot connect") as info:
+        await pool.acquire()
+    assert info.value.status == 503
+    assert pool.last_connect_error is not None
+
+
+async def test_idle_connection_closed_by_upstream_is_not_reused() -> None:
+    """A pooled connection that the upstream closed while idle is dropped, and a new one is opened."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+        # ...and then the upstream's keep-alive timer closes it.
+
+    async with scripted(handler) as server:
+        pool = Pool(server.address, connect_timeout_s=1)
+        first, _ = await roundtrip(pool)
+        pool.release(first)
+        await asyncio.sleep(0.1)
+        assert first.state is ConnState.CLOSED
+        second, body = await roundtrip(pool)
+        assert second is not first and body == b"ok"
+        assert server.connections == 2
+
+
+async def test_idle_connection_past_idle_timeout_is_retired() -> None:
+    """A pooled connection idle longer than idle_timeout_s is closed instead of reused."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            await writer.drain()
+
+    async with scripted(handler) as server:
+        pool = Pool(server.address, connect_timeout_s=1, idle_timeout_s=0.05)
+        first, _ = await roundtrip(pool)
+        pool.release(first)
+        await asyncio.sleep(0.1)
+        second, _ = await roundtrip(pool)
+        assert second is not first and first.state is ConnState.CLOSED
+
+
+async def test_large_body_passes_through_backpressure() -> None:
+    """A body far above the read-pause mark arrives whole when read slowly."""
+    payload = bytes(range(256)) * 8192  # 2 MiB
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(payload))
+        writer.write(payload)
+        await writer.drain()
+        await asyncio.sleep(1)
+
+    async with scripted(handler) as server:
+        pool = Pool(server.address, connect_timeout_s=1)
+        conn = await pool.acquire()
+        conn.send(REQUEST, b"{}")
+        await conn.read_head(5)
+        received = bytearray()
+        while chunk := await conn.read():
+            received += chunk
+            await asyncio.sleep(0.001)
+        assert bytes(received) == payload
