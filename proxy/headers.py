@@ -86,6 +86,13 @@ def filter_response_headers(headers: Iterable[Header]) -> list[Header]:
     return [(n, v) for n, v in lowered if n not in drop]
 
 
+def add_sse_headers(headers: list[Header]) -> list[Header]:
+    """Mark an SSE response as not to be cached or buffered, replacing upstream's say."""
+    kept = [(n, v) for n, v in headers if n not in (b"cache-control", b"x-accel-buffering")]
+    kept += SSE_HEADERS
+    return kept
+
+
 def is_event_stream(headers: Iterable[Header]) -> bool:
     """Whether the response is Server-Sent Events (by its Content-Type)."""
     for name, value in headers:

@@ -22,7 +22,7 @@ from time import perf_counter
 from proxy.asgi import Receive, Scope, Send, send_json
 from proxy.errors import HTTPError, normalize_error, sse_error_event
 from proxy.headers import (
-    SSE_HEADERS,
+    add_sse_headers,
     filter_response_headers,
     forward_request_headers,
     is_event_stream,
@@ -225,7 +225,7 @@ class Relay:
             await self._relay_error(conn, send, status, headers, request_id)
             return
         if sse:
-            headers += SSE_HEADERS
+            headers = add_sse_headers(headers)
         headers.append((b"x-request-id", request_id))
         now = perf_counter()
         headers.append(

@@ -290,3 +290,15 @@ def test_request_head_bytes_exactly() -> None:
     """request_head's byte layout is request line, host, content-length, the given headers, blank line."""
     head = request_head(b"POST", b"/v1/completions", b"h:1", [(b"x-a", b"1")], 0)
     assert head == b"POST /v1/completions HTTP/1.1\r\nhost: h:1\r\ncontent-length: 0\r\nx-a: 1\r\n\r\n"
+
+
+def test_sse_headers_replace_upstream_cache_control() -> None:
+    """An SSE response gets exactly one Cache-Control (no-cache) and X-Accel-Buffering: no."""
+    from proxy.headers import add_sse_headers
+
+    out = add_sse_headers([(b"content-type", b"text/event-stream"), (b"cache-control", b"max-age=60")])
+    assert out == [
+        (b"content-type", b"text/event-stream"),
+        (b"cache-control", b"no-cache"),
+        (b"x-accel-buffering", b"no"),
+    ]

@@ -1,0 +1,93 @@
+"""A client that goes away takes its upstream connection with it, at once.
+
+An engine keeps generating for a client that has gone until its socket is
+closed (mlx_lm.server generates a non-streamed reply to the end), so the
+gateway must close the upstream connection as soon as the client's closes:
+mid-stream, during a non-streamed generation, and in a prefill that has sent
+nothing yet. The fake engine records when it saw its peer close.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import orjson
+import pytest
+
+from tests.e2e.conftest import FakeEngine, Running
+
+_NOTICE_WITHIN_S = 1.0
+
+
+def open_request(gateway: Running, body: dict[str, object], fake_header: str) -> socket.socket:
+    payload = orjson.dumps(body)
+    sock = socket.create_connection(("127.0.0.1", gateway.port), timeout=10)
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+        b"x-fake: %s\r\nContent-Length: %d\r\n\r\n" % (fake_header.encode(), len(payload)) + payload
+    )
+    return sock
+
+
+def hang_up(sock: socket.socket) -> float:
+    closed_at = time.time()
+    sock.close()
+    return closed_at
+
+
+@pytest.mark.parametrize(
+    ("stream", "fake_header", "read_first"),
+    [
+        pytest.param(True, "chunk-delay=0.05; chunks=400", True, id="mid-stream"),
+        pytest.param(False, "prefill=30", False, id="non-stream-generating"),
+        pytest.param(True, "prefill=30", False, id="stream-in-prefill"),
+    ],
+)
+def test_client_disconnect_closes_upstream(
+    gateway: Running, fake: FakeEngine, stream: bool, fake_header: str, read_first: bool
+) -> None:
+    """The engine sees its connection closed within 1 s of the client hanging up."""
+    sock = open_request(
+        gateway,
+        {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": stream},
+        fake_header,
+    )
+    fake.wait_for_record(lambda r: r["path"] == "/v1/chat/completions")
+    if read_first:
+        received = b""
+        while b"data: {" not in received:
+            received += sock.recv(65536)
+    else:
+        time.sleep(0.3)
+    assert fake.records()[0]["closed_at"] is None
+    client_closed_at = hang_up(sock)
+    record = fake.wait_for_record(lambda r: r["closed_at"] is not None, timeout_s=5)
+    assert record["outcome"] == "peer_closed"
+    assert record["closed_at"] - client_closed_at < _NOTICE_WITHIN_S
+    if read_first:
+        assert record["events_sent"] < 400
+
+
+def test_gateway_keeps_serving_after_disconnects(gateway: Running, fake: FakeEngine) -> None:
+    """After clients hang up mid-request, the gateway still answers new requests normally."""
+    for header in ("prefill=30", "chunk-delay=0.05; chunks=400"):
+        sock = open_request(
+            gateway,
+            {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": True},
+            header,
+        )
+        time.sleep(0.2)
+        hang_up(sock)
+    sock = open_request(
+        gateway,
+        {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        "chunks=2",
+    )
+    response = b""
+    while chunk := sock.recv(65536):
+        response += chunk
+        if b"\r\n\r\n" in response and b'"usage"' in response:
+            break
+    sock.close()
+    assert response.startswith(b"HTTP/1.1 200")

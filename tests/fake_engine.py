@@ -1,0 +1,1350 @@
+"""A fake LLM engine that speaks mlx_lm.server 0.32.0's wire protocol.
+
+Why it exists: the gateway's end-to-end tests need an upstream that misbehaves
+on demand (slow prefill, stalls, truncated streams, resets, garbage, odd
+statuses) and that tells afterwards exactly what it received and when the
+gateway hung up; the benchmarks need an upstream so cheap that what they
+measure is the gateway, not the engine. A real mlx child is neither, so this is
+a real HTTP server on a raw ``asyncio.Protocol`` with a minimal HTTP/1.x parser
+and no framework in the way.
+
+By default it answers like ``mlx_lm.server`` 0.32.0 (``BaseHTTPRequestHandler``,
+HTTP/1.0): every response closes the connection, streams are close-delimited
+SSE, JSON completions carry Content-Length but errors, ``/health`` and
+``/v1/models`` do not, bad field types get an empty reply (0 bytes), a POST
+without Content-Length gets 411. ``--http11`` models a vLLM-like server
+instead: HTTP/1.1, keep-alive, Content-Length on every body, chunked streams.
+
+Misbehaviour is set server-wide with CLI flags (they apply to the generation
+routes only, so readiness probes keep working) and per request with an
+``x-fake`` header that overrides them on any route::
+
+    x-fake: prefill=2.0; keepalive=0.5; chunk-delay=0.004; die-after=3
+
+Keys: prefill, keepalive, chunk-delay, stall (seconds); die-after, status,
+chunks, chunk-bytes (integers); garbage, reset, empty (flags; a bare key means
+true). An unknown key gets a 400 so that a typo in a test cannot pass silently.
+
+Observability: every request (but the admin routes) is recorded; ``GET
+/_fake/requests[?since=ID]`` returns the records as JSON and ``POST
+/_fake/reset`` clears them and heals a broken engine.
+
+Run it as ``python -m tests.fake_engine [--host H] [--port 0] [--http11] ...``:
+it prints one line ``PORT <n>`` once listening and serves until SIGTERM or
+SIGINT. In process: ``engine = await start_fake_engine(port=0, prefill_s=1.0)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import collections
+import contextlib
+import dataclasses
+import functools
+import html
+import http
+import importlib
+import itertools
+import json
+import random
+import signal
+import socket
+import struct
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, cast
+
+import orjson
+
+# mlx_lm.server is BaseHTTPRequestHandler under whatever Python runs it; we copy
+# the header byte for byte so that a client tuned on one is tuned on the other.
+SERVER_HEADER = "BaseHTTP/0.6 Python/" + sys.version.split()[0]
+SYSTEM_FINGERPRINT = "0.32.0-0.32.2-fake"
+
+# Copied from http.server (3.11) rather than imported: importing http.server
+# drags in socketserver, mimetypes and email for one format string.
+_ERROR_PAGE = (
+    "<!DOCTYPE HTML>\n"
+    '<html lang="en">\n'
+    "    <head>\n"
+    '        <meta charset="utf-8">\n'
+    "        <title>Error response</title>\n"
+    "    </head>\n"
+    "    <body>\n"
+    "        <h1>Error response</h1>\n"
+    "        <p>Error code: %(code)d</p>\n"
+    "        <p>Message: %(message)s.</p>\n"
+    "        <p>Error code explanation: %(code)s - %(explain)s.</p>\n"
+    "    </body>\n"
+    "</html>\n"
+)
+_ERROR_CONTENT_TYPE = "text/html;charset=utf-8"
+
+_CHAT_PATHS = frozenset({"/v1/chat/completions", "/chat/completions"})
+_TEXT_PATH = "/v1/completions"
+_EMBEDDINGS_PATH = "/v1/embeddings"
+_ADMIN_PREFIX = "/_fake/"
+
+# Limits that keep a hostile or broken client from growing the process.
+_MAX_HEAD_BYTES = 65536
+_MAX_HEADERS = 100
+_MAX_BODY_BYTES = 128 * 1024 * 1024
+_MAX_PIPELINED_BYTES = 4 * 1024 * 1024
+
+_GARBAGE = b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03GARBAGE\xff\xfe\x00not http at all\r\n\r\n"
+_DONE_EVENT = b"data: [DONE]\n\n"
+_CONTENT_SENTINEL = "@@fake-content@@"
+
+OUTCOME_COMPLETED = "completed"
+OUTCOME_PEER_CLOSED = "peer_closed"
+OUTCOME_ABORTED = "aborted_by_fault"
+
+_REASONS: dict[int, tuple[str, str]] = {s.value: (s.phrase, s.description) for s in http.HTTPStatus}
+
+
+@dataclasses.dataclass(slots=True)
+class FakeOptions:
+    """Misbehaviour knobs; server-wide defaults, overridden per request by x-fake."""
+
+    prefill_s: float = 0.0
+    keepalive_s: float = 0.0
+    chunk_delay_s: float = 0.0
+    stall_s: float = 0.0
+    die_after: int | None = None
+    garbage: bool = False
+    reset: bool = False
+    empty: bool = False
+    status: int | None = None
+    chunks: int | None = None
+    chunk_bytes: int | None = None
+
+    def is_plain(self) -> bool:
+        """True when nothing asks for a delay or a fault: the cheap path applies."""
+        return not (
+            self.prefill_s > 0
+            or self.stall_s > 0
+            or self.chunk_delay_s > 0
+            or self.die_after is not None
+            or self.garbage
+            or self.reset
+            or self.empty
+            or self.status is not None
+        )
+
+
+# x-fake key -> (FakeOptions field, parser). One table feeds both the header and
+# the CLI so the two can never drift apart.
+def _parse_flag(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("", "1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a flag value: {text!r}")
+
+
+def _parse_seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"seconds must be finite and >= 0: {text!r}")
+    return value
+
+
+def _parse_count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(f"count must be >= 0: {text!r}")
+    return value
+
+
+def _parse_status(text: str) -> int:
+    value = int(text)
+    if not 100 <= value <= 999:
+        raise ValueError(f"status must be 100..999: {text!r}")
+    return value
+
+
+_CONTROLS: dict[str, tuple[str, Callable[[str], Any]]] = {
+    "prefill": ("prefill_s", _parse_seconds),
+    "keepalive": ("keepalive_s", _parse_seconds),
+    "chunk-delay": ("chunk_delay_s", _parse_seconds),
+    "stall": ("stall_s", _parse_seconds),
+    "die-after": ("die_after", _parse_count),
+    "garbage": ("garbage", _parse_flag),
+    "reset": ("reset", _parse_flag),
+    "empty": ("empty", _parse_flag),
+    "status": ("status", _parse_status),
+    "chunks": ("chunks", _parse_count),
+    "chunk-bytes": ("chunk_bytes", _parse_count),
+}
+
+
+def parse_fake_header(value: str, base: FakeOptions) -> FakeOptions:
+    """Return ``base`` overridden by an ``x-fake`` header; ValueError on a bad item."""
+    changes: dict[str, Any] = {}
+    for item in value.split(";"):
+        item = item.strip()
+        if not item:
+            continue
+        key, sep, raw = item.partition("=")
+        key = key.strip().lower()
+        control = _CONTROLS.get(key)
+        if control is None:
+            raise ValueError(f"x-fake: unknown key {key!r}")
+        field_name, parse = control
+        if not sep and parse is not _parse_flag:
+            raise ValueError(f"x-fake: {key} needs a value")
+        try:
+            changes[field_name] = parse(raw)
+        except ValueError as exc:
+            raise ValueError(f"x-fake: {key}: {exc}") from None
+    return dataclasses.replace(base, **changes) if changes else base
+
+
+@dataclasses.dataclass(slots=True)
+class RequestRecord:
+    """What the engine saw of one request and how it ended (times are time.time())."""
+
+    id: int
+    conn_id: int
+    conn_seq: int
+    method: str
+    path: str
+    version: str
+    headers: dict[str, str]
+    body: bytes
+    model: str | None
+    stream: bool | None
+    received_at: float
+    status: int | None = None
+    fault: str | None = None
+    error: str | None = None
+    events_sent: int = 0
+    finished_at: float | None = None
+    closed_at: float | None = None
+    outcome: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """Shape for GET /_fake/requests; the body goes both as text and base64."""
+        return {
+            "id": self.id,
+            "conn_id": self.conn_id,
+            "conn_seq": self.conn_seq,
+            "method": self.method,
+            "path": self.path,
+            "version": self.version,
+            "headers": self.headers,
+            "body": self.body.decode("utf-8", "replace"),
+            "body_b64": base64.b64encode(self.body).decode("ascii"),
+            "body_len": len(self.body),
+            "model": self.model,
+            "stream": self.stream,
+            "status": self.status,
+            "fault": self.fault,
+            "error": self.error,
+            "events_sent": self.events_sent,
+            "received_at": self.received_at,
+            "finished_at": self.finished_at,
+            "closed_at": self.closed_at,
+            "outcome": self.outcome,
+        }
+
+
+@dataclasses.dataclass(slots=True)
+class _Request:
+    method: str
+    path: str
+    version: str
+    headers: dict[str, str]
+    body: bytes
+    keep_alive: bool
+
+
+@dataclasses.dataclass(slots=True)
+class _Reply:
+    """A response still to be written; exactly one of body/events/empty applies."""
+
+    status: int
+    reason: str
+    header_lines: list[str]
+    body: bytes | None = None
+    # Whether HTTP/1.0 mode sends Content-Length: mlx does only for completions.
+    length_in_http10: bool = False
+    events: list[bytes] | None = None
+    # mlx raises after the last chunk when stream_options lacks include_usage.
+    cut_before_done: bool = False
+    empty: bool = False
+    head_only: bool = False
+    close_after: bool = False
+    fault: str | None = None
+    error: str | None = None
+
+
+def _json_headers() -> list[str]:
+    return [
+        "Content-type: application/json",
+        "Access-Control-Allow-Origin: *",
+        "Access-Control-Allow-Methods: *",
+        "Access-Control-Allow-Headers: *",
+    ]
+
+
+def _stream_headers() -> list[str]:
+    return [
+        "Content-type: text/event-stream",
+        "Cache-Control: no-cache",
+        "Access-Control-Allow-Origin: *",
+        "Access-Control-Allow-Methods: *",
+        "Access-Control-Allow-Headers: *",
+    ]
+
+
+def _json_reply(status: int, payload: Any, *, with_length: bool = False) -> _Reply:
+    return _Reply(
+        status=status,
+        reason=_REASONS.get(status, ("", ""))[0],
+        header_lines=_json_headers(),
+        body=orjson.dumps(payload),
+        length_in_http10=with_length,
+    )
+
+
+def _mlx_error_reply(status: int, payload: dict[str, str]) -> _Reply:
+    """mlx's error bodies: json.dumps spacing, no Content-Length under HTTP/1.0."""
+    reply = _json_reply(status, None)
+    reply.body = json.dumps(payload).encode()
+    return reply
+
+
+def _error_page_reply(status: int, message: str, *, head_only: bool = False) -> _Reply:
+    """BaseHTTPRequestHandler.send_error: HTML page, Connection: close."""
+    explain = _REASONS.get(status, ("???", "???"))[1]
+    page = _ERROR_PAGE % {
+        "code": status,
+        "message": html.escape(message, quote=False),
+        "explain": html.escape(explain, quote=False),
+    }
+    return _Reply(
+        status=status,
+        reason=message,
+        header_lines=["Connection: close", "Content-Type: " + _ERROR_CONTENT_TYPE],
+        body=page.encode("utf-8", "replace"),
+        length_in_http10=True,
+        head_only=head_only,
+        close_after=True,
+    )
+
+
+def _empty_reply(fault: str, error: str | None = None) -> _Reply:
+    return _Reply(status=0, reason="", header_lines=[], empty=True, fault=fault, error=error)
+
+
+# APIHandler.validate_model_parameters (server.py 0.32.0 l.1227-1255), in its
+# order: body key -> (name in mlx's message, allowed types, min, max). Defaults
+# of absent fields are valid by construction, so only present keys are checked.
+_FIELD_RULES: dict[str, tuple[str, type | tuple[type, ...], float | None, float | None]] = {
+    "temperature": ("temperature", (float, int), 0, None),
+    "top_p": ("top_p", (float, int), 0, 1),
+    "top_k": ("top_k", int, 0, None),
+    "min_p": ("min_p", (float, int), 0, 1),
+    "num_draft_tokens": ("num_draft_tokens", int, 0, None),
+    "repetition_penalty": ("repetition_penalty", (float, int), 0, None),
+    "repetition_context_size": ("repetition_context_size", int, 0, None),
+    "presence_penalty": ("presence_penalty", (float, int), None, None),
+    "presence_context_size": ("presence_context_size", int, 0, None),
+    "frequency_penalty": ("frequency_penalty", (float, int), None, None),
+    "frequency_context_size": ("frequency_context_size", int, 0, None),
+    "logprobs": ("logprobs", bool, None, None),
+    "top_logprobs": ("top_logprobs", int, 0, 11),
+    "xtc_probability": ("xtc_probability", float, 0, 1),
+    "xtc_threshold": ("xtc_threshold", float, 0, 1),
+    "model": ("requested_model", str, None, None),
+    "adapters": ("adapter", str, None, None),
+    "seed": ("seed", int, None, None),
+    "logit_bias": ("logit_bias", dict, None, None),
+}
+_FIELD_ORDER = {key: index for index, key in enumerate(_FIELD_RULES)}
+# mlx skips these when null (optional=True); the rest are checked even as null.
+_NULLABLE_FIELDS = frozenset({"adapters", "seed", "logit_bias"})
+
+
+def _type_error(name: str, allowed: type | tuple[type, ...]) -> str:
+    names = tuple(t.__name__ for t in allowed) if isinstance(allowed, tuple) else allowed.__name__
+    return f"{name} must be of type {names}"
+
+
+def _mlx_validation_error(body: dict[str, Any], max_tokens: Any) -> str | None:
+    """The ValueError text mlx would raise for this body, or None.
+
+    mlx lets that error escape its handler, so the client sees the socket
+    close with 0 bytes written.
+    """
+    if not isinstance(body.get("stream", False), bool):
+        return _type_error("stream", bool)
+    if not isinstance(max_tokens, int):
+        return _type_error("max_tokens", int)
+    if max_tokens < 0:
+        return "max_tokens must be at least 0"
+    present = body.keys() & _FIELD_RULES.keys()
+    if not present:
+        return None
+    try:
+        for key in sorted(present, key=_FIELD_ORDER.__getitem__):
+            value = body[key]
+            if value is None and key in _NULLABLE_FIELDS:
+                continue
+            name, allowed, min_val, max_val = _FIELD_RULES[key]
+            # A bare bool, not an if-condition: mypy would narrow value to object.
+            allowed_type = isinstance(value, allowed)
+            if not allowed_type:
+                return _type_error(name, allowed)
+            if key == "top_logprobs" and value == -1:
+                continue
+            if min_val is not None and value < min_val:
+                return f"{name} must be at least {min_val}"
+            if max_val is not None and value > max_val:
+                return f"{name} must be at most {max_val}"
+            if key == "logit_bias":
+                for bias_key, bias in value.items():
+                    int(bias_key)
+                    float(bias)
+    except (TypeError, ValueError) as exc:
+        return f"{exc}"
+    return None
+
+
+@functools.lru_cache(maxsize=64)
+def _pieces(count: int, chunk_bytes: int | None) -> tuple[str, ...]:
+    """Deterministic generated text: token i is 'tok{i} ' (padded to chunk_bytes)."""
+    pieces = []
+    for i in range(count):
+        word = f"tok{i}"
+        if chunk_bytes is not None and chunk_bytes > len(word) + 1:
+            word += "x" * (chunk_bytes - len(word) - 1)
+        pieces.append(word + " ")
+    return tuple(pieces)
+
+
+@functools.lru_cache(maxsize=64)
+def _encoded_pieces(count: int, chunk_bytes: int | None) -> tuple[bytes, ...]:
+    """The pieces as JSON strings, ready to splice into a chunk template."""
+    return tuple(orjson.dumps(p) for p in _pieces(count, chunk_bytes))
+
+
+@functools.lru_cache(maxsize=64)
+def _full_text(count: int, chunk_bytes: int | None) -> str:
+    return "".join(_pieces(count, chunk_bytes))
+
+
+def _completion_id(prefix: str) -> str:
+    """uuid4-shaped like mlx's ids, without uuid.UUID's cost on the hot path."""
+    h = f"{random.getrandbits(128):032x}"
+    return f"{prefix}{h[:8]}-{h[8:12]}-4{h[13:16]}-{h[16:20]}-{h[20:]}"
+
+
+_WEEKDAYS = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
+_MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
+
+
+class _DateCache:
+    """RFC 7231 Date header, formatted once a second instead of per response."""
+
+    __slots__ = ("_second", "_text")
+
+    def __init__(self) -> None:
+        self._second = -1
+        self._text = ""
+
+    def get(self) -> str:
+        second = int(time.time())
+        if second != self._second:
+            # Fixed English names: strftime's %a/%b follow the locale.
+            t = time.gmtime(second)
+            self._second = second
+            self._text = (
+                f"{_WEEKDAYS[t.tm_wday]}, {t.tm_mday:02d} {_MONTHS[t.tm_mon - 1]} "
+                f"{t.tm_year} {t.tm_hour:02d}:{t.tm_min:02d}:{t.tm_sec:02d} GMT"
+            )
+        return self._text
+
+
+class FakeEngine:
+    """The server object: configuration, records, and the listening socket."""
+
+    def __init__(
+        self,
+        *,
+        http11: bool = False,
+        embeddings: bool = False,
+        default_max_tokens: int = 16,
+        model_id: str = "fake-model",
+        max_records: int = 10000,
+        broken: bool = False,
+        options: FakeOptions | None = None,
+    ) -> None:
+        self.http11 = http11
+        self.embeddings = embeddings
+        self.default_max_tokens = default_max_tokens
+        self.model_id = model_id
+        self.broken = broken
+        self.options = options or FakeOptions()
+        self.records: collections.deque[RequestRecord] = collections.deque(maxlen=max_records)
+        self.port = 0
+        self._record_ids = itertools.count(1)
+        self._conn_ids = itertools.count(1)
+        self._server: asyncio.AbstractServer | None = None
+        self._connections: set[_Connection] = set()
+        self._dates = _DateCache()
+        self._status_version = "HTTP/1.1" if http11 else "HTTP/1.0"
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        """Listen; afterwards ``.port`` holds the bound port."""
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: _Connection(self), host, port, backlog=4096, reuse_address=True
+        )
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        """Stop listening and drop every open connection at once."""
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self._connections):
+            conn.abort()
+        if self._server is not None:
+            await self._server.wait_closed()
+            self._server = None
+
+    def records_json(self, since_id: int = 0) -> list[dict[str, Any]]:
+        """Records newer than ``since_id`` in the /_fake/requests shape."""
+        return [r.to_json() for r in self.records if r.id > since_id]
+
+    # -- response building -------------------------------------------------
+
+    def build_reply(self, req: _Request, rec: RequestRecord, opts: FakeOptions) -> _Reply:
+        """The response mlx_lm.server 0.32.0 would give (server.py l.1099-1201)."""
+        method = req.method
+        if method == "POST":
+            return self._reply_post(req, rec, opts)
+        if method == "GET":
+            return self._reply_get(req)
+        if method == "OPTIONS":
+            return _Reply(status=204, reason="No Content", header_lines=_json_headers(), body=b"")
+        return _error_page_reply(501, f"Unsupported method ({method!r})", head_only=(method == "HEAD"))
+
+    def _reply_get(self, req: _Request) -> _Reply:
+        if req.path.startswith("/v1/models"):
+            models = [{"id": self.model_id, "object": "model", "created": int(time.time())}]
+            return _json_reply(200, {"object": "list", "data": models})
+        if req.path == "/health":
+            if self.broken:
+                return _mlx_error_reply(503, {"status": "unavailable"})
+            return _Reply(
+                status=200,
+                reason="OK",
+                header_lines=_json_headers(),
+                body=b'{"status": "ok"}',
+            )
+        return _not_found_reply()
+
+    def _reply_post(self, req: _Request, rec: RequestRecord, opts: FakeOptions) -> _Reply:
+        path = req.path
+        is_chat = path in _CHAT_PATHS
+        is_embeddings = self.embeddings and path == _EMBEDDINGS_PATH
+        if not (is_chat or is_embeddings or path == _TEXT_PATH):
+            return _not_found_reply()
+        if "content-length" not in req.headers:
+            return _mlx_error_reply(411, {"error": "Content-Length header is required"})
+        parsed = _load_json(req.body)
+        if isinstance(parsed, _JsonError):
+            if parsed.message is None:
+                return _empty_reply("mlx-empty-reply", "request body is not UTF-8")
+            return _mlx_error_reply(400, {"error": f"Invalid JSON in request body: {parsed.message}"})
+        if not isinstance(parsed, dict):
+            return _mlx_error_reply(400, {"error": "Request should be a JSON dictionary"})
+        body: dict[str, Any] = parsed
+        raw_model = body.get("model")
+        rec.model = raw_model if isinstance(raw_model, str) else None
+        raw_stream = body.get("stream")
+        rec.stream = raw_stream if isinstance(raw_stream, bool) else None
+        if is_embeddings:
+            return self._reply_embeddings(body)
+        max_tokens = body.get("max_completion_tokens")
+        if max_tokens is None:
+            max_tokens = body.get("max_tokens", self.default_max_tokens)
+        problem = _mlx_validation_error(body, max_tokens)
+        if problem is None and "messages" not in body and is_chat:
+            problem = "Request did not contain messages"
+        if problem is None and "prompt" not in body and not is_chat:
+            problem = "Request did not contain a prompt"
+        if problem is not None:
+            return _empty_reply("mlx-empty-reply", problem)
+        if max_tokens == 0:
+            # mlx 0.32.0: max_tokens 0 kills its generation thread for good.
+            self.broken = True
+        if self.broken:
+            return _mlx_error_reply(404, {"error": "generation thread died"})
+        count = opts.chunks if opts.chunks is not None else int(max_tokens)
+        model = body.get("model", "default_model")
+        prompt_tokens = max(1, len(req.body) // 8)
+        if body.get("stream", False):
+            return self._reply_stream(body, is_chat, model, count, prompt_tokens, opts)
+        return self._reply_complete(is_chat, model, count, prompt_tokens, opts)
+
+    def _reply_complete(
+        self, is_chat: bool, model: str, count: int, prompt_tokens: int, opts: FakeOptions
+    ) -> _Reply:
+        text = _full_text(count, opts.chunk_bytes)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+        if is_chat:
+            choice["message"] = {"role": "assistant", "content": text or None}
+        else:
+            choice["text"] = text
+        payload = {
+            "id": _completion_id("chatcmpl-" if is_chat else "cmpl-"),
+            "system_fingerprint": SYSTEM_FINGERPRINT,
+            "object": "chat.completion" if is_chat else "text_completion",
+            "model": model,
+            "created": int(time.time()),
+            "choices": [choice],
+            "usage": _usage(prompt_tokens, count),
+        }
+        return _json_reply(200, payload, with_length=True)
+
+    def _reply_stream(
+        self,
+        body: dict[str, Any],
+        is_chat: bool,
+        model: str,
+        count: int,
+        prompt_tokens: int,
+        opts: FakeOptions,
+    ) -> _Reply:
+        request_id = _completion_id("chatcmpl-" if is_chat else "cmpl-")
+        created = int(time.time())
+        object_type = "chat.completion.chunk" if is_chat else "text_completion"
+
+        def chunk(content: str | None, finish_reason: str | None) -> dict[str, Any]:
+            choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
+            if is_chat:
+                choice["delta"] = {"role": "assistant"}
+                if content:
+                    choice["delta"]["content"] = content
+            else:
+                choice["text"] = content or ""
+            return {
+                "id": request_id,
+                "system_fingerprint": SYSTEM_FINGERPRINT,
+                "object": object_type,
+                "model": model,
+                "created": created,
+                "choices": [choice],
+            }
+
+        # Serialise the token chunk once and splice each piece in: the
+        # benchmark path pays one small dumps per token instead of a dict.
+        template = orjson.dumps(chunk(_CONTENT_SENTINEL, None))
+        before, _, after = template.partition(orjson.dumps(_CONTENT_SENTINEL))
+        before = b"data: " + before
+        after += b"\n\n"
+        events = [before + p + after for p in _encoded_pieces(count, opts.chunk_bytes)]
+        events.append(b"data: " + orjson.dumps(chunk(None, "length")) + b"\n\n")
+        cut = False
+        stream_options = body.get("stream_options")
+        if stream_options is not None:
+            try:
+                include_usage = stream_options["include_usage"]
+            except (KeyError, TypeError, IndexError):
+                cut = True
+            else:
+                if include_usage:
+                    usage_chunk = {
+                        "id": request_id,
+                        "system_fingerprint": SYSTEM_FINGERPRINT,
+                        "object": "chat.completion",
+                        "model": model,
+                        "created": created,
+                        "choices": [],
+                        "usage": _usage(prompt_tokens, count),
+                    }
+                    events.append(b"data: " + orjson.dumps(usage_chunk) + b"\n\n")
+        reply = _Reply(status=200, reason="OK", header_lines=_stream_headers(), events=events)
+        if cut:
+            reply.cut_before_done = True
+            reply.fault = "mlx-stream-options"
+            reply.error = "stream_options without include_usage"
+        return reply
+
+    def _reply_embeddings(self, body: dict[str, Any]) -> _Reply:
+        raw_input = body.get("input", "")
+        inputs = raw_input if isinstance(raw_input, list) else [raw_input]
+        data = [
+            {"object": "embedding", "index": i, "embedding": [0.125, -0.25, 0.5, 1.0]}
+            for i in range(len(inputs))
+        ]
+        tokens = max(1, sum(len(str(x)) for x in inputs) // 4)
+        payload = {
+            "object": "list",
+            "data": data,
+            "model": body.get("model", self.model_id),
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+        return _json_reply(200, payload, with_length=True)
+
+    # -- wire ----------------------------------------------------------------
+
+    def head_bytes(self, reply: _Reply, length: int | None, chunked: bool, close: bool) -> bytes:
+        """Status line and headers in BaseHTTPRequestHandler's order."""
+        parts = [
+            f"{self._status_version} {reply.status} {reply.reason}\r\n"
+            f"Server: {SERVER_HEADER}\r\nDate: {self._dates.get()}\r\n"
+        ]
+        parts.extend(line + "\r\n" for line in reply.header_lines)
+        if length is not None:
+            parts.append(f"Content-Length: {length}\r\n")
+        if chunked:
+            parts.append("Transfer-Encoding: chunked\r\n")
+        if close and self.http11 and not reply.close_after:
+            parts.append("Connection: close\r\n")
+        parts.append("\r\n")
+        return "".join(parts).encode("latin-1")
+
+    def admin_reply(self, req: _Request) -> _Reply:
+        """/_fake/requests and /_fake/reset: always framed with Content-Length."""
+        path, _, query = req.path.partition("?")
+        if req.method == "GET" and path == "/_fake/requests":
+            since_id = 0
+            for pair in query.split("&"):
+                key, _, value = pair.partition("=")
+                if key == "since" and value.isdigit():
+                    since_id = int(value)
+            return _json_reply(200, self.records_json(since_id), with_length=True)
+        if req.method == "POST" and path == "/_fake/reset":
+            cleared = len(self.records)
+            self.records.clear()
+            self.broken = False
+            return _json_reply(200, {"cleared": cleared}, with_length=True)
+        return _json_reply(404, {"error": f"no admin route {req.method} {path}"}, with_length=True)
+
+    def new_record(self, conn_id: int, conn_seq: int, req: _Request, *, parse_body: bool) -> RequestRecord:
+        """Create and keep the record of a fully read request.
+
+        Generation routes fill in model/stream when they parse the body, so the
+        hot path parses it once.
+        """
+        model: str | None = None
+        stream: bool | None = None
+        if parse_body and req.body[:1] == b"{":
+            try:
+                parsed = orjson.loads(req.body)
+            except orjson.JSONDecodeError:
+                parsed = None
+            if isinstance(parsed, dict):
+                raw_model = parsed.get("model")
+                model = raw_model if isinstance(raw_model, str) else None
+                raw_stream = parsed.get("stream")
+                stream = raw_stream if isinstance(raw_stream, bool) else None
+        rec = RequestRecord(
+            id=next(self._record_ids),
+            conn_id=conn_id,
+            conn_seq=conn_seq,
+            method=req.method,
+            path=req.path,
+            version=req.version,
+            headers=req.headers,
+            body=req.body,
+            model=model,
+            stream=stream,
+            received_at=time.time(),
+        )
+        self.records.append(rec)
+        return rec
+
+    def next_conn_id(self) -> int:
+        return next(self._conn_ids)
+
+    def track(self, conn: _Connection, alive: bool) -> None:
+        if alive:
+            self._connections.add(conn)
+        else:
+            self._connections.discard(conn)
+
+    def is_generation_route(self, req: _Request) -> bool:
+        """Routes that server-wide misbehaviour applies to (not probes or 404s)."""
+        if req.method != "POST":
+            return False
+        path = req.path
+        return path in _CHAT_PATHS or path == _TEXT_PATH or (self.embeddings and path == _EMBEDDINGS_PATH)
+
+
+def _not_found_reply() -> _Reply:
+    return _Reply(status=404, reason="Not Found", header_lines=_json_headers(), body=b"Not Found")
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+
+
+class _JsonError:
+    """A body that did not parse; message None means it was not even UTF-8."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str | None) -> None:
+        self.message = message
+
+
+def _load_json(raw: bytes) -> Any:
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        pass
+    # Slow path only for bodies orjson refuses: the stdlib gives mlx's exact
+    # error text, and accepts what mlx accepts (NaN, Infinity).
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError:
+        return _JsonError(None)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        return _JsonError(str(exc))
+
+
+class _ParseError(Exception):
+    def __init__(self, reply: _Reply | None) -> None:
+        super().__init__("bad request head")
+        self.reply = reply
+
+
+def _parse_head(head: bytes) -> tuple[str, str, str, dict[str, str]]:
+    """Request line and headers; raises _ParseError with the reply to send."""
+    text = head.decode("latin-1")
+    lines = text.split("\r\n") if "\r\n" in text else text.split("\n")
+    words = lines[0].split()
+    if not words:
+        raise _ParseError(None)
+    version = "HTTP/0.9"
+    if len(words) >= 3:
+        version = words[-1]
+        numbers = version[5:].split(".") if version.startswith("HTTP/") else []
+        if len(numbers) != 2 or not all(n.isdigit() and len(n) <= 10 for n in numbers):
+            raise _ParseError(_error_page_reply(400, f"Bad request version ({version!r})"))
+        if int(numbers[0]) >= 2:
+            raise _ParseError(_error_page_reply(505, f"Invalid HTTP version ({version[5:]})"))
+    if len(words) != 3:
+        raise _ParseError(_error_page_reply(400, f"Bad request syntax ({lines[0]!r})"))
+    method, path = words[0], words[1]
+    if path.startswith("//"):
+        path = "/" + path.lstrip("/")
+    headers: dict[str, str] = {}
+    if len(lines) - 1 > _MAX_HEADERS:
+        raise _ParseError(_error_page_reply(431, "Too many headers"))
+    for line in lines[1:]:
+        name, sep, value = line.partition(":")
+        if not sep or not name or name[0] in " \t":
+            continue
+        key = name.strip().lower()
+        value = value.strip()
+        headers[key] = headers[key] + ", " + value if key in headers else value
+    return method, path, version, headers
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: parse, answer, misbehave, and notice the peer leaving."""
+
+    def __init__(self, engine: FakeEngine) -> None:
+        self._engine = engine
+        self._transport: asyncio.Transport | None = None
+        self._buf = bytearray()
+        self._busy = False
+        self._closed_by_us = False
+        self._peer_gone = False
+        self._task: asyncio.Task[None] | None = None
+        self._current: RequestRecord | None = None
+        self._conn_id = 0
+        self._conn_seq = 0
+        self._write_paused = False
+        self._drain_waiter: asyncio.Future[None] | None = None
+
+    # -- asyncio.Protocol ----------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        self._transport = cast(asyncio.Transport, transport)
+        self._conn_id = self._engine.next_conn_id()
+        self._engine.track(self, True)
+
+    def data_received(self, data: bytes) -> None:
+        if self._closed_by_us:
+            return
+        self._buf += data
+        if self._busy:
+            if len(self._buf) > _MAX_PIPELINED_BYTES:
+                self._close()
+            return
+        self._process_buffer()
+
+    def eof_received(self) -> bool:
+        # A half-close counts as leaving: mlx cannot tell the two apart either
+        # once it next writes, and the tests want the earliest signal.
+        self._on_peer_gone()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._on_peer_gone()
+        self._engine.track(self, False)
+        self._wake_writer()
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._wake_writer()
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def abort(self) -> None:
+        """Drop the connection now (engine shutdown)."""
+        self._closed_by_us = True
+        if self._task is not None:
+            self._task.cancel()
+        if self._transport is not None:
+            self._transport.abort()
+
+    def _close(self) -> None:
+        self._closed_by_us = True
+        if self._transport is not None:
+            self._transport.close()
+
+    def _on_peer_gone(self) -> None:
+        if self._closed_by_us or self._peer_gone:
+            return
+        self._peer_gone = True
+        now = time.time()
+        rec = self._current
+        if rec is not None:
+            rec.closed_at = now
+            if rec.outcome is None:
+                rec.outcome = OUTCOME_PEER_CLOSED
+                rec.finished_at = now
+        if self._task is not None:
+            self._task.cancel()
+
+    def _wake_writer(self) -> None:
+        waiter = self._drain_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def _drain(self) -> None:
+        if self._write_paused and not self._peer_gone:
+            self._drain_waiter = asyncio.get_running_loop().create_future()
+            await self._drain_waiter
+            self._drain_waiter = None
+
+    # -- parsing -----------------------------------------------------------------
+
+    def _process_buffer(self) -> None:
+        while self._buf and not self._busy and not self._closed_by_us:
+            req = self._take_request()
+            if req is None:
+                return
+            self._dispatch(req)
+
+    def _take_request(self) -> _Request | None:
+        buf = self._buf
+        end = buf.find(b"\r\n\r\n")
+        sep_len = 4
+        if end < 0:
+            end = buf.find(b"\n\n")
+            sep_len = 2
+        if end < 0:
+            if len(buf) > _MAX_HEAD_BYTES:
+                self._send_and_close(_error_page_reply(431, "Line too long"))
+            return None
+        try:
+            method, path, version, headers = _parse_head(bytes(buf[:end]))
+        except _ParseError as exc:
+            if exc.reply is None:
+                self._close()
+            else:
+                self._send_and_close(exc.reply)
+            return None
+        body_start = end + sep_len
+        length_text = headers.get("content-length")
+        length = 0
+        if length_text is not None:
+            try:
+                length = int(length_text)
+                if length < 0:
+                    raise ValueError
+            except ValueError:
+                reply = _mlx_error_reply(400, {"error": "Invalid Content-Length header"})
+                self._send_and_close(reply)
+                return None
+            if length > _MAX_BODY_BYTES:
+                self._close()
+                return None
+        if len(buf) - body_start < length:
+            return None
+        body = bytes(buf[body_start : body_start + length])
+        del buf[: body_start + length]
+        keep_alive = self._engine.http11 and _wants_keep_alive(version, headers)
+        if "transfer-encoding" in headers:
+            # We never parse chunked request bodies; whatever follows is not a
+            # request, so this one must be the last on the connection.
+            keep_alive = False
+            buf.clear()
+        return _Request(method, path, version, headers, body, keep_alive)
+
+    def _send_and_close(self, reply: _Reply) -> None:
+        if self._transport is None or self._closed_by_us:
+            return
+        body = b"" if reply.body is None else reply.body
+        head = self._engine.head_bytes(reply, len(body), False, True)
+        self._transport.write(head if reply.head_only else head + body)
+        self._close()
+
+    # -- dispatch --------------------------------------------------------------
+
+    def _dispatch(self, req: _Request) -> None:
+        engine = self._engine
+        if req.path.startswith(_ADMIN_PREFIX):
+            self._write_simple(engine.admin_reply(req), req, None)
+            return
+        self._conn_seq += 1
+        generation = engine.is_generation_route(req)
+        rec = engine.new_record(self._conn_id, self._conn_seq, req, parse_body=not generation)
+        self._current = rec
+        opts = engine.options if generation else _NO_FAULTS
+        header = req.headers.get("x-fake")
+        if header is not None:
+            try:
+                opts = parse_fake_header(header, opts)
+            except ValueError as exc:
+                reply = _mlx_error_reply(400, {"error": str(exc)})
+                reply.fault = "bad-x-fake"
+                self._write_simple(reply, req, rec)
+                return
+        if opts.reset:
+            self._reset(rec)
+            return
+        reply = engine.build_reply(req, rec, opts)
+        if opts.is_plain() and not reply.empty:
+            self._write_simple(reply, req, rec)
+            return
+        self._busy = True
+        self._task = asyncio.get_running_loop().create_task(self._serve_slow(req, rec, reply, opts))
+
+    def _reset(self, rec: RequestRecord) -> None:
+        rec.fault = "reset"
+        rec.outcome = OUTCOME_ABORTED
+        rec.finished_at = time.time()
+        transport = self._transport
+        self._closed_by_us = True
+        if transport is None:
+            return
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        transport.abort()
+
+    def _framing(self, req: _Request, reply: _Reply) -> tuple[bool, bool]:
+        """(chunked, close) for this reply on this connection."""
+        close = not req.keep_alive or reply.close_after
+        chunked = reply.events is not None and self._engine.http11 and req.version == "HTTP/1.1"
+        if reply.events is not None and not chunked:
+            close = True
+        return chunked, close
+
+    def _head_for(self, req: _Request, reply: _Reply) -> tuple[bytes, bool, bool]:
+        chunked, close = self._framing(req, reply)
+        length: int | None = None
+        if reply.body is not None and reply.status != 204 and (self._engine.http11 or reply.length_in_http10):
+            length = len(reply.body)
+        return self._engine.head_bytes(reply, length, chunked, close), chunked, close
+
+    def _write_simple(self, reply: _Reply, req: _Request, rec: RequestRecord | None) -> None:
+        """Cheap path: the whole response in one write, no task, no timers."""
+        transport = self._transport
+        if transport is None or self._closed_by_us:
+            return
+        head, chunked, close = self._head_for(req, reply)
+        if reply.events is not None:
+            parts = [head]
+            if chunked:
+                parts.extend([_frame(ev) for ev in reply.events])
+                if not reply.cut_before_done:
+                    parts.append(_frame(_DONE_EVENT))
+                    parts.append(b"0\r\n\r\n")
+            else:
+                parts.extend(reply.events)
+                if not reply.cut_before_done:
+                    parts.append(_DONE_EVENT)
+            transport.write(b"".join(parts))
+            if rec is not None:
+                rec.events_sent = len(reply.events)
+            close = close or reply.cut_before_done
+        elif reply.body is not None and not reply.head_only:
+            transport.write(head + reply.body)
+        else:
+            transport.write(head)
+        if rec is not None:
+            rec.status = reply.status
+            rec.fault = reply.fault
+            rec.error = reply.error
+            rec.outcome = OUTCOME_ABORTED if reply.cut_before_done else OUTCOME_COMPLETED
+            rec.finished_at = time.time()
+        if close:
+            self._close()
+
+    async def _serve_slow(self, req: _Request, rec: RequestRecord, reply: _Reply, opts: FakeOptions) -> None:
+        try:
+            await self._play(req, rec, reply, opts)
+        except asyncio.CancelledError:
+            # Our own cancel: the peer left (recorded already) or shutdown.
+            return
+        except Exception as exc:  # never let one request take the server down
+            rec.error = f"fake engine bug: {exc!r}"
+            rec.outcome = rec.outcome or OUTCOME_ABORTED
+            self._close()
+            return
+        finally:
+            self._task = None
+        self._busy = False
+        if not self._closed_by_us and not self._peer_gone:
+            self._process_buffer()
+
+    async def _play(self, req: _Request, rec: RequestRecord, reply: _Reply, opts: FakeOptions) -> None:
+        transport = self._transport
+        assert transport is not None
+        if opts.status is not None and not reply.empty:
+            reply = _mlx_error_reply(opts.status, {"error": "fake error"})
+            reply.fault = "status"
+            if opts.status in (429, 503):
+                reply.header_lines.append("Retry-After: 7")
+        head, chunked, close = self._head_for(req, reply)
+        head_sent = False
+        # mlx rejects bad fields before any generation work, so no prefill.
+        if opts.prefill_s > 0 and not (reply.empty and reply.fault == "mlx-empty-reply"):
+            if reply.events is not None and opts.keepalive_s > 0 and not (opts.garbage or opts.empty):
+                # mlx sends the 200 head before prefill, then one comment per
+                # prompt-progress callback.
+                transport.write(head)
+                head_sent = True
+                await self._keepalive_during(opts.prefill_s, opts.keepalive_s, chunked)
+            else:
+                await asyncio.sleep(opts.prefill_s)
+        if opts.empty or reply.empty:
+            rec.fault = reply.fault if reply.empty else "empty"
+            rec.error = reply.error
+            self._finish(rec, OUTCOME_ABORTED, status=None)
+            self._close()
+            return
+        if opts.garbage:
+            transport.write(_GARBAGE)
+            rec.fault = "garbage"
+            self._finish(rec, OUTCOME_ABORTED, status=None)
+            self._close()
+            return
+        rec.status = reply.status
+        rec.fault = reply.fault
+        rec.error = reply.error
+        if not head_sent:
+            transport.write(head)
+        if reply.events is not None:
+            await self._play_events(rec, reply, opts, chunked)
+            if self._closed_by_us:
+                return
+        else:
+            body = b"" if reply.body is None or reply.head_only else reply.body
+            if opts.stall_s > 0:
+                await asyncio.sleep(opts.stall_s)
+            if opts.die_after is not None and body:
+                transport.write(body[: len(body) // 2])
+                rec.fault = "die-after"
+                self._finish(rec, OUTCOME_ABORTED, status=reply.status)
+                self._close()
+                return
+            if body:
+                transport.write(body)
+        self._finish(rec, OUTCOME_COMPLETED, status=reply.status)
+        if close:
+            self._close()
+
+    async def _keepalive_during(self, prefill_s: float, keepalive_s: float, chunked: bool) -> None:
+        assert self._transport is not None
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        deadline = start + prefill_s
+        # Like mlx's prompt-progress callbacks: i/n, the last one (n/n) at the
+        # end of prefill.
+        total = max(1, int(prefill_s / keepalive_s + 1e-9))
+        for index in range(1, total + 1):
+            wake = start + index * keepalive_s
+            if wake > deadline + 1e-6:
+                break
+            await asyncio.sleep(max(0.0, wake - loop.time()))
+            comment = f": keepalive {index}/{total}\n\n".encode()
+            self._transport.write(_frame(comment) if chunked else comment)
+        await asyncio.sleep(max(0.0, deadline - loop.time()))
+
+    async def _play_events(self, rec: RequestRecord, reply: _Reply, opts: FakeOptions, chunked: bool) -> None:
+        transport = self._transport
+        assert transport is not None and reply.events is not None
+        delay_s = opts.chunk_delay_s
+        for index, event in enumerate(reply.events):
+            if opts.die_after is not None and index >= opts.die_after:
+                rec.fault = "die-after"
+                self._finish(rec, OUTCOME_ABORTED, status=reply.status)
+                self._close()
+                return
+            transport.write(_frame(event) if chunked else event)
+            rec.events_sent = index + 1
+            if index == 0 and opts.stall_s > 0:
+                await asyncio.sleep(opts.stall_s)
+            elif delay_s > 0:
+                await asyncio.sleep(delay_s)
+            await self._drain()
+        if opts.die_after is not None and opts.die_after >= len(reply.events):
+            rec.fault = "die-after"
+            self._finish(rec, OUTCOME_ABORTED, status=reply.status)
+            self._close()
+            return
+        if reply.cut_before_done:
+            self._finish(rec, OUTCOME_ABORTED, status=reply.status)
+            self._close()
+            return
+        transport.write(_frame(_DONE_EVENT) + b"0\r\n\r\n" if chunked else _DONE_EVENT)
+
+    def _finish(self, rec: RequestRecord, outcome: str, status: int | None) -> None:
+        if rec.outcome is None:
+            rec.outcome = outcome
+            rec.finished_at = time.time()
+        if status is not None:
+            rec.status = status
+
+
+_NO_FAULTS = FakeOptions()
+
+
+def _frame(data: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+def _wants_keep_alive(version: str, headers: dict[str, str]) -> bool:
+    connection = headers.get("connection", "").lower()
+    if version == "HTTP/1.1":
+        return "close" not in connection
+    return "keep-alive" in connection
+
+
+async def start_fake_engine(
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    http11: bool = False,
+    embeddings: bool = False,
+    default_max_tokens: int = 16,
+    model_id: str = "fake-model",
+    max_records: int = 10000,
+    broken: bool = False,
+    **options: Any,
+) -> FakeEngine:
+    """Start an engine in this event loop; ``options`` are FakeOptions fields."""
+    engine = FakeEngine(
+        http11=http11,
+        embeddings=embeddings,
+        default_max_tokens=default_max_tokens,
+        model_id=model_id,
+        max_records=max_records,
+        broken=broken,
+        options=FakeOptions(**options),
+    )
+    await engine.start(host, port)
+    return engine
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.fake_engine",
+        description="Fake mlx_lm.server 0.32.0 for fault injection and benchmarks.",
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--http11", action="store_true", help="HTTP/1.1 keep-alive, chunked streams")
+    parser.add_argument("--embeddings", action="store_true", help="serve POST /v1/embeddings")
+    parser.add_argument("--default-max-tokens", type=int, default=16)
+    parser.add_argument("--model-id", default="fake-model", help="id listed by /v1/models")
+    parser.add_argument("--max-records", type=int, default=10000)
+    parser.add_argument("--broken", action="store_true", help="start as mlx after max_tokens=0")
+    parser.add_argument("--prefill", type=_parse_seconds, default=0.0, metavar="S")
+    parser.add_argument("--keepalive", type=_parse_seconds, default=0.0, metavar="S")
+    parser.add_argument("--chunk-delay", type=_parse_seconds, default=0.0, metavar="S")
+    parser.add_argument("--stall", type=_parse_seconds, default=0.0, metavar="S")
+    parser.add_argument("--die-after", type=_parse_count, default=None, metavar="N")
+    parser.add_argument("--garbage", action="store_true")
+    parser.add_argument("--reset", action="store_true")
+    parser.add_argument("--empty", action="store_true")
+    parser.add_argument("--status", type=_parse_status, default=None, metavar="N")
+    parser.add_argument("--chunks", type=_parse_count, default=None, metavar="N")
+    parser.add_argument("--chunk-bytes", type=_parse_count, default=None, metavar="N")
+    return parser
+
+
+async def _serve_until_signal(args: argparse.Namespace) -> None:
+    engine = await start_fake_engine(
+        args.host,
+        args.port,
+        http11=args.http11,
+        embeddings=args.embeddings,
+        default_max_tokens=args.default_max_tokens,
+        model_id=args.model_id,
+        max_records=args.max_records,
+        broken=args.broken,
+        prefill_s=args.prefill,
+        keepalive_s=args.keepalive,
+        chunk_delay_s=args.chunk_delay,
+        stall_s=args.stall,
+        die_after=args.die_after,
+        garbage=args.garbage,
+        reset=args.reset,
+        empty=args.empty,
+        status=args.status,
+        chunks=args.chunks,
+        chunk_bytes=args.chunk_bytes,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    sys.stdout.write(f"PORT {engine.port}\n")
+    sys.stdout.flush()
+    await stop.wait()
+    await engine.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point: serve until SIGTERM/SIGINT, then exit 0."""
+    args = _build_parser().parse_args(argv)
+    try:
+        uvloop = importlib.import_module("uvloop")
+    except ImportError:
+        asyncio.run(_serve_until_signal(args))
+    else:
+        uvloop.run(_serve_until_signal(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
