@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Mapping
+from time import perf_counter
 
 import orjson
 from starlette.applications import Starlette
@@ -21,9 +22,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from proxy import __version__
-from proxy.asgi import Receive, Scope, Send
+from proxy.asgi import Message, Receive, Scope, Send
 from proxy.errors import error_body
-from proxy.relay import ENDPOINTS, Relay, RelaySettings
+from proxy.relay import ENDPOINTS, Relay, RelaySettings, request_id_of, server_timing
 from proxy.routing import RoutingTable, UpstreamAddress
 from proxy.upstream import Pool
 
@@ -38,10 +39,29 @@ class Gateway:
         self.admin = admin
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] in ENDPOINTS:
+        if scope["type"] != "http":
+            await self.admin(scope, receive, send)
+        elif scope["path"] in ENDPOINTS:
             await self.relay(scope, receive, send)
         else:
-            await self.admin(scope, receive, send)
+            await self.admin(scope, receive, _stamped(scope, send))
+
+
+def _stamped(scope: Scope, send: Send) -> Send:
+    """Wrap ``send`` so that the response carries x-request-id and Server-Timing, as relayed ones do."""
+    started = perf_counter()
+    request_id = request_id_of(scope)
+
+    async def stamped_send(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message["headers"] = [
+                *message.get("headers", ()),
+                (b"x-request-id", request_id),
+                server_timing(started),
+            ]
+        await send(message)
+
+    return stamped_send
 
 
 def build_app(

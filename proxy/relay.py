@@ -91,7 +91,7 @@ class Relay:
         started = perf_counter()
         request_id = b""
         try:
-            request_id = _request_id(scope)
+            request_id = request_id_of(scope)
             if scope["method"] != "POST":
                 raise HTTPError(
                     405,
@@ -112,7 +112,8 @@ class Relay:
                     code="model_not_found",
                 )
         except HTTPError as exc:
-            await send_json(send, exc.status, exc.body(), [(b"x-request-id", request_id), *exc.headers])
+            headers = [(b"x-request-id", request_id), server_timing(started), *exc.headers]
+            await send_json(send, exc.status, exc.body(), headers)
             return
         except ClientGone:
             return
@@ -168,7 +169,7 @@ class Relay:
             try:
                 conn = await pool.acquire()
             except UpstreamError as exc:
-                await _send_upstream_error(send, exc, request_id)
+                await _send_upstream_error(send, exc, request_id, server_timing(started))
                 return
             reused = conn.requests_sent > 0
             conn.send(head, body)
@@ -191,7 +192,8 @@ class Relay:
                     # it: the request never reached the application. Once.
                     retried = True
                     continue
-                await _send_upstream_error(send, exc, request_id)
+                timing = server_timing(started, sent_at, perf_counter())
+                await _send_upstream_error(send, exc, request_id, timing)
                 return
             break
         try:
@@ -212,29 +214,23 @@ class Relay:
         status = conn.status
         if not 200 <= status <= 599:
             conn.close()
-            await send_json(
-                send,
-                502,
-                _upstream_error_body(502, f"upstream answered with status {status}", "upstream_bad_response"),
-                [(b"x-request-id", request_id)],
-            )
+            message = f"upstream answered with status {status}"
+            timing = server_timing(started, sent_at, head_at)
+            body = _upstream_error_body(502, message, "upstream_bad_response")
+            await send_json(send, 502, body, [(b"x-request-id", request_id), timing])
             return
         headers = filter_response_headers(conn.headers)
         sse = is_event_stream(headers)
         if status >= 400 and not sse:
-            await self._relay_error(conn, send, status, headers, request_id)
+            body = await self._read_error_body(conn)
+            kept = [(n, v) for n, v in headers if n == b"retry-after"]
+            timing = server_timing(started, sent_at, perf_counter())
+            await send_json(send, status, body, [(b"x-request-id", request_id), timing, *kept])
             return
         if sse:
             headers = add_sse_headers(headers)
         headers.append((b"x-request-id", request_id))
-        now = perf_counter()
-        headers.append(
-            (
-                b"server-timing",
-                b"gateway;dur=%.3f, upstream;dur=%.3f"
-                % ((sent_at - started + now - head_at) * 1000, (head_at - sent_at) * 1000),
-            )
-        )
+        headers.append(server_timing(started, sent_at, head_at))
         if not conn.close_delimited:
             for name, value in conn.headers:
                 if name == b"content-length":
@@ -277,14 +273,8 @@ class Relay:
             return
         await send({"type": "http.response.body", "body": b""})
 
-    async def _relay_error(
-        self,
-        conn: Connection,
-        send: Send,
-        status: int,
-        headers: list[tuple[bytes, bytes]],
-        request_id: bytes,
-    ) -> None:
+    async def _read_error_body(self, conn: Connection) -> bytes:
+        """An upstream error body, read whole (bounded) and put in OpenAI's envelope."""
         chunks: list[bytes] = []
         size = 0
         while size <= _ERROR_BODY_LIMIT_BYTES:
@@ -296,14 +286,29 @@ class Relay:
                 break
             chunks.append(chunk)
             size += len(chunk)
-        body = normalize_error(status, b"".join(chunks))
         if not conn.complete:
             conn.close()
-        kept = [(n, v) for n, v in headers if n == b"retry-after"]
-        await send_json(send, status, body, [(b"x-request-id", request_id), *kept])
+        return normalize_error(conn.status, b"".join(chunks))
 
 
-def _request_id(scope: Scope) -> bytes:
+def server_timing(started: float, sent_at: float = 0.0, answered_at: float = 0.0) -> tuple[bytes, bytes]:
+    """The Server-Timing header: the gateway's own time, and the upstream's until its answer.
+
+    The gateway's time is everything from the request's arrival to now except
+    the wait between sending upstream and the upstream's answer.
+    """
+    now = perf_counter()
+    if not sent_at:
+        return (b"server-timing", b"gateway;dur=%.3f" % ((now - started) * 1000))
+    own_ms = (sent_at - started + now - answered_at) * 1000
+    return (
+        b"server-timing",
+        b"gateway;dur=%.3f, upstream;dur=%.3f" % (own_ms, (answered_at - sent_at) * 1000),
+    )
+
+
+def request_id_of(scope: Scope) -> bytes:
+    """The client's x-request-id if it is usable, else a new one."""
     for name, value in scope["headers"]:
         if name == b"x-request-id" and valid_request_id(value):
             return bytes(value)
@@ -323,8 +328,10 @@ def _upstream_error_body(status: int, message: str, code: str) -> bytes:
     return HTTPError(status, message, code=code).body()
 
 
-async def _send_upstream_error(send: Send, exc: UpstreamError, request_id: bytes) -> None:
-    headers = [(b"x-request-id", request_id)]
+async def _send_upstream_error(
+    send: Send, exc: UpstreamError, request_id: bytes, timing: tuple[bytes, bytes]
+) -> None:
+    headers = [(b"x-request-id", request_id), timing]
     if exc.status == 503:
         headers.append((b"retry-after", _RETRY_AFTER_S))
     await send_json(send, exc.status, _upstream_error_body(exc.status, str(exc), exc.code), headers)

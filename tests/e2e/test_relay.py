@@ -326,3 +326,30 @@ def test_server_timing_reports_sub_millisecond_gateway_time(
     wall_ms = (time.perf_counter() - started) * 1000
     gateway_ms = float(response.headers["server-timing"].split("dur=")[1].split(",")[0])
     assert 0 < gateway_ms < wall_ms
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "headers"),
+    [
+        ("POST", CHAT, b'{"model": "nope"}', {}),
+        ("POST", CHAT, b"{bad", {}),
+        ("POST", CHAT, orjson.dumps(chat()), {"x-fake": "status=404"}),
+        ("POST", CHAT, orjson.dumps(chat()), {"x-fake": "empty"}),
+        ("GET", "/v1/models", b"", {}),
+        ("GET", "/readyz", b"", {}),
+        ("GET", "/nothing", b"", {}),
+    ],
+)
+def test_every_response_has_request_id_and_server_timing(
+    gateway: Running,
+    fake: FakeEngine,
+    http: httpx.Client,
+    method: str,
+    path: str,
+    body: bytes,
+    headers: dict[str, str],
+) -> None:
+    """Errors, admin routes and relayed responses all carry x-request-id and Server-Timing."""
+    response = http.request(method, gateway.url + path, content=body, headers=headers)
+    assert re.fullmatch(r"[0-9a-f]{32}", response.headers["x-request-id"])
+    assert response.headers["server-timing"].startswith("gateway;dur=")

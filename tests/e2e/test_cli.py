@@ -1,0 +1,88 @@
+"""The blazar-proxy command line: flags, their BLAZAR_* variables, and bad input."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+
+from tests.e2e.conftest import ROOT, FakeEngine, Running, free_port
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "proxy", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+def test_help_shows_every_flags_variable() -> None:
+    """--help names the BLAZAR_* variable of every flag."""
+    result = run_cli("--help")
+    assert result.returncode == 0
+    text = " ".join(result.stdout.split())
+    for variable in (
+        "BLAZAR_UPSTREAM",
+        "BLAZAR_HOST",
+        "BLAZAR_PORT",
+        "BLAZAR_MAX_BODY_BYTES",
+        "BLAZAR_CONNECT_TIMEOUT",
+        "BLAZAR_FIRST_BYTE_TIMEOUT",
+        "BLAZAR_LOG_LEVEL",
+    ):
+        assert variable in text, variable
+    assert "default: 127.0.0.1" in text
+
+
+def test_nothing_to_serve_is_a_usage_error() -> None:
+    """Without an upstream the command exits 2 with a message saying what is missing."""
+    result = run_cli(env={"BLAZAR_UPSTREAM": ""})
+    assert result.returncode == 2
+    assert "--upstream NAME=URL" in result.stderr
+
+
+def test_bad_upstream_is_a_clear_error() -> None:
+    """A malformed NAME=URL exits 2 naming the flag, without a traceback."""
+    for spec in ("no-equals-sign", "m=https://h:1", "m=http://[::1:80"):
+        result = run_cli("--upstream", spec)
+        assert result.returncode == 2, spec
+        assert "--upstream" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_environment_variables_configure_the_gateway(fake: FakeEngine) -> None:
+    """BLAZAR_UPSTREAM (several, space-separated) and BLAZAR_PORT work without any flag."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy"],
+        cwd=ROOT,
+        env={
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "BLAZAR_UPSTREAM": f"a={fake.url} b={fake.url}/v1",
+            "BLAZAR_PORT": str(port),
+            "BLAZAR_LOG_LEVEL": "warning",
+        },
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    gateway = Running(proc=proc, port=port, log_path=ROOT / "unused")
+    try:
+        with httpx.Client(trust_env=False, timeout=2) as client:
+            for _ in range(200):
+                try:
+                    models = client.get(f"{gateway.url}/v1/models")
+                    break
+                except httpx.TransportError:
+                    if proc.poll() is not None:
+                        raise AssertionError("gateway exited") from None
+                    time.sleep(0.05)
+            assert [m["id"] for m in models.json()["data"]] == ["a", "b"]
+    finally:
+        gateway.stop()
