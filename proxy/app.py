@@ -24,7 +24,7 @@ from starlette.routing import Route
 from proxy import __version__
 from proxy.asgi import Message, Receive, Scope, Send
 from proxy.errors import error_body
-from proxy.relay import ENDPOINTS, Relay, RelaySettings, request_id_of, server_timing
+from proxy.relay import ENDPOINTS, Relay, RelaySettings, RequestIds, server_timing
 from proxy.routing import RoutingTable, UpstreamAddress
 from proxy.upstream import Pool
 
@@ -44,10 +44,10 @@ class Gateway:
         elif scope["path"] in ENDPOINTS:
             await self.relay(scope, receive, send)
         else:
-            await self.admin(scope, receive, _stamped(scope, send))
+            await self.admin(scope, receive, _stamped(scope, send, self.relay.request_id_of))
 
 
-def _stamped(scope: Scope, send: Send) -> Send:
+def _stamped(scope: Scope, send: Send, request_id_of: RequestIds) -> Send:
     """Wrap ``send`` so that the response carries x-request-id and Server-Timing, as relayed ones do."""
     started = perf_counter()
     request_id = request_id_of(scope)

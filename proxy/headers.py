@@ -71,19 +71,31 @@ def connection_tokens(headers: Iterable[Header]) -> frozenset[bytes]:
 
 
 def forward_request_headers(headers: Iterable[Header]) -> list[Header]:
-    """The client's headers that go on to the upstream (names lower-case)."""
-    headers = list(headers)
-    extra = connection_tokens(headers)
-    drop = _DROP_REQUEST | extra if extra else _DROP_REQUEST
-    return [(n, v) for n, v in headers if n not in drop]
+    """The client's headers that go on to the upstream.
+
+    Names must be lower-case already, as ASGI servers give them.
+    """
+    return _without(headers, _DROP_REQUEST)
 
 
 def filter_response_headers(headers: Iterable[Header]) -> list[Header]:
-    """The upstream's headers that go on to the client (names lower-case)."""
-    lowered = [(n.lower(), v) for n, v in headers]
-    extra = connection_tokens(lowered)
-    drop = _DROP_RESPONSE | extra if extra else _DROP_RESPONSE
-    return [(n, v) for n, v in lowered if n not in drop]
+    """The upstream's headers that go on to the client (names must be lower-case)."""
+    return _without(headers, _DROP_RESPONSE)
+
+
+def _without(headers: Iterable[Header], drop: frozenset[bytes]) -> list[Header]:
+    kept = []
+    connection: list[Header] = []
+    for header in headers:
+        if header[0] not in drop:
+            kept.append(header)
+        elif header[0] == b"connection":
+            connection.append(header)
+    if not connection:
+        return kept
+    # Rare: the Connection header names more fields to keep on this hop.
+    extra = connection_tokens(connection)
+    return [h for h in kept if h[0] not in extra]
 
 
 def add_sse_headers(headers: list[Header]) -> list[Header]:

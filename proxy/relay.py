@@ -13,13 +13,14 @@ started, one SSE ``data: {"error": ...}`` event ends it.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-import uuid
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from time import perf_counter
 
-from proxy.asgi import Receive, Scope, Send, send_json
+from proxy.asgi import Message, Receive, Scope, Send, send_json
 from proxy.errors import HTTPError, normalize_error, sse_error_event
 from proxy.headers import (
     add_sse_headers,
@@ -58,6 +59,9 @@ _ERROR_BODY_LIMIT_BYTES = 1024 * 1024
 # Enough of a stream's end to hold "data: [DONE]" and its newlines.
 _TAIL_BYTES = 32
 _RETRY_AFTER_S = b"2"
+# How long an exchange runs before the client is watched for a disconnect
+# (well inside the 1 s in which an abandoned upstream must be closed).
+_WATCH_AFTER_S = 0.05
 
 _ACCEPTED_CONTENT_TYPES = frozenset(
     {
@@ -83,7 +87,16 @@ class Relay:
         pools: Mapping[UpstreamAddress, Pool],
         settings: RelaySettings,
     ) -> None:
-        self._routes = {route.model: (route.upstream, pools[route.upstream]) for route in table}
+        # Everything the hot path needs about a model, computed once.
+        self._routes = {
+            route.model: (
+                pools[route.upstream],
+                route.upstream.host_header,
+                {path: route.upstream.target(endpoint) for path, endpoint in ENDPOINTS.items()},
+            )
+            for route in table
+        }
+        self.request_id_of = RequestIds()
         self._max_body_bytes = settings.max_body_bytes
         self._head_timeout_s = settings.head_timeout_s
 
@@ -91,7 +104,7 @@ class Relay:
         started = perf_counter()
         request_id = b""
         try:
-            request_id = request_id_of(scope)
+            request_id = self.request_id_of(scope)
             if scope["method"] != "POST":
                 raise HTTPError(
                     405,
@@ -99,7 +112,6 @@ class Relay:
                     code="method_not_allowed",
                     headers=((b"allow", b"POST"),),
                 )
-            endpoint = ENDPOINTS[scope["path"]]
             body = await self._read_body(scope, receive)
             model = extract_model(body)
             entry = self._routes.get(model)
@@ -117,13 +129,13 @@ class Relay:
             return
         except ClientGone:
             return
-        address, pool = entry
+        pool, host_header, targets = entry
         headers = forward_request_headers(scope["headers"])
         headers.append((b"x-request-id", request_id))
-        target = address.target(endpoint)
+        target = targets[scope["path"]]
         if scope["query_string"]:
             target += b"?" + scope["query_string"]
-        head = request_head(b"POST", target, address.host_header, headers, len(body))
+        head = request_head(b"POST", target, host_header, headers, len(body))
         await self._exchange(pool, head, body, receive, send, request_id, started)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
@@ -174,18 +186,14 @@ class Relay:
             reused = conn.requests_sent > 0
             conn.send(head, body)
             sent_at = perf_counter()
-            # The only event left on `receive` is the disconnect: watch for
-            # it, so that the upstream is closed at once, even in a prefill
-            # that sends nothing for minutes.
-            watcher = asyncio.ensure_future(receive())
-            watcher.add_done_callback(conn.client_event)
+            watch = ClientWatch(receive, conn)
             try:
                 await conn.read_head(self._head_timeout_s)
             except ClientGone:
-                watcher.cancel()
+                watch.stop()
                 return
             except UpstreamError as exc:
-                watcher.cancel()
+                watch.stop()
                 conn.close()
                 if isinstance(exc, EmptyReply) and reused and not retried:
                     # A pooled connection the upstream closed as we wrote to
@@ -201,10 +209,9 @@ class Relay:
         except ClientGone:
             pass
         finally:
-            if watcher.done():
+            if watch.stop():
                 conn.close()
             else:
-                watcher.cancel()
                 pool.release(conn)
 
     async def _respond(
@@ -307,12 +314,56 @@ def server_timing(started: float, sent_at: float = 0.0, answered_at: float = 0.0
     )
 
 
-def request_id_of(scope: Scope) -> bytes:
-    """The client's x-request-id if it is usable, else a new one."""
-    for name, value in scope["headers"]:
-        if name == b"x-request-id" and valid_request_id(value):
-            return bytes(value)
-    return uuid.uuid4().hex.encode()
+class ClientWatch:
+    """Watches the client for a disconnect, and closes the upstream when it comes.
+
+    Once the request body is read, the only event left on ``receive`` is the
+    disconnect; a task waiting on it lets the relay close the upstream at
+    once, even in a prefill that sends nothing for minutes. The task starts
+    after ``_WATCH_AFTER_S``: an exchange that ends sooner has nothing worth
+    cancelling, and skipping the task saves ~15 µs of CPU a request.
+    """
+
+    __slots__ = ("_conn", "_receive", "_task", "_timer")
+
+    def __init__(self, receive: Receive, conn: Connection) -> None:
+        self._receive = receive
+        self._conn = conn
+        self._task: asyncio.Future[Message] | None = None
+        self._timer = asyncio.get_running_loop().call_later(_WATCH_AFTER_S, self._start)
+
+    def _start(self) -> None:
+        self._task = asyncio.ensure_future(self._receive())
+        self._task.add_done_callback(self._conn.client_event)
+
+    def stop(self) -> bool:
+        """Stop watching; True if the client has gone (its upstream is closed)."""
+        self._timer.cancel()
+        task = self._task
+        if task is None:
+            return False
+        if task.done():
+            return True
+        task.cancel()
+        return False
+
+
+class RequestIds:
+    """Request ids: the client's x-request-id if usable, else a new one.
+
+    New ids are a random per-process prefix and a counter (32 hex digits):
+    unique enough for tracing, at a tenth of uuid4's cost.
+    """
+
+    def __init__(self) -> None:
+        self._prefix = os.urandom(8).hex().encode()
+        self._counter = itertools.count(1)
+
+    def __call__(self, scope: Scope) -> bytes:
+        for name, value in scope["headers"]:
+            if name == b"x-request-id" and valid_request_id(value):
+                return bytes(value)
+        return b"%s%016x" % (self._prefix, next(self._counter))
 
 
 def _too_large(limit: int) -> HTTPError:

@@ -21,7 +21,7 @@ import asyncio
 import enum
 import ipaddress
 import socket
-from typing import cast
+from typing import Any, cast
 
 import httptools
 
@@ -90,6 +90,7 @@ class Connection(asyncio.Protocol):
         self.keep_alive = False
         self.close_delimited = False
         self._head_done = False
+        self._framed = False
         self._complete = False
         self._informational = False
         self._error: BaseException | None = None
@@ -130,7 +131,10 @@ class Connection(asyncio.Protocol):
     # -- httptools callbacks ------------------------------------------------
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name.lower(), value))
+        name = name.lower()
+        if name == b"content-length" or name == b"transfer-encoding":
+            self._framed = True
+        self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         status = self._parser.get_status_code()
@@ -138,10 +142,10 @@ class Connection(asyncio.Protocol):
             # 1xx: an interim response; the real one follows.
             self._informational = True
             self.headers = []
+            self._framed = False
             return
         self.status = status
-        framed = any(n in (b"content-length", b"transfer-encoding") for n, _ in self.headers)
-        self.close_delimited = not framed and status not in (204, 304)
+        self.close_delimited = not self._framed and status not in (204, 304)
         self._head_done = True
         self._wake()
 
@@ -221,7 +225,7 @@ class Connection(asyncio.Protocol):
             and not self._transport.is_closing()
         )
 
-    def client_event(self, task: asyncio.Task[object]) -> None:
+    def client_event(self, task: asyncio.Future[Any]) -> None:
         """Done-callback of the task watching the client's ``receive()``.
 
         The only event left for a request whose body was read is the

@@ -106,6 +106,21 @@ async def test_keep_alive_connection_is_reused() -> None:
         assert second.state is ConnState.CLOSED
 
 
+async def test_header_names_arrive_lower_cased() -> None:
+    """The transport lower-cases header names once, so the header filters need not."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nX-Mixed-Case: A\r\n\r\nok")
+        await writer.drain()
+        await asyncio.sleep(0.2)
+
+    async with scripted(handler) as server:
+        pool = Pool(server.address, connect_timeout_s=1)
+        conn, _ = await roundtrip(pool)
+        assert conn.headers == [(b"content-length", b"2"), (b"x-mixed-case", b"A")]
+
+
 async def test_http10_close_delimited_body_ends_at_close() -> None:
     """An HTTP/1.0 body without Content-Length is complete when the upstream closes."""
 
