@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from time import perf_counter
 
 import orjson
@@ -69,8 +69,14 @@ def build_app(
     *,
     relay_settings: RelaySettings | None = None,
     connect_timeout_s: float = 5.0,
+    on_startup: Callable[[], Awaitable[None]] | None = None,
+    on_shutdown: Callable[[], Awaitable[None]] | None = None,
 ) -> Gateway:
-    """Build the gateway for a routing table; every setting is resolved here."""
+    """Build the gateway for a routing table; every setting is resolved here.
+
+    ``on_startup`` and ``on_shutdown`` run in the server's event loop (the
+    engine manager's start and stop).
+    """
     pools = {address: Pool(address, connect_timeout_s=connect_timeout_s) for address in table.upstreams()}
     relay = Relay(table, pools, relay_settings or RelaySettings())
     created = int(time.time())
@@ -105,11 +111,17 @@ def build_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if on_startup is not None:
+            await on_startup()
         try:
             yield
         finally:
-            for pool in pools.values():
-                pool.close()
+            try:
+                if on_shutdown is not None:
+                    await on_shutdown()
+            finally:
+                for pool in pools.values():
+                    pool.close()
 
     admin = Starlette(
         routes=[
@@ -128,21 +140,35 @@ def build_app(
 
 
 async def _readiness(table: RoutingTable, pools: Mapping[UpstreamAddress, Pool]) -> Response:
-    """200 when at least one model's upstream accepts connections."""
-    addresses = list(pools)
-    results = await asyncio.gather(*(_reachable(a) for a in addresses))
-    reachable = dict(zip(addresses, results, strict=True))
-    models = {route.model: "ready" if reachable[route.upstream] is None else "unreachable" for route in table}
+    """200 when at least one model can be served now.
+
+    An engine child counts when it is ready; a static upstream when it
+    accepts a TCP connection (the one check every OpenAI server passes).
+    """
+    static = list(dict.fromkeys(r.upstream for r in table if r.gate is None))
+    results = await asyncio.gather(*(_reachable(a) for a in static))
+    reachable = dict(zip(static, results, strict=True))
+    models: dict[str, str] = {}
+    reasons: set[str] = set()
+    for route in table:
+        if route.gate is not None:
+            models[route.model] = "ready" if route.gate.ready else "loading"
+            if not route.gate.ready:
+                reasons.add(f"{route.model}: engine child is not ready")
+        else:
+            problem = reachable[route.upstream]
+            models[route.model] = "ready" if problem is None else "unreachable"
+            if problem:
+                reasons.add(problem)
     if not models:
         return _json(503, orjson.dumps({"status": "unavailable", "reason": "no models are configured"}))
     if "ready" not in models.values():
-        reasons = sorted({r for r in reachable.values() if r})
         return _json(
             503,
             orjson.dumps(
                 {
                     "status": "unavailable",
-                    "reason": "no upstream is reachable: " + "; ".join(reasons),
+                    "reason": "no model can be served now: " + "; ".join(sorted(reasons)),
                     "models": models,
                 }
             ),

@@ -1,6 +1,14 @@
-"""The ``blazar-proxy`` command: parse flags (and BLAZAR_* variables), then serve."""
+"""The ``blazar-proxy`` command: parse flags (and BLAZAR_* variables), then serve.
+
+This is the composition root: the one place that wires ``engines`` (children)
+and ``proxy`` (the request path) together.
+"""
 
 from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Awaitable, Callable
 
 import click
 import uvicorn
@@ -8,10 +16,16 @@ import uvicorn
 from proxy import __version__
 from proxy.app import build_app
 from proxy.config import Settings
+from proxy.payload import RequestGuards
 from proxy.relay import RelaySettings
-from proxy.routing import RoutingTable, UpstreamSpecError, parse_upstream_spec
+from proxy.routing import Route, RoutingTable, UpstreamAddress, UpstreamSpecError, parse_upstream_spec
 
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+_VARIANTS = ("auto", "cpu", "cuda12", "cuda13", "metal")
+
+
+def _echo(line: str) -> None:
+    click.echo(f"blazar-proxy: {line}", err=True)
 
 
 @click.group(invoke_without_command=True, context_settings={"show_default": True})
@@ -25,6 +39,35 @@ _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
     help="Serve model NAME from the OpenAI-compatible server at URL "
     "(e.g. qwen=http://127.0.0.1:8080/v1). Repeatable; in the variable, "
     "separate several with spaces.",
+)
+@click.option(
+    "--engine",
+    metavar="ENGINE",
+    envvar="BLAZAR_ENGINE",
+    show_envvar=True,
+    help="Run an engine child of this version (e.g. mlx-0.32.0), installing it first if needed.",
+)
+@click.option(
+    "--model",
+    metavar="PATH_OR_REPO",
+    envvar="BLAZAR_MODEL",
+    show_envvar=True,
+    help="The model the --engine child serves; without it, a small built-in demo model.",
+)
+@click.option(
+    "--served-name",
+    metavar="NAME",
+    envvar="BLAZAR_SERVED_NAME",
+    show_envvar=True,
+    help="The name clients use for the --engine model. [default: the model directory's name]",
+)
+@click.option(
+    "--engine-variant",
+    type=click.Choice(_VARIANTS),
+    default="auto",
+    envvar="BLAZAR_ENGINE_VARIANT",
+    show_envvar=True,
+    help="Engine build: auto picks cuda12 with an NVIDIA driver, metal on Apple silicon, else cpu.",
 )
 @click.option("--host", default="127.0.0.1", envvar="BLAZAR_HOST", show_envvar=True, help="Address to bind.")
 @click.option(
@@ -74,6 +117,10 @@ _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 def main(
     ctx: click.Context,
     upstreams: tuple[str, ...],
+    engine: str | None,
+    model: str | None,
+    served_name: str | None,
+    engine_variant: str,
     host: str,
     port: int,
     max_body_bytes: int,
@@ -85,19 +132,29 @@ def main(
 
     Clients send OpenAI API requests to this gateway; each goes to the
     upstream that serves the request's `model`, and the response bytes come
-    back as they arrive.
+    back as they arrive. `blazar-proxy --engine mlx-0.32.0` alone installs
+    the engine, starts it with a small demo model and serves it.
     """
     if ctx.invoked_subcommand is not None:
         return
-    if not upstreams:
-        raise click.UsageError("nothing to serve: give at least one --upstream NAME=URL")
+    if not upstreams and not engine:
+        raise click.UsageError("nothing to serve: give --engine ENGINE [--model PATH] or --upstream NAME=URL")
+    if (model or served_name) and not engine:
+        raise click.UsageError("--model and --served-name need --engine")
     try:
-        routes = tuple(parse_upstream_spec(spec) for spec in upstreams)
-        RoutingTable(routes)
+        routes = [parse_upstream_spec(spec) for spec in upstreams]
     except UpstreamSpecError as exc:
         raise click.BadParameter(str(exc), param_hint="--upstream") from None
+    hooks: tuple[Callable[[], Awaitable[None]], Callable[[], Awaitable[None]]] | None = None
+    if engine:
+        route, hooks = _engine_route(engine, model, served_name, engine_variant)
+        routes.append(route)
+    try:
+        RoutingTable(routes)
+    except UpstreamSpecError as exc:
+        raise click.UsageError(str(exc)) from None
     settings = Settings(
-        routes=routes,
+        routes=tuple(routes),
         host=host,
         port=port,
         max_body_bytes=max_body_bytes,
@@ -105,17 +162,112 @@ def main(
         first_byte_timeout_s=first_byte_timeout_s,
         log_level=log_level,
     )
-    serve(settings)
+    serve(settings, hooks)
 
 
-def serve(settings: Settings) -> None:
+def _engine_route(
+    engine: str, model: str | None, served_name: str | None, variant: str
+) -> tuple[Route, tuple[Callable[[], Awaitable[None]], Callable[[], Awaitable[None]]]]:
+    """Install the engine, plan its child, and return its route and start/stop hooks."""
+    from engines import install as installing
+    from engines import spec as specs
+    from engines.environment import ServedNameError
+    from engines.home import Home, blazar_home
+    from engines.manager import EngineManager, PlanError, ensure_demo_model, plan
+    from engines.variant import Machine, detect_variant
+
+    home = Home(blazar_home())
+    try:
+        spec = specs.load(engine)
+        chosen = detect_variant(Machine.probe()) if variant == "auto" else variant
+        installation = installing.install(spec, chosen, home, progress=_echo)
+        if model is None:
+            _echo("no --model given: serving the built-in demo model")
+            model = str(ensure_demo_model(installation, home))
+        planned = plan(spec, installation, home, model=model, served_name=served_name)
+    except (specs.SpecError, installing.InstallError, PlanError, ServedNameError) as exc:
+        raise click.ClickException(str(exc)) from None
+    manager = EngineManager([planned], announce=_echo)
+    child = manager.children[0]
+    _echo(f"starting {planned.config.name} on port {planned.config.port} (log: {planned.config.log_path})")
+    route = Route(
+        model=planned.config.served_model,
+        upstream=UpstreamAddress(planned.config.host, planned.config.port),
+        gate=child,
+        guards=RequestGuards(
+            min_max_tokens=spec.guards.min_max_tokens, require_input=spec.guards.require_input
+        ),
+    )
+    return route, (manager.start, manager.shutdown)
+
+
+@main.group()
+def engines() -> None:
+    """Install, list and remove engine versions (in $BLAZAR_HOME/engines)."""
+
+
+@engines.command("install")
+@click.argument("engine")
+@click.option("--variant", type=click.Choice(_VARIANTS), default="auto", show_default=True)
+def engines_install(engine: str, variant: str) -> None:
+    """Install ENGINE (e.g. mlx-0.32.0) into its own virtualenv."""
+    from engines import install as installing
+    from engines import spec as specs
+    from engines.home import Home, blazar_home
+    from engines.variant import Machine, detect_variant
+
+    try:
+        spec = specs.load(engine)
+        chosen = detect_variant(Machine.probe()) if variant == "auto" else variant
+        installing.install(spec, chosen, Home(blazar_home()), progress=_echo)
+    except (specs.SpecError, installing.InstallError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@engines.command("list")
+def engines_list() -> None:
+    """Show installed engines with their variant, size and path."""
+    from engines import install as installing
+    from engines import spec as specs
+    from engines.home import Home, blazar_home
+
+    home = Home(blazar_home())
+    found = installing.installed(home)
+    if not found:
+        click.echo(f"no engines installed in {home.root / 'engines'}; known: {', '.join(specs.available())}")
+        return
+    click.echo(f"{'ENGINE':<16} {'VARIANT':<8} {'SIZE':>9}  PATH")
+    for item in found:
+        size_mb = installing.size_bytes(home.engine_dir(item.name)) / 1e6
+        click.echo(f"{item.name:<16} {item.variant:<8} {size_mb:>7.0f}MB  {item.venv}")
+
+
+@engines.command("remove")
+@click.argument("engine")
+def engines_remove(engine: str) -> None:
+    """Delete an installed ENGINE."""
+    from engines import install as installing
+    from engines.home import Home, blazar_home
+
+    if not installing.remove(Home(blazar_home()), engine):
+        raise click.ClickException(f"{engine} is not installed")
+    click.echo(f"removed {engine}")
+
+
+def serve(
+    settings: Settings,
+    hooks: tuple[Callable[[], Awaitable[None]], Callable[[], Awaitable[None]]] | None = None,
+) -> None:
     """Run the gateway until it is stopped."""
+    _configure_logging(settings.log_level)
     app = build_app(
         RoutingTable(settings.routes),
         relay_settings=RelaySettings(
             max_body_bytes=settings.max_body_bytes, head_timeout_s=settings.first_byte_timeout_s
         ),
         connect_timeout_s=settings.connect_timeout_s,
+        on_startup=hooks[0] if hooks else None,
+        on_shutdown=hooks[1] if hooks else None,
     )
     config = uvicorn.Config(
         app,
@@ -133,3 +285,13 @@ def serve(settings: Settings) -> None:
         log_level=settings.log_level,
     )
     uvicorn.Server(config).run()
+
+
+def _configure_logging(level: str) -> None:
+    logger = logging.getLogger("blazar")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(level.upper())
+    logger.propagate = False

@@ -8,6 +8,7 @@ are checked here (mlx_lm.server's generation thread dies for good on
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -17,8 +18,24 @@ from proxy.errors import HTTPError
 _TOKEN_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens")
 
 
-def extract_model(body: bytes) -> str:
-    """Return the ``model`` field of a JSON request body, or raise a 400."""
+@dataclass(frozen=True, slots=True)
+class RequestGuards:
+    """Checks made for a route because the engine behind it breaks without them.
+
+    ``min_max_tokens`` 1 holds for every route (OpenAI rejects 0 too);
+    ``require_input`` is for engines that answer a request without
+    ``messages`` or ``prompt`` with an empty reply (mlx_lm.server).
+    """
+
+    min_max_tokens: int = 1
+    require_input: bool = False
+
+
+DEFAULT_GUARDS = RequestGuards()
+
+
+def parse_request(body: bytes) -> tuple[str, dict[str, Any]]:
+    """The ``model`` field and the parsed body, or a 400."""
     if not body:
         raise HTTPError(400, "request body is empty; expected a JSON object", code="invalid_json")
     try:
@@ -32,13 +49,35 @@ def extract_model(body: bytes) -> str:
         raise HTTPError(400, "you must provide a model parameter", param="model", code="missing_model")
     if not isinstance(model, str) or not model:
         raise HTTPError(400, "model must be a non-empty string", param="model", code="invalid_model")
+    return model, doc
+
+
+def check_request(doc: dict[str, Any], endpoint: bytes, guards: RequestGuards) -> None:
+    """Raise a 400 for what the route's engine must not receive."""
     for field in _TOKEN_LIMIT_FIELDS:
         value = doc.get(field)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < guards.min_max_tokens
+        ):
             raise HTTPError(
                 400,
-                f"{field} must be an integer of at least 1",
+                f"{field} must be an integer of at least {guards.min_max_tokens}",
                 param=field,
                 code="invalid_value",
             )
+    if guards.require_input:
+        if endpoint == b"/chat/completions":
+            messages = doc.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise HTTPError(
+                    400, "messages must be a non-empty list", param="messages", code="invalid_value"
+                )
+        elif endpoint == b"/completions" and not isinstance(doc.get("prompt"), (str, list)):
+            raise HTTPError(400, "you must provide a prompt", param="prompt", code="invalid_value")
+
+
+def extract_model(body: bytes, endpoint: bytes = b"", guards: RequestGuards = DEFAULT_GUARDS) -> str:
+    """Return the ``model`` field of a JSON request body, or raise a 400."""
+    model, doc = parse_request(body)
+    check_request(doc, endpoint, guards)
     return model

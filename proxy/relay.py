@@ -30,7 +30,7 @@ from proxy.headers import (
     request_head,
     valid_request_id,
 )
-from proxy.payload import extract_model
+from proxy.payload import check_request, parse_request
 from proxy.routing import RoutingTable, UpstreamAddress
 from proxy.upstream import (
     BodyBroken,
@@ -93,6 +93,8 @@ class Relay:
                 pools[route.upstream],
                 route.upstream.host_header,
                 {path: route.upstream.target(endpoint) for path, endpoint in ENDPOINTS.items()},
+                route.gate,
+                route.guards,
             )
             for route in table
         }
@@ -113,7 +115,7 @@ class Relay:
                     headers=((b"allow", b"POST"),),
                 )
             body = await self._read_body(scope, receive)
-            model = extract_model(body)
+            model, doc = parse_request(body)
             entry = self._routes.get(model)
             if entry is None:
                 raise HTTPError(
@@ -123,13 +125,21 @@ class Relay:
                     param="model",
                     code="model_not_found",
                 )
+            pool, host_header, targets, gate, guards = entry
+            check_request(doc, ENDPOINTS[scope["path"]], guards)
+            if gate is not None and not gate.ready:
+                raise HTTPError(
+                    503,
+                    f"model `{model}` is loading: its engine is starting or restarting; retry shortly",
+                    code="model_loading",
+                    headers=((b"retry-after", _RETRY_AFTER_S),),
+                )
         except HTTPError as exc:
             headers = [(b"x-request-id", request_id), server_timing(started), *exc.headers]
             await send_json(send, exc.status, exc.body(), headers)
             return
         except ClientGone:
             return
-        pool, host_header, targets = entry
         headers = forward_request_headers(scope["headers"])
         headers.append((b"x-request-id", request_id))
         target = targets[scope["path"]]

@@ -9,7 +9,10 @@ import ipaddress
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Protocol
 from urllib.parse import urlsplit
+
+from proxy.payload import DEFAULT_GUARDS, RequestGuards
 
 
 class UpstreamSpecError(ValueError):
@@ -42,12 +45,25 @@ class UpstreamAddress:
         return self.prefix.encode() + b"/v1" + endpoint
 
 
+class Gate(Protocol):
+    """Whether an upstream can take requests now (an engine child that is ready)."""
+
+    @property
+    def ready(self) -> bool: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Route:
-    """A model name as clients see it, and the upstream that serves it."""
+    """A model name as clients see it, and the upstream that serves it.
+
+    ``gate`` is None for static upstreams, which are always tried; engine
+    children gate their routes while they start or restart.
+    """
 
     model: str
     upstream: UpstreamAddress
+    gate: Gate | None = None
+    guards: RequestGuards = DEFAULT_GUARDS
 
 
 class RoutingTable:

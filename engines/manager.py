@@ -1,0 +1,169 @@
+"""From "engine E, model M" to supervised children, and their start and stop.
+
+``plan`` resolves everything before the event loop runs (install, demo model,
+run directory, port, argv, environment) into frozen ``ChildConfig`` objects;
+``EngineManager`` owns the ``Child`` objects in the loop. The gateway meets
+this package only through ``Child.ready`` and the planned upstream address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import socket
+import subprocess
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from engines import demo_model
+from engines.child import Child, ChildConfig, ChildFailed
+from engines.environment import check_served_name, child_env, prepare_run_dir
+from engines.home import Home
+from engines.install import Installation
+from engines.spec import EngineSpec
+
+log = logging.getLogger("blazar.engines")
+
+
+class PlanError(ValueError):
+    """What the user asked for cannot be served; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedChild:
+    """A child ready to start, and what to tell the user about it."""
+
+    config: ChildConfig
+    engine: str
+    variant: str
+    venv: Path
+    cuda_home: Path | None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def ensure_demo_model(installation: Installation, home: Home, preset: str = "tiny") -> Path:
+    """Generate the built-in demo model with the engine's own Python, once."""
+    target = home.models / demo_model.demo_model_dir_name(preset)
+    script = Path(demo_model.__file__).resolve()
+    result = subprocess.run(
+        [str(installation.python), str(script), "--out", str(target), "--preset", preset],
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
+    if result.returncode != 0:
+        raise PlanError(f"generating the demo model into {target} failed (exit code {result.returncode})")
+    return target
+
+
+def plan(
+    spec: EngineSpec,
+    installation: Installation,
+    home: Home,
+    *,
+    model: str,
+    served_name: str | None = None,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    environ: dict[str, str] | None = None,
+) -> PlannedChild:
+    """Resolve one child: run directory, argv, environment, port, log file."""
+    model_dir = Path(model).expanduser()
+    local = model_dir.exists()
+    if local:
+        if not (model_dir / "config.json").is_file():
+            raise PlanError(f"{model_dir} is not a model directory: it has no config.json")
+        name = served_name or model_dir.resolve().name
+    else:
+        # A hub repo: the child downloads it and must be asked by its repo id.
+        name = served_name or model
+        if name != model:
+            raise PlanError(
+                f"--served-name {name!r} differs from the hub repo {model!r}; download the model "
+                "and pass its directory to serve it under another name"
+            )
+    check_served_name(name)
+    child_name = f"{spec.name}--{_slug(name)}"
+    run_dir = home.run / child_name
+    if local:
+        prepare_run_dir(run_dir, name, model_dir)
+    else:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    port = port or free_port(host)
+    argv = spec.server_argv(python=str(installation.python), model=name, host=host, port=port)
+    env = child_env(
+        os.environ if environ is None else environ,
+        venv=installation.venv,
+        cuda_home=installation.cuda_home,
+        ptx_cache=home.ptx_cache(spec.name) if installation.cuda_home else None,
+        offline=local,
+    )
+    config = ChildConfig(
+        name=child_name,
+        served_model=name,
+        argv=tuple(argv),
+        env=env,
+        cwd=run_dir,
+        host=host,
+        port=port,
+        log_path=home.logs / f"{child_name}.log",
+        ready_path=spec.readiness.path,
+        ready_max_tokens=spec.readiness.max_tokens,
+        ready_timeout_s=spec.readiness.timeout_s,
+        health_path=spec.readiness.health_path,
+    )
+    return PlannedChild(config, spec.name, installation.variant, installation.venv, installation.cuda_home)
+
+
+class EngineManager:
+    """Owns the children of one gateway process."""
+
+    def __init__(self, planned: Sequence[PlannedChild], announce: Callable[[str], None] = log.info) -> None:
+        self._announce = announce
+        self._planned = {p.config.name: p for p in planned}
+        self.children = [Child(p.config, on_ready=self._on_ready) for p in planned]
+        self._starters: list[asyncio.Task[None]] = []
+
+    def _on_ready(self, child: Child) -> None:
+        p = self._planned[child.config.name]
+        self._announce(
+            f"engine {p.engine} ({p.variant}) serving {child.config.served_model!r}: venv {p.venv}, "
+            f"CUDA_HOME {p.cuda_home or '-'}, pid {child.pid}, port {child.config.port}, "
+            f"ready in {child.ready_in_s:.1f} s"
+        )
+
+    async def start(self) -> None:
+        """Start every child; readiness is awaited in the background."""
+        self._starters = [asyncio.ensure_future(self._start(child)) for child in self.children]
+
+    async def _start(self, child: Child) -> None:
+        try:
+            await child.ensure_ready()
+        except ChildFailed as exc:
+            # The owner keeps retrying with backoff; say why it is not up yet.
+            self._announce(
+                f"engine child {child.config.name} failed to start: {exc} (log: {child.config.log_path})"
+            )
+
+    async def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Wait until every child is ready (for tests and scripts)."""
+        async with asyncio.timeout(timeout_s):
+            await asyncio.gather(*(child.ensure_ready() for child in self.children))
+
+    async def shutdown(self) -> None:
+        """Stop every child and reap it."""
+        for task in self._starters:
+            task.cancel()
+        await asyncio.gather(*(child.shutdown() for child in self.children), return_exceptions=True)
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "model"
