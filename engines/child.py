@@ -239,6 +239,14 @@ class Child:
             if outcome.command is _Command.STOP:
                 want_running = False
                 continue
+            late = control.result() if control.done() and not control.cancelled() else None
+            if late is _Command.SHUTDOWN:
+                # Taken from the queue while the ended process was reaped.
+                await self._move(ChildState.SHUTDOWN)
+                return
+            if late is _Command.STOP:
+                want_running = False
+                continue
             if outcome.was_ready:
                 backoff_s = self.config.backoff_initial_s
             # Crashed, unhealthy or never ready: back off, then start again,

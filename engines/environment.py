@@ -61,7 +61,14 @@ def prepare_run_dir(run_dir: Path, served_name: str, model_dir: Path) -> None:
     relative = check_served_name(served_name)
     run_dir.mkdir(parents=True, exist_ok=True)
     link = run_dir / relative
-    link.parent.mkdir(parents=True, exist_ok=True)
+    parent = run_dir
+    for part in relative.parts[:-1]:
+        parent = parent / part
+        if parent.is_symlink():
+            # Another served name's link: going through it would write
+            # into that model's directory.
+            raise ServedNameError(f"served name {served_name!r} would nest inside the link {parent}")
+        parent.mkdir(exist_ok=True)
     if link.is_symlink() or link.exists():
         if link.is_symlink() and Path(os.readlink(link)) == model_dir.resolve():
             return

@@ -13,10 +13,15 @@ from pathlib import Path
 def blazar_home(environ: dict[str, str] | None = None) -> Path:
     """Resolve BLAZAR_HOME from the environment (pure: pass ``environ`` to test)."""
     env = os.environ if environ is None else environ
+    home = env.get("HOME") or str(Path.home())
+
+    def expand(path: str) -> Path:
+        return Path(home + path[1:]) if path == "~" or path.startswith("~/") else Path(path)
+
     if env.get("BLAZAR_HOME"):
-        return Path(env["BLAZAR_HOME"]).expanduser()
-    data = env.get("XDG_DATA_HOME") or str(Path(env.get("HOME") or Path.home()) / ".local" / "share")
-    return Path(data).expanduser() / "blazar"
+        return expand(env["BLAZAR_HOME"])
+    data = env.get("XDG_DATA_HOME") or str(Path(home) / ".local" / "share")
+    return expand(data) / "blazar"
 
 
 @dataclass(frozen=True, slots=True)

@@ -77,20 +77,21 @@ def read_manifest(home: Home, name: str) -> Installation | None:
     """The installation recorded for ``name``, or None if there is no trusted one."""
     path = home.manifest(name)
     try:
-        data: dict[str, Any] = json.loads(path.read_text())
-    except (OSError, ValueError):
+        data = json.loads(path.read_text())
+        if data.get("manifest_version") != MANIFEST_VERSION:
+            return None
+        install = Installation(
+            name=str(data["name"]),
+            variant=str(data["variant"]),
+            packages=tuple(data["packages"]),
+            venv=Path(data["venv"]),
+            cuda_home=Path(data["cuda_home"]) if data.get("cuda_home") else None,
+            installer=str(data.get("installer", "")),
+            installed_at=float(data.get("installed_at", 0)),
+        )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        # Unreadable or not ours: not a trusted install.
         return None
-    if data.get("manifest_version") != MANIFEST_VERSION:
-        return None
-    install = Installation(
-        name=data["name"],
-        variant=data["variant"],
-        packages=tuple(data["packages"]),
-        venv=Path(data["venv"]),
-        cuda_home=Path(data["cuda_home"]) if data.get("cuda_home") else None,
-        installer=data.get("installer", ""),
-        installed_at=float(data.get("installed_at", 0)),
-    )
     return install if install.python.exists() else None
 
 

@@ -6,6 +6,7 @@ knows about any particular engine.
 
 from __future__ import annotations
 
+import string
 import tomllib
 from dataclasses import dataclass
 from importlib import resources
@@ -14,6 +15,7 @@ from typing import Any
 VARIANTS = ("cpu", "cuda12", "cuda13", "metal")
 CUDA_VARIANTS = frozenset({"cuda12", "cuda13"})
 MODEL_FIELD_MODES = frozenset({"run-dir-symlink"})
+_PLACEHOLDERS = frozenset({"python", "model", "host", "port"})
 
 
 class SpecError(ValueError):
@@ -112,6 +114,24 @@ def parse(data: dict[str, Any], *, source: str) -> EngineSpec:
     guards = data.get("guards", {})
     if not isinstance(guards, dict):
         raise SpecError(f"{source}: guards must be a table")
+    unknown = {
+        name for part in argv for _, name, _, _ in string.Formatter().parse(part) if name
+    } - _PLACEHOLDERS
+    if unknown:
+        raise SpecError(f"{source}: server.argv has unknown placeholders {sorted(unknown)}")
+
+    def number(table: dict[str, Any], key: str, default: float, where: str) -> float:
+        value = table.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise SpecError(f"{source}: {where}{key} must be a number")
+        return value
+
+    def flag(table: dict[str, Any], key: str, default: bool, where: str) -> bool:
+        value = table.get(key, default)
+        if not isinstance(value, bool):
+            raise SpecError(f"{source}: {where}{key} must be true or false")
+        return value
+
     spec = EngineSpec(
         name=need(data, "name", str, ""),
         kind=need(data, "kind", str, ""),
@@ -121,17 +141,17 @@ def parse(data: dict[str, Any], *, source: str) -> EngineSpec:
         packages=packages,
         argv=tuple(argv),
         http_version=str(server.get("http_version", "1.1")),
-        batch_size=int(server.get("batch_size", 1)),
+        batch_size=int(number(server, "batch_size", 1, "server.")),
         readiness=Readiness(
             path=need(readiness, "path", str, "readiness."),
-            max_tokens=int(readiness.get("max_tokens", 1)),
-            timeout_s=float(readiness.get("timeout_s", 600.0)),
+            max_tokens=int(number(readiness, "max_tokens", 1, "readiness.")),
+            timeout_s=float(number(readiness, "timeout_s", 600.0, "readiness.")),
             health_path=str(readiness.get("health_path", "")),
         ),
         model_field=mode,
         guards=Guards(
-            min_max_tokens=int(guards.get("min_max_tokens", 1)),
-            require_input=bool(guards.get("require_input", False)),
+            min_max_tokens=int(number(guards, "min_max_tokens", 1, "guards.")),
+            require_input=flag(guards, "require_input", False, "guards."),
         ),
     )
     if source.endswith(".toml") and spec.name != source.removesuffix(".toml"):

@@ -1,0 +1,221 @@
+"""A child's lifecycle, with real processes: the fake engine, and programs that misbehave.
+
+The fake engine is a real HTTP server that answers a 1-token generation, so
+readiness, crashes, health failures and stops all happen for real; only the
+model is missing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engines.child import Child, ChildConfig, ChildFailed, ChildState
+
+pytestmark = pytest.mark.anyio
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def config(tmp_path: Path, argv: list[str] | None = None, **overrides: object) -> ChildConfig:
+    port = free_port()
+    values: dict[str, object] = {
+        "name": "fake",
+        "served_model": "fake",
+        "argv": tuple(argv or [sys.executable, "-m", "tests.fake_engine", "--port", str(port)]),
+        "env": {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"},
+        "cwd": ROOT,
+        "host": "127.0.0.1",
+        "port": port,
+        "log_path": tmp_path / "logs" / "fake.log",
+        "ready_timeout_s": 15.0,
+        "health_interval_s": 0.2,
+        "health_failures": 2,
+        "stop_grace_s": 2.0,
+        "backoff_initial_s": 0.1,
+        "backoff_max_s": 0.4,
+    }
+    values.update(overrides)
+    return ChildConfig(**values)  # type: ignore[arg-type]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it is gone for our purposes.
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+async def wait_until(predicate: object, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.02)
+
+
+async def test_child_becomes_ready_and_logs(tmp_path: Path) -> None:
+    """ensure_ready starts the process, proves readiness by a generation, and logs its output."""
+    child = Child(config(tmp_path))
+    try:
+        await child.ensure_ready(15)
+        assert child.state is ChildState.READY and child.ready
+        assert child.pid is not None and alive(child.pid)
+        assert child.ready_in_s is not None and child.ready_in_s > 0
+        await wait_until(lambda: any(line.startswith("PORT ") for line in child.tail))
+        assert "PORT " in child.config.log_path.read_text()
+        # Readiness was a real generation, not /health.
+        async with httpx.AsyncClient(trust_env=False) as client:
+            records = (await client.get(f"{child.config.base_url}/_fake/requests")).json()
+        assert records[0]["path"] == "/v1/chat/completions"
+        assert records[0]["model"] == "fake"
+    finally:
+        await child.shutdown()
+    assert child.status().state == "shutdown"
+
+
+async def test_child_runs_in_its_own_process_group(tmp_path: Path) -> None:
+    """The child leads a new session, so signals to the gateway's group do not reach it by accident."""
+    child = Child(config(tmp_path))
+    try:
+        await child.ensure_ready(15)
+        assert child.pid is not None
+        assert os.getpgid(child.pid) == child.pid != os.getpgid(0)
+    finally:
+        await child.shutdown()
+
+
+async def test_crashed_child_is_restarted(tmp_path: Path) -> None:
+    """SIGKILL of a ready child moves it out of READY, and it comes back on a new process."""
+    child = Child(config(tmp_path))
+    try:
+        await child.ensure_ready(15)
+        first = child.pid
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        await wait_until(lambda: not child.ready)
+        await wait_until(lambda: child.ready, timeout_s=15)
+        assert child.pid not in (None, first)
+        assert child.restarts == 1
+    finally:
+        await child.shutdown()
+
+
+async def test_unhealthy_child_is_restarted(tmp_path: Path) -> None:
+    """A child whose /health turns 503 (mlx after max_tokens 0) is restarted like a crashed one."""
+    child = Child(config(tmp_path))
+    try:
+        await child.ensure_ready(15)
+        first = child.pid
+        async with httpx.AsyncClient(trust_env=False) as client:
+            # The fake engine, like mlx_lm.server 0.32, breaks for good on this.
+            await client.post(
+                f"{child.config.base_url}/v1/chat/completions",
+                json={"model": "fake", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
+            )
+            assert (await client.get(f"{child.config.base_url}/health")).status_code == 503
+        await wait_until(lambda: child.pid != first and child.ready, timeout_s=15)
+        assert child.restarts == 1
+    finally:
+        await child.shutdown()
+
+
+async def test_stop_kills_the_whole_group_and_reaps(tmp_path: Path) -> None:
+    """stop() ends the child and anything it started in its group, then it can start again."""
+    port = free_port()
+    marker = tmp_path / "grandchild.pid"
+    script = f"sleep 300 & echo $! > {marker}; exec {sys.executable} -m tests.fake_engine --port {port}"
+    child = Child(config(tmp_path, ["sh", "-c", script], port=port))
+    try:
+        await child.ensure_ready(15)
+        pid = child.pid
+        assert pid is not None
+        grandchild = int(marker.read_text())
+        assert alive(grandchild)
+        await child.stop()
+        assert child.state is ChildState.STOPPED and child.pid is None
+        await wait_until(lambda: not alive(pid) and not alive(grandchild), timeout_s=5)
+        await child.ensure_ready(15)
+        assert child.ready
+    finally:
+        await child.shutdown()
+
+
+async def test_sigterm_ignored_is_followed_by_sigkill(tmp_path: Path) -> None:
+    """A child that ignores SIGTERM is killed after the grace period."""
+    port = free_port()
+    script = f"trap '' TERM; {sys.executable} -m tests.fake_engine --port {port}; sleep 300"
+    child = Child(config(tmp_path, ["sh", "-c", script], port=port, stop_grace_s=0.5))
+    await child.ensure_ready(15)
+    pid = child.pid
+    assert pid is not None
+    started = time.monotonic()
+    await child.shutdown()
+    assert not alive(pid)
+    assert time.monotonic() - started < 5
+
+
+async def test_child_that_exits_reports_why(tmp_path: Path) -> None:
+    """A child that exits at once makes ensure_ready fail with its exit code and last output."""
+    argv = [sys.executable, "-c", "print('model not found: nope'); raise SystemExit(3)"]
+    child = Child(config(tmp_path, argv))
+    try:
+        with pytest.raises(ChildFailed, match="exited with code 3") as info:
+            await child.ensure_ready(15)
+        assert "model not found: nope" in str(info.value)
+        assert child.state in (ChildState.STOPPED, ChildState.STARTING)
+    finally:
+        await child.shutdown()
+
+
+async def test_child_that_never_answers_times_out(tmp_path: Path) -> None:
+    """A child that never answers a generation fails readiness at its deadline and is killed."""
+    argv = [sys.executable, "-c", "import time; print('loading', flush=True); time.sleep(300)"]
+    child = Child(config(tmp_path, argv, ready_timeout_s=0.5))
+    try:
+        with pytest.raises(ChildFailed, match=r"not ready within 0\.5 s"):
+            await child.ensure_ready(15)
+    finally:
+        await child.shutdown()
+    assert child.status().state == "shutdown"
+
+
+async def test_requests_to_a_starting_child_wait_for_one_start(tmp_path: Path) -> None:
+    """Concurrent ensure_ready calls share one start: one process serves them all."""
+    child = Child(config(tmp_path))
+    try:
+        await asyncio.gather(*(child.ensure_ready(15) for _ in range(10)))
+        assert child.restarts == 0
+        async with httpx.AsyncClient(trust_env=False) as client:
+            records = (await client.get(f"{child.config.base_url}/_fake/requests")).json()
+        assert len({r["conn_id"] for r in records}) == 1
+    finally:
+        await child.shutdown()
+
+
+async def test_shutdown_before_start_is_final(tmp_path: Path) -> None:
+    """A child shut down before it ever started cannot be started afterwards."""
+    child = Child(config(tmp_path))
+    await child.shutdown()
+    assert child.state is ChildState.SHUTDOWN

@@ -1,0 +1,294 @@
+"""engines.install: engine venvs, trusted only through their manifest. No network, no real installs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import engines.install
+from engines.home import Home
+from engines.install import (
+    MANIFEST_VERSION,
+    Installation,
+    InstallError,
+    Progress,
+    find_uv,
+    install,
+    installed,
+    read_manifest,
+    remove,
+)
+from engines.spec import EngineSpec, load
+
+NAME = "mlx-0.32.0"
+
+# A stand-in interpreter: answers _describe_venv's `-c` with the JSON it expects.
+FAKE_PYTHON = """#!/bin/sh
+echo '{"python": "3.11.0", "resolved": ["mlx-lm==0.32.0", "mlx==0.32.2"]}'
+"""
+
+
+class FakeInstaller:
+    """Replaces _make_venv_and_install: makes a venv-shaped tree and counts its calls."""
+
+    def __init__(self, *, runtime_headers: bool = True, fail: bool = False) -> None:
+        self.calls: list[tuple[Path, tuple[str, ...]]] = []
+        self.runtime_headers = runtime_headers
+        self.fail = fail
+
+    def __call__(self, venv: Path, packages: tuple[str, ...], python: str, progress: Progress) -> str:
+        self.calls.append((venv, packages))
+        python_path = venv / "bin" / "python"
+        python_path.parent.mkdir(parents=True)
+        python_path.write_text(FAKE_PYTHON)
+        python_path.chmod(0o755)
+        nvidia = venv / "lib" / "python3.11" / "site-packages" / "nvidia"
+        (nvidia / "cuda_nvrtc" / "include").mkdir(parents=True)
+        (nvidia / "cuda_nvrtc" / "include" / "nvrtc.h").write_text("")
+        if self.runtime_headers:
+            (nvidia / "cuda_runtime" / "include").mkdir(parents=True)
+            (nvidia / "cuda_runtime" / "include" / "cuda_runtime.h").write_text("")
+        if self.fail:
+            raise InstallError("uv pip install ... failed with exit code 1")
+        return "fake-uv 0.0.0"
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Home:
+    return Home(tmp_path / "blazar")
+
+
+@pytest.fixture
+def spec() -> EngineSpec:
+    return load(NAME)
+
+
+@pytest.fixture
+def installer(monkeypatch: pytest.MonkeyPatch) -> FakeInstaller:
+    fake = FakeInstaller()
+    monkeypatch.setattr(engines.install, "_make_venv_and_install", fake)
+    return fake
+
+
+def write_manifest(home: Home, text: str) -> None:
+    path = home.manifest(NAME)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def valid_manifest(home: Home, **overrides: object) -> dict[str, object]:
+    data: dict[str, object] = {
+        "manifest_version": MANIFEST_VERSION,
+        "name": NAME,
+        "variant": "cpu",
+        "packages": ["mlx-lm==0.32.0", "mlx[cpu]==0.32.2"],
+        "venv": str(home.venv(NAME)),
+        "cuda_home": None,
+        "installer": "uv",
+        "installed_at": 1.5,
+    }
+    data.update(overrides)
+    return data
+
+
+def make_python(home: Home) -> None:
+    python = home.venv(NAME) / "bin" / "python"
+    python.parent.mkdir(parents=True, exist_ok=True)
+    python.write_text(FAKE_PYTHON)
+    python.chmod(0o755)
+
+
+def test_read_manifest_missing_is_none(home: Home) -> None:
+    """No manifest file means no trusted installation."""
+    assert read_manifest(home, NAME) is None
+
+
+def test_read_manifest_garbage_is_none(home: Home) -> None:
+    """A manifest that is not JSON is not trusted."""
+    make_python(home)
+    write_manifest(home, "{not json")
+    assert read_manifest(home, NAME) is None
+
+
+def test_read_manifest_old_version_is_none(home: Home) -> None:
+    """A manifest written by another manifest version is not trusted."""
+    make_python(home)
+    write_manifest(home, json.dumps(valid_manifest(home, manifest_version=MANIFEST_VERSION - 1)))
+    assert read_manifest(home, NAME) is None
+
+
+def test_read_manifest_without_python_is_none(home: Home) -> None:
+    """A well-formed manifest whose venv python is gone is not trusted."""
+    write_manifest(home, json.dumps(valid_manifest(home)))
+    assert read_manifest(home, NAME) is None
+
+
+def test_read_manifest_valid(home: Home) -> None:
+    """A well-formed manifest with its venv python present reads back as an Installation."""
+    make_python(home)
+    write_manifest(home, json.dumps(valid_manifest(home)))
+    assert read_manifest(home, NAME) == Installation(
+        name=NAME,
+        variant="cpu",
+        packages=("mlx-lm==0.32.0", "mlx[cpu]==0.32.2"),
+        venv=home.venv(NAME),
+        cuda_home=None,
+        installer="uv",
+        installed_at=1.5,
+    )
+
+
+@pytest.mark.parametrize("text", ["[]", "null", '"engine"'])
+def test_read_manifest_json_not_an_object_is_none(home: Home, text: str) -> None:
+    """A manifest that is valid JSON but not an object is not trusted."""
+    make_python(home)
+    write_manifest(home, text)
+    assert read_manifest(home, NAME) is None
+
+
+def test_read_manifest_missing_key_is_none(home: Home) -> None:
+    """A current-version manifest that lacks a required key is not trusted."""
+    make_python(home)
+    data = valid_manifest(home)
+    del data["venv"]
+    write_manifest(home, json.dumps(data))
+    assert read_manifest(home, NAME) is None
+
+
+def test_install_writes_a_manifest(home: Home, spec: EngineSpec, installer: FakeInstaller) -> None:
+    """install() makes the venv with the spec's pins and records it in a manifest that reads back equal."""
+    result = install(spec, "cpu", home)
+    assert installer.calls == [(home.venv(NAME), spec.packages_for("cpu"))]
+    assert result.variant == "cpu"
+    assert result.packages == spec.packages_for("cpu")
+    assert result.cuda_home is None
+    assert result.installer == "fake-uv 0.0.0"
+    assert read_manifest(home, NAME) == result
+    manifest = json.loads(home.manifest(NAME).read_text())
+    assert manifest["python"] == "3.11.0"
+    assert manifest["resolved"] == ["mlx-lm==0.32.0", "mlx==0.32.2"]
+    assert not home.manifest(NAME).with_suffix(".json.tmp").exists()
+
+
+def test_manifest_is_written_last(
+    home: Home, spec: EngineSpec, installer: FakeInstaller, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No manifest exists while the venv is being made: it is the last thing install() writes."""
+    seen: list[bool] = []
+
+    def installing(venv: Path, packages: tuple[str, ...], python: str, progress: Progress) -> str:
+        seen.append(home.manifest(NAME).exists())
+        return installer(venv, packages, python, progress)
+
+    monkeypatch.setattr(engines.install, "_make_venv_and_install", installing)
+    install(spec, "cpu", home)
+    assert seen == [False]
+    assert home.manifest(NAME).exists()
+
+
+def test_install_is_idempotent(home: Home, spec: EngineSpec, installer: FakeInstaller) -> None:
+    """A second install of the same variant returns the recorded installation without reinstalling."""
+    first = install(spec, "cpu", home)
+    lines: list[str] = []
+    second = install(spec, "cpu", home, progress=lines.append)
+    assert len(installer.calls) == 1
+    assert second == first
+    assert any("is installed" in line for line in lines)
+
+
+def test_install_other_variant_reinstalls(home: Home, spec: EngineSpec, installer: FakeInstaller) -> None:
+    """Asking for a different variant replaces the installed one."""
+    install(spec, "cpu", home)
+    result = install(spec, "cuda12", home)
+    assert len(installer.calls) == 2
+    assert read_manifest(home, NAME) == result
+    assert result.variant == "cuda12"
+
+
+def test_cuda_install_assembles_cuda_home(home: Home, spec: EngineSpec, installer: FakeInstaller) -> None:
+    """A CUDA variant gets an engine-local cuda-home with the runtime headers, recorded in the manifest."""
+    result = install(spec, "cuda12", home)
+    assert result.cuda_home == home.cuda_home(NAME)
+    assert (home.cuda_home(NAME) / "include" / "cuda_runtime.h").exists()
+    assert read_manifest(home, NAME) == result
+
+
+def test_failed_install_leaves_nothing(home: Home, spec: EngineSpec, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed install leaves no half-made venv that a later run would trust."""
+    monkeypatch.setattr(engines.install, "_make_venv_and_install", FakeInstaller(fail=True))
+    with pytest.raises(InstallError, match="exit code 1"):
+        install(spec, "cpu", home)
+    assert not home.engine_dir(NAME).exists()
+    assert read_manifest(home, NAME) is None
+    assert installed(home) == []
+
+
+def test_failed_install_after_interrupt_leaves_nothing(
+    home: Home, spec: EngineSpec, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An install interrupted by KeyboardInterrupt is cleaned up like any failure."""
+
+    def interrupted(venv: Path, packages: tuple[str, ...], python: str, progress: Progress) -> str:
+        venv.mkdir(parents=True)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engines.install, "_make_venv_and_install", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        install(spec, "cpu", home)
+    assert not home.engine_dir(NAME).exists()
+
+
+def test_cuda_without_runtime_headers_fails_and_leaves_nothing(
+    home: Home, spec: EngineSpec, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CUDA variant without cuda_runtime.h fails at install, not at the first kernel, and leaves nothing."""
+    monkeypatch.setattr(engines.install, "_make_venv_and_install", FakeInstaller(runtime_headers=False))
+    with pytest.raises(InstallError, match=r"no cuda_runtime\.h"):
+        install(spec, "cuda12", home)
+    assert not home.engine_dir(NAME).exists()
+    assert read_manifest(home, NAME) is None
+
+
+def test_unfinished_install_is_replaced(home: Home, spec: EngineSpec, installer: FakeInstaller) -> None:
+    """An engine directory without a manifest (an interrupted install) is removed before installing."""
+    leftover = home.venv(NAME) / "half-made"
+    leftover.parent.mkdir(parents=True)
+    leftover.write_text("")
+    install(spec, "cpu", home)
+    assert not leftover.exists()
+    assert len(installer.calls) == 1
+
+
+def test_installed_lists_installations(home: Home, spec: EngineSpec, installer: FakeInstaller) -> None:
+    """installed() lists each trusted installation and skips untrusted directories."""
+    assert installed(home) == []
+    result = install(spec, "cpu", home)
+    (home.root / "engines" / "mlx-0.0.1").mkdir()
+    assert installed(home) == [result]
+
+
+def test_remove_deletes_once(home: Home, spec: EngineSpec, installer: FakeInstaller) -> None:
+    """remove() deletes the engine directory and returns True, then False when there is nothing left."""
+    install(spec, "cpu", home)
+    assert remove(home, NAME) is True
+    assert not home.engine_dir(NAME).exists()
+    assert installed(home) == []
+    assert remove(home, NAME) is False
+
+
+def test_unknown_variant_fails_before_touching_disk(home: Home, spec: EngineSpec) -> None:
+    """Installing a variant the spec lacks raises before anything is created."""
+    with pytest.raises(ValueError, match="no 'rocm' variant"):
+        install(spec, "rocm", home)
+    assert not home.root.exists()
+
+
+def test_find_uv_returns_a_runnable_binary() -> None:
+    """find_uv() finds the uv that ships as a dependency, and it runs."""
+    uv = find_uv()
+    assert uv is not None
+    result = subprocess.run([uv, "--version"], capture_output=True, text=True, check=True, timeout=30)
+    assert result.stdout.startswith("uv ")

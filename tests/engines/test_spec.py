@@ -1,0 +1,205 @@
+"""engines.spec: engine versions as data, loaded from TOML and validated."""
+
+from __future__ import annotations
+
+import copy
+import tomllib
+from importlib import resources
+from typing import Any
+
+import pytest
+
+from engines.spec import VARIANTS, EngineSpec, Guards, Readiness, SpecError, available, load, parse
+
+SHIPPED = "mlx-0.32.0"
+
+
+def shipped_table() -> dict[str, Any]:
+    """A fresh copy of the shipped mlx-0.32.0 TOML table, for mutating."""
+    text = (resources.files("engines") / "specs" / f"{SHIPPED}.toml").read_text(encoding="utf-8")
+    return copy.deepcopy(tomllib.loads(text))
+
+
+def test_shipped_spec_loads_with_its_identity() -> None:
+    """mlx-0.32.0 loads as kind mlx, version 0.32.0, serving MLX model directories."""
+    spec = load(SHIPPED)
+    assert isinstance(spec, EngineSpec)
+    assert (spec.name, spec.kind, spec.version) == (SHIPPED, "mlx", "0.32.0")
+    assert spec.model_formats == ("mlx",)
+    assert spec.model_field == "run-dir-symlink"
+
+
+def test_cpu_variant_pins_mlx_cpu_extra() -> None:
+    """The cpu variant pins mlx-lm 0.32.0 with mlx[cpu] 0.32.2 (on Linux mlx comes only via an extra)."""
+    assert load(SHIPPED).packages_for("cpu") == ("mlx-lm==0.32.0", "mlx[cpu]==0.32.2")
+
+
+def test_cuda12_variant_adds_the_cuda_runtime_headers() -> None:
+    """The cuda12 variant pins mlx[cuda12] and adds nvidia-cuda-runtime-cu12, which NVRTC needs."""
+    pins = load(SHIPPED).packages_for("cuda12")
+    assert "mlx-lm==0.32.0" in pins
+    assert "mlx[cuda12]==0.32.2" in pins
+    assert any(p.startswith("nvidia-cuda-runtime-cu12") for p in pins)
+
+
+def test_metal_variant_pins_plain_mlx() -> None:
+    """The metal variant pins plain mlx, with no extra."""
+    pins = load(SHIPPED).packages_for("metal")
+    assert pins == ("mlx-lm==0.32.0", "mlx==0.32.2")
+
+
+def test_shipped_spec_covers_every_variant() -> None:
+    """mlx-0.32.0 has a package list for each known variant."""
+    assert set(load(SHIPPED).packages) == set(VARIANTS)
+
+
+def test_available_lists_the_shipped_spec() -> None:
+    """available() lists the shipped spec by name, without the .toml suffix."""
+    assert SHIPPED in available()
+    assert all(not name.endswith(".toml") for name in available())
+
+
+def test_load_unknown_engine_names_the_known_ones() -> None:
+    """Loading an unknown engine raises SpecError naming the engines that do exist."""
+    with pytest.raises(SpecError, match=r"unknown engine 'mlx-9\.9\.9'") as info:
+        load("mlx-9.9.9")
+    assert SHIPPED in str(info.value)
+
+
+def test_packages_for_unknown_variant_raises() -> None:
+    """Asking for a variant the spec lacks raises SpecError naming the ones it has."""
+    with pytest.raises(SpecError, match="no 'rocm' variant") as info:
+        load(SHIPPED).packages_for("rocm")
+    assert "cpu" in str(info.value)
+
+
+def test_server_argv_fills_the_placeholders() -> None:
+    """server_argv fills {python}, {model}, {host} and {port} (as a string) in the template."""
+    argv = load(SHIPPED).server_argv(python="/v/bin/python", model="org/m", host="127.0.0.1", port=8123)
+    assert argv == [
+        "/v/bin/python",
+        "-m",
+        "mlx_lm.server",
+        "--model",
+        "org/m",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "8123",
+    ]
+
+
+def test_guards_are_read_from_the_toml() -> None:
+    """The guards table (min_max_tokens 1, require_input true) reaches the spec."""
+    assert load(SHIPPED).guards == Guards(min_max_tokens=1, require_input=True)
+
+
+def test_readiness_and_server_values_are_read_from_the_toml() -> None:
+    """Readiness (path, max_tokens, timeout, health path), HTTP version and batch size come from the TOML."""
+    spec = load(SHIPPED)
+    assert spec.readiness == Readiness(
+        path="/v1/chat/completions", max_tokens=1, timeout_s=600.0, health_path="/health"
+    )
+    assert spec.http_version == "1.0"
+    assert spec.batch_size == 32
+
+
+def test_parse_defaults_guards_when_absent() -> None:
+    """A spec without a guards table gets the permissive defaults."""
+    data = shipped_table()
+    del data["guards"]
+    assert parse(data, source=f"{SHIPPED}.toml").guards == Guards()
+
+
+def test_adding_a_spec_is_adding_a_file() -> None:
+    """A made-up mlx-0.31.9 table parses into a valid EngineSpec with no code change."""
+    data: dict[str, Any] = {
+        "name": "mlx-0.31.9",
+        "kind": "mlx",
+        "version": "0.31.9",
+        "model_formats": ["mlx"],
+        "packages": {"cpu": ["mlx-lm==0.31.9", "mlx[cpu]==0.31.9"]},
+        "server": {"argv": ["{python}", "-m", "mlx_lm.server", "--model", "{model}", "--port", "{port}"]},
+        "readiness": {"path": "/v1/chat/completions"},
+        "model_field": {"mode": "run-dir-symlink"},
+    }
+    spec = parse(data, source="mlx-0.31.9.toml")
+    assert spec.name == "mlx-0.31.9"
+    assert spec.packages_for("cpu") == ("mlx-lm==0.31.9", "mlx[cpu]==0.31.9")
+    assert spec.server_argv(python="p", model="m", host="h", port=1)[-1] == "1"
+    assert spec.readiness.max_tokens == 1
+    assert spec.http_version == "1.1"
+    with pytest.raises(SpecError):
+        spec.packages_for("cuda12")
+
+
+def test_parse_rejects_missing_packages() -> None:
+    """A spec without a packages table is rejected."""
+    data = shipped_table()
+    del data["packages"]
+    with pytest.raises(SpecError, match="packages must be a dict"):
+        parse(data, source=f"{SHIPPED}.toml")
+
+
+def test_parse_rejects_unknown_variant() -> None:
+    """A package list for a variant outside VARIANTS is rejected, naming the known ones."""
+    data = shipped_table()
+    data["packages"]["rocm"] = ["mlx==0.32.2"]
+    with pytest.raises(SpecError, match=r"packages\.rocm: unknown variant.*cuda12"):
+        parse(data, source=f"{SHIPPED}.toml")
+
+
+@pytest.mark.parametrize("pins", [[], [""], ["mlx==1", 3], "mlx==0.32.2"])
+def test_parse_rejects_empty_or_malformed_pin_list(pins: Any) -> None:
+    """A variant's pins must be a non-empty list of non-empty strings."""
+    data = shipped_table()
+    data["packages"]["cpu"] = pins
+    with pytest.raises(SpecError, match=r"packages\.cpu must be a non-empty list"):
+        parse(data, source=f"{SHIPPED}.toml")
+
+
+def test_parse_rejects_argv_without_port() -> None:
+    """A server argv that never passes {port} is rejected: the gateway could not reach the child."""
+    data = shipped_table()
+    data["server"]["argv"] = ["{python}", "-m", "mlx_lm.server", "--model", "{model}"]
+    with pytest.raises(SpecError, match=r"server\.argv"):
+        parse(data, source=f"{SHIPPED}.toml")
+
+
+def test_parse_rejects_unknown_model_field_mode() -> None:
+    """A model_field.mode other than the supported ones is rejected."""
+    data = shipped_table()
+    data["model_field"]["mode"] = "rewrite"
+    with pytest.raises(SpecError, match=r"model_field\.mode 'rewrite'"):
+        parse(data, source=f"{SHIPPED}.toml")
+
+
+def test_parse_rejects_name_not_matching_file() -> None:
+    """A spec whose name differs from its file name is rejected."""
+    data = shipped_table()
+    with pytest.raises(SpecError, match="does not match the file name"):
+        parse(data, source="mlx-0.31.9.toml")
+
+
+def test_parse_rejects_non_table_guards() -> None:
+    """guards must be a table when present."""
+    data = shipped_table()
+    data["guards"] = ["min_max_tokens"]
+    with pytest.raises(SpecError, match="guards must be a table"):
+        parse(data, source=f"{SHIPPED}.toml")
+
+
+def test_parse_rejects_non_numeric_timeout_with_spec_error() -> None:
+    """A readiness.timeout_s that is not a number is rejected with SpecError naming the key."""
+    data = shipped_table()
+    data["readiness"]["timeout_s"] = "ten minutes"
+    with pytest.raises(SpecError, match="timeout_s"):
+        parse(data, source=f"{SHIPPED}.toml")
+
+
+def test_parse_rejects_string_boolean_guard() -> None:
+    """A guards.require_input given as the string "false" is rejected rather than read as true."""
+    data = shipped_table()
+    data["guards"]["require_input"] = "false"
+    with pytest.raises(SpecError, match="require_input"):
+        parse(data, source=f"{SHIPPED}.toml")
