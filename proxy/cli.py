@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Awaitable, Callable
+from types import FrameType
 
 import click
 import uvicorn
@@ -105,6 +106,16 @@ def _echo(line: str) -> None:
     help="Seconds to wait for an upstream's response head (prefill can take minutes); past it, 504.",
 )
 @click.option(
+    "--read-timeout",
+    "read_timeout_s",
+    default=300.0,
+    type=click.FloatRange(0, min_open=True),
+    envvar="BLAZAR_READ_TIMEOUT",
+    show_envvar=True,
+    help="Seconds an upstream may go silent in the middle of a response; past it, an SSE error "
+    "event (streams) or a cut connection.",
+)
+@click.option(
     "--log-level",
     default="info",
     type=click.Choice(_LOG_LEVELS),
@@ -126,6 +137,7 @@ def main(
     max_body_bytes: int,
     connect_timeout_s: float,
     first_byte_timeout_s: float,
+    read_timeout_s: float,
     log_level: str,
 ) -> None:
     """An OpenAI-compatible gateway in front of local LLM engine servers.
@@ -160,6 +172,7 @@ def main(
         max_body_bytes=max_body_bytes,
         connect_timeout_s=connect_timeout_s,
         first_byte_timeout_s=first_byte_timeout_s,
+        read_timeout_s=read_timeout_s,
         log_level=log_level,
     )
     serve(settings, hooks)
@@ -263,7 +276,9 @@ def serve(
     app = build_app(
         RoutingTable(settings.routes),
         relay_settings=RelaySettings(
-            max_body_bytes=settings.max_body_bytes, head_timeout_s=settings.first_byte_timeout_s
+            max_body_bytes=settings.max_body_bytes,
+            head_timeout_s=settings.first_byte_timeout_s,
+            read_timeout_s=settings.read_timeout_s,
         ),
         connect_timeout_s=settings.connect_timeout_s,
         on_startup=hooks[0] if hooks else None,
@@ -284,7 +299,20 @@ def serve(
         proxy_headers=False,
         log_level=settings.log_level,
     )
-    uvicorn.Server(config).run()
+    _Server(config).run()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, exiting 0 after a graceful stop on SIGTERM or SIGINT.
+
+    uvicorn re-raises the signal once it has shut down, so the exit status
+    would read "killed by SIGTERM"; a gateway that stopped its children and
+    shut down in order has ended cleanly.
+    """
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()
 
 
 def _configure_logging(level: str) -> None:

@@ -15,4 +15,5 @@ class Settings:
     max_body_bytes: int = 32 * 1024 * 1024
     connect_timeout_s: float = 5.0
     first_byte_timeout_s: float = 600.0
+    read_timeout_s: float = 300.0
     log_level: str = "info"

@@ -31,6 +31,9 @@ HOP_BY_HOP = frozenset(
 _DROP_REQUEST = HOP_BY_HOP | {
     b"host",
     b"content-length",
+    # Always sent as application/json: the gateway has parsed the body as
+    # JSON, and FastAPI servers refuse curl's default form type with a 422.
+    b"content-type",
     b"expect",
     b"accept-encoding",
     b"x-request-id",
@@ -128,7 +131,7 @@ def request_head(
         target,
         b" HTTP/1.1\r\nhost: ",
         host,
-        b"\r\ncontent-length: ",
+        b"\r\ncontent-type: application/json\r\ncontent-length: ",
         str(content_length).encode(),
         b"\r\n",
     ]

@@ -36,7 +36,6 @@ from proxy.upstream import (
     BodyBroken,
     ClientGone,
     Connection,
-    EmptyReply,
     Pool,
     UpstreamError,
 )
@@ -58,6 +57,10 @@ ENDPOINTS: Mapping[str, bytes] = {
 _ERROR_BODY_LIMIT_BYTES = 1024 * 1024
 # Enough of a stream's end to hold "data: [DONE]" and its newlines.
 _TAIL_BYTES = 32
+# The most of a half-written SSE event held back to wait for its end.
+_PARTIAL_EVENT_LIMIT_BYTES = 64 * 1024
+# Upstream error headers that clients act on (openai-python reads them all).
+_KEPT_ON_ERRORS = frozenset({b"retry-after", b"retry-after-ms", b"x-should-retry", b"www-authenticate"})
 _RETRY_AFTER_S = b"2"
 # How long an exchange runs before the client is watched for a disconnect
 # (well inside the 1 s in which an abandoned upstream must be closed).
@@ -76,6 +79,7 @@ _ACCEPTED_CONTENT_TYPES = frozenset(
 class RelaySettings:
     max_body_bytes: int = 32 * 1024 * 1024
     head_timeout_s: float = 600.0
+    read_timeout_s: float = 300.0
 
 
 class Relay:
@@ -101,6 +105,7 @@ class Relay:
         self.request_id_of = RequestIds()
         self._max_body_bytes = settings.max_body_bytes
         self._head_timeout_s = settings.head_timeout_s
+        self._read_timeout_s = settings.read_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = perf_counter()
@@ -115,6 +120,8 @@ class Relay:
                     headers=((b"allow", b"POST"),),
                 )
             body = await self._read_body(scope, receive)
+            # The client's upload time is not the gateway's.
+            started = perf_counter()
             model, doc = parse_request(body)
             entry = self._routes.get(model)
             if entry is None:
@@ -186,35 +193,25 @@ class Relay:
         request_id: bytes,
         started: float,
     ) -> None:
-        retried = False
-        while True:
-            try:
-                conn = await pool.acquire()
-            except UpstreamError as exc:
-                await _send_upstream_error(send, exc, request_id, server_timing(started))
-                return
-            reused = conn.requests_sent > 0
-            conn.send(head, body)
-            sent_at = perf_counter()
-            watch = ClientWatch(receive, conn)
+        try:
+            conn = await pool.acquire()
+        except UpstreamError as exc:
+            await _send_upstream_error(send, exc, request_id, server_timing(started))
+            return
+        # No retry once the request is written: the upstream may have acted
+        # on it. Dead idle connections are weeded out by acquire() instead.
+        conn.send(head, body)
+        sent_at = perf_counter()
+        watch = ClientWatch(receive, conn)
+        try:
             try:
                 await conn.read_head(self._head_timeout_s)
-            except ClientGone:
-                watch.stop()
-                return
             except UpstreamError as exc:
-                watch.stop()
                 conn.close()
-                if isinstance(exc, EmptyReply) and reused and not retried:
-                    # A pooled connection the upstream closed as we wrote to
-                    # it: the request never reached the application. Once.
-                    retried = True
-                    continue
-                timing = server_timing(started, sent_at, perf_counter())
-                await _send_upstream_error(send, exc, request_id, timing)
+                await _send_upstream_error(
+                    send, exc, request_id, server_timing(started, sent_at, perf_counter())
+                )
                 return
-            break
-        try:
             await self._respond(conn, send, request_id, started, sent_at)
         except ClientGone:
             pass
@@ -239,8 +236,12 @@ class Relay:
         headers = filter_response_headers(conn.headers)
         sse = is_event_stream(headers)
         if status >= 400 and not sse:
-            body = await self._read_error_body(conn)
-            kept = [(n, v) for n, v in headers if n == b"retry-after"]
+            try:
+                body = await self._read_error_body(conn)
+            except UpstreamError as exc:
+                conn.close()
+                status, body = 502, _upstream_error_body(502, str(exc), exc.code)
+            kept = [(n, v) for n, v in headers if n in _KEPT_ON_ERRORS]
             timing = server_timing(started, sent_at, perf_counter())
             await send_json(send, status, body, [(b"x-request-id", request_id), timing, *kept])
             return
@@ -248,47 +249,72 @@ class Relay:
             headers = add_sse_headers(headers)
         headers.append((b"x-request-id", request_id))
         headers.append(server_timing(started, sent_at, head_at))
-        if not conn.close_delimited:
+        if not conn.close_delimited and status not in (204, 304):
             for name, value in conn.headers:
                 if name == b"content-length":
                     headers.append((name, value))
                     break
         await send({"type": "http.response.start", "status": status, "headers": headers})
+        if sse:
+            await self._relay_events(conn, send)
+        else:
+            await self._relay_body(conn, send)
 
-        tail = b""
+    async def _relay_body(self, conn: Connection, send: Send) -> None:
+        read_timeout_s = self._read_timeout_s
         try:
-            while True:
-                chunk = await conn.read()
-                if not chunk:
-                    break
-                if sse:
-                    tail = (
-                        chunk[-_TAIL_BYTES:] if len(chunk) >= _TAIL_BYTES else (tail + chunk)[-_TAIL_BYTES:]
-                    )
-                if conn.complete and not (sse and conn.close_delimited):
+            while chunk := await conn.read(read_timeout_s):
+                if conn.complete:
                     await send({"type": "http.response.body", "body": chunk})
                     return
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except BodyBroken as exc:
-            if not sse:
-                # Headers are out: the only honest signal left is to cut the
-                # client's connection before the declared end of the body.
-                log.warning("upstream body broken, aborting client response: %s", exc)
-                return
-            await send({"type": "http.response.body", "body": sse_error_event(502, str(exc), code=exc.code)})
+        except UpstreamError as exc:
+            # Headers are out: the only honest signal left is to cut the
+            # client's connection before the declared end of the body.
+            conn.close()
+            log.warning("upstream body broken, cutting the client's response: %s", exc)
             return
-        if sse and conn.close_delimited and b"[DONE]" not in tail:
+        await send({"type": "http.response.body", "body": b""})
+
+    async def _relay_events(self, conn: Connection, send: Send) -> None:
+        """Relay an SSE stream event by event as bytes arrive, and vouch for its end.
+
+        Bytes after the last complete event of a read wait for the rest of
+        their event (they are rare: servers write whole events), so that an
+        error event never lands inside a half-written one.
+        """
+        read_timeout_s = self._read_timeout_s
+        pending = b""
+        tail = b""
+        try:
+            while chunk := await conn.read(read_timeout_s):
+                if pending:
+                    chunk = pending + chunk
+                    pending = b""
+                if not chunk.endswith(b"\n\n"):
+                    cut = _event_end(chunk)
+                    if cut < len(chunk) and len(chunk) - cut <= _PARTIAL_EVENT_LIMIT_BYTES:
+                        chunk, pending = chunk[:cut], chunk[cut:]
+                        if not chunk:
+                            continue
+                tail = chunk[-_TAIL_BYTES:] if len(chunk) >= _TAIL_BYTES else (tail + chunk)[-_TAIL_BYTES:]
+                if conn.complete and not conn.close_delimited and not pending:
+                    await send({"type": "http.response.body", "body": chunk})
+                    return
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except UpstreamError as exc:
+            conn.close()
+            event = sse_error_event(exc.status, str(exc), code=exc.code)
+            await send({"type": "http.response.body", "body": event})
+            return
+        if conn.close_delimited and b"[DONE]" not in tail:
             # An HTTP/1.0 stream ends with the close either way: without
             # [DONE], the engine crashed or cut it, and the client must know.
             message = "upstream stream ended without [DONE]: the response is truncated"
-            await send(
-                {
-                    "type": "http.response.body",
-                    "body": sse_error_event(502, message, code="upstream_truncated"),
-                }
-            )
+            event = sse_error_event(502, message, code="upstream_truncated")
+            await send({"type": "http.response.body", "body": event})
             return
-        await send({"type": "http.response.body", "body": b""})
+        await send({"type": "http.response.body", "body": pending})
 
     async def _read_error_body(self, conn: Connection) -> bytes:
         """An upstream error body, read whole (bounded) and put in OpenAI's envelope."""
@@ -296,7 +322,7 @@ class Relay:
         size = 0
         while size <= _ERROR_BODY_LIMIT_BYTES:
             try:
-                chunk = await conn.read()
+                chunk = await conn.read(self._read_timeout_s)
             except BodyBroken:
                 break
             if not chunk:
@@ -374,6 +400,13 @@ class RequestIds:
             if name == b"x-request-id" and valid_request_id(value):
                 return bytes(value)
         return b"%s%016x" % (self._prefix, next(self._counter))
+
+
+def _event_end(data: bytes) -> int:
+    """Where the last complete SSE event in ``data`` ends (0 if none does)."""
+    lf = data.rfind(b"\n\n")
+    crlf = data.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
 def _too_large(limit: int) -> HTTPError:

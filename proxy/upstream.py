@@ -60,6 +60,11 @@ class BodyBroken(UpstreamError):
     code = "upstream_truncated"
 
 
+class ReadTimeout(UpstreamError):
+    status = 504
+    code = "upstream_timeout"
+
+
 class ClientGone(Exception):
     """The client went away; the upstream connection was closed for it."""
 
@@ -90,6 +95,7 @@ class Connection(asyncio.Protocol):
         self.keep_alive = False
         self.close_delimited = False
         self._head_done = False
+        self._stray = False
         self._framed = False
         self._complete = False
         self._informational = False
@@ -116,8 +122,8 @@ class Connection(asyncio.Protocol):
         self._received_any = True
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._fail(BadResponse(f"upstream sent a malformed HTTP response ({exc})"))
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            self._fail(BadResponse(f"upstream sent a malformed HTTP response ({exc!r})"))
             self.close()
 
     def eof_received(self) -> bool:
@@ -130,13 +136,23 @@ class Connection(asyncio.Protocol):
 
     # -- httptools callbacks ------------------------------------------------
 
+    def on_message_begin(self) -> None:
+        if self._complete:
+            # Bytes after the end of the response: the next message began.
+            # The connection is out of step with its requests; never reuse it.
+            self._stray = True
+
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self._stray:
+            return
         name = name.lower()
         if name == b"content-length" or name == b"transfer-encoding":
             self._framed = True
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        if self._stray:
+            return
         status = self._parser.get_status_code()
         if status < 200:
             # 1xx: an interim response; the real one follows.
@@ -150,6 +166,8 @@ class Connection(asyncio.Protocol):
         self._wake()
 
     def on_body(self, body: bytes) -> None:
+        if self._stray:
+            return
         self._chunks.append(body)
         self._buffered += len(body)
         if self._buffered > _HIGH_WATER_BYTES and not self._paused and self._transport:
@@ -158,6 +176,8 @@ class Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self._stray:
+            return
         if self._informational:
             self._informational = False
             return
@@ -191,8 +211,11 @@ class Connection(asyncio.Protocol):
             assert self._error is not None
             raise self._error
 
-    async def read(self) -> bytes:
-        """The body bytes that have arrived; ``b""`` once the body is complete."""
+    async def read(self, timeout_s: float) -> bytes:
+        """The body bytes that have arrived; ``b""`` once the body is complete.
+
+        Raises ReadTimeout when nothing arrives for ``timeout_s``.
+        """
         while True:
             chunks = self._chunks
             if chunks:
@@ -207,7 +230,11 @@ class Connection(asyncio.Protocol):
                 return b""
             if self._error is not None:
                 raise self._error
-            await self._wait()
+            timer = self._loop.call_later(timeout_s, self._read_timed_out, timeout_s)
+            try:
+                await self._wait()
+            finally:
+                timer.cancel()
 
     @property
     def complete(self) -> bool:
@@ -219,6 +246,7 @@ class Connection(asyncio.Protocol):
         return (
             self._complete
             and self.keep_alive
+            and not self._stray
             and not self._chunks
             and self.state is ConnState.ACTIVE
             and self._transport is not None
@@ -247,6 +275,13 @@ class Connection(asyncio.Protocol):
     def _head_timed_out(self, timeout_s: float) -> None:
         if not self._head_done and self._error is None:
             self._fail(HeadTimeout(f"upstream sent no response within {timeout_s:g} s"))
+            self.close()
+
+    def _read_timed_out(self, timeout_s: float) -> None:
+        if self._error is None and not self._complete:
+            self._fail(
+                ReadTimeout(f"upstream sent nothing for {timeout_s:g} s in the middle of its response")
+            )
             self.close()
 
     def _on_close(self, exc: Exception | None) -> None:
@@ -321,7 +356,12 @@ class Pool:
             now = asyncio.get_running_loop().time()
             while idle:
                 conn = idle.pop()
-                if conn.state is ConnState.IDLE and now - conn.idle_since < self.idle_timeout_s:
+                if (
+                    conn.state is ConnState.IDLE
+                    and now - conn.idle_since < self.idle_timeout_s
+                    and conn._transport is not None
+                    and not conn._transport.is_closing()
+                ):
                     return conn
                 conn.close()
         return await self.connect()

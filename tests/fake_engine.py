@@ -22,8 +22,10 @@ routes only, so readiness probes keep working) and per request with an
     x-fake: prefill=2.0; keepalive=0.5; chunk-delay=0.004; die-after=3
 
 Keys: prefill, keepalive, chunk-delay, stall (seconds); die-after, status,
-chunks, chunk-bytes (integers); garbage, reset, empty (flags; a bare key means
-true). An unknown key gets a 400 so that a typo in a test cannot pass silently.
+chunks, chunk-bytes (integers); garbage, reset, empty, mid-event (with
+die-after: end on half an event), bad-chunk (chunked streams: a malformed
+chunk after the first event): flags, where a bare key means true. An
+unknown key gets a 400 so that a typo in a test cannot pass silently.
 
 Observability: every request (but the admin routes) is recorded; ``GET
 /_fake/requests[?since=ID]`` returns the records as JSON and ``POST
@@ -114,6 +116,10 @@ class FakeOptions:
     chunk_delay_s: float = 0.0
     stall_s: float = 0.0
     die_after: int | None = None
+    # With die-after: the last thing written is half of the next event.
+    mid_event: bool = False
+    # Chunked (--http11) streams: an invalid chunk-size line after the first event.
+    bad_chunk: bool = False
     garbage: bool = False
     reset: bool = False
     empty: bool = False
@@ -128,6 +134,7 @@ class FakeOptions:
             or self.stall_s > 0
             or self.chunk_delay_s > 0
             or self.die_after is not None
+            or self.bad_chunk
             or self.garbage
             or self.reset
             or self.empty
@@ -173,6 +180,8 @@ _CONTROLS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "chunk-delay": ("chunk_delay_s", _parse_seconds),
     "stall": ("stall_s", _parse_seconds),
     "die-after": ("die_after", _parse_count),
+    "mid-event": ("mid_event", _parse_flag),
+    "bad-chunk": ("bad_chunk", _parse_flag),
     "garbage": ("garbage", _parse_flag),
     "reset": ("reset", _parse_flag),
     "empty": ("empty", _parse_flag),
@@ -1206,11 +1215,20 @@ class _Connection(asyncio.Protocol):
         for index, event in enumerate(reply.events):
             if opts.die_after is not None and index >= opts.die_after:
                 rec.fault = "die-after"
+                if opts.mid_event:
+                    half = event[: len(event) // 2]
+                    transport.write(_frame(half) if chunked else half)
                 self._finish(rec, OUTCOME_ABORTED, status=reply.status)
                 self._close()
                 return
             transport.write(_frame(event) if chunked else event)
             rec.events_sent = index + 1
+            if index == 0 and opts.bad_chunk and chunked:
+                rec.fault = "bad-chunk"
+                transport.write(b"zz\r\nnot a chunk\r\n")
+                self._finish(rec, OUTCOME_ABORTED, status=reply.status)
+                self._close()
+                return
             if index == 0 and opts.stall_s > 0:
                 await asyncio.sleep(opts.stall_s)
             elif delay_s > 0:

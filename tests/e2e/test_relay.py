@@ -242,7 +242,7 @@ def test_upstream_down_is_503_with_retry_after(start_gateway: StartGateway, http
     assert error_of(response)["code"] == "upstream_unavailable"
     ready = http.get(gw.url + "/readyz")
     assert ready.status_code == 503
-    assert "no upstream is reachable" in ready.json()["reason"]
+    assert "no model can be served now" in ready.json()["reason"]
 
 
 def test_first_byte_timeout_is_504(start_gateway: StartGateway, fake: FakeEngine, http: httpx.Client) -> None:

@@ -78,7 +78,7 @@ async def roundtrip(pool: Pool, timeout_s: float = 5.0) -> tuple[Connection, byt
     conn.send(REQUEST, b"{}")
     await conn.read_head(timeout_s)
     chunks = []
-    while chunk := await conn.read():
+    while chunk := await conn.read(5):
         chunks.append(chunk)
     return conn, b"".join(chunks)
 
@@ -326,7 +326,7 @@ async def test_large_body_passes_through_backpressure() -> None:
         conn.send(REQUEST, b"{}")
         await conn.read_head(5)
         received = bytearray()
-        while chunk := await conn.read():
+        while chunk := await conn.read(5):
             received += chunk
             await asyncio.sleep(0.001)
         assert bytes(received) == payload

@@ -1,0 +1,263 @@
+"""The real engine: mlx-0.32.0 on the CPU, installed in its own venv, behind the gateway.
+
+`blazar-proxy --engine mlx-0.32.0` with no model serves the built-in demo
+model (a random-weight Qwen2 generated locally), so these tests need no model
+hub. The engine venv lives in BLAZAR_TEST_HOME (default ~/.cache/blazar-test),
+so a second run on the same machine installs nothing; a fresh machine
+installs it from PyPI.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from openai.types.chat import ChatCompletionMessageParam
+
+from tests.e2e.conftest import ROOT, free_port
+
+ENGINE = "mlx-0.32.0"
+DEMO = "blazar-demo-qwen2-tiny"
+_READY_TIMEOUT_S = 180.0
+
+
+def engine_home() -> Path:
+    return Path(os.environ.get("BLAZAR_TEST_HOME") or Path.home() / ".cache" / "blazar-test")
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "BLAZAR_HOME": str(engine_home()), "PYTHONUNBUFFERED": "1"}
+
+
+@dataclass
+class EngineGateway:
+    """A gateway process running one mlx child."""
+
+    proc: subprocess.Popen[bytes]
+    port: int
+    log_path: Path
+    child_pid: int
+    child_port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def start_engine_gateway(log_dir: Path, *args: str) -> EngineGateway:
+    """Start `blazar-proxy --engine mlx-0.32.0` and wait until its child is ready."""
+    port = free_port()
+    log_path = log_dir / f"engine-gateway-{port}.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "proxy",
+                "--engine",
+                ENGINE,
+                "--engine-variant",
+                "cpu",
+                "--port",
+                str(port),
+                *args,
+            ],
+            cwd=ROOT,
+            env=_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    deadline = time.monotonic() + _READY_TIMEOUT_S
+    pattern = re.compile(r"pid (\d+), port (\d+), ready in")
+    while True:
+        match = pattern.search(log_path.read_text(errors="replace"))
+        if match:
+            return EngineGateway(proc, port, log_path, int(match.group(1)), int(match.group(2)))
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"engine gateway did not get ready: {log_path.read_text(errors='replace')}")
+        time.sleep(0.1)
+
+
+def stop(gateway: EngineGateway) -> None:
+    if gateway.proc.poll() is None:
+        gateway.proc.send_signal(signal.SIGTERM)
+        try:
+            gateway.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            gateway.proc.kill()
+            gateway.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def engine_installed() -> None:
+    """Install mlx-0.32.0 (cpu) once; a no-op when it already is."""
+    result = subprocess.run(
+        [sys.executable, "-m", "proxy", "engines", "install", ENGINE, "--variant", "cpu"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.fixture(scope="session")
+def mlx_gateway(engine_installed: None, logs_dir: Path) -> Iterator[EngineGateway]:
+    gateway = start_engine_gateway(logs_dir)
+    yield gateway
+    stop(gateway)
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"{url}/v1",
+        api_key="unused",
+        max_retries=0,
+        http_client=openai.DefaultHttpxClient(trust_env=False, timeout=60),
+    )
+
+
+PROMPTS = ["Say hello.", "Count to five.", "What is the capital of France?"]
+
+
+def ask(c: openai.OpenAI, prompt: str, max_tokens: int = 16) -> str:
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": prompt}]
+    reply = c.chat.completions.create(model=DEMO, messages=messages, max_tokens=max_tokens, temperature=0)
+    return reply.choices[0].message.content or ""
+
+
+def test_startup_line_names_engine_variant_venv_and_port(mlx_gateway: EngineGateway) -> None:
+    """Startup prints one line per child with engine, variant, venv, CUDA_HOME, pid, port and ready time."""
+    line = next(line for line in mlx_gateway.log().splitlines() if "ready in" in line)
+    assert f"engine {ENGINE} (cpu) serving '{DEMO}'" in line
+    assert f"venv {engine_home() / 'engines' / ENGINE / 'venv'}" in line
+    assert "CUDA_HOME -" in line
+    child_cmdline = Path(f"/proc/{mlx_gateway.child_pid}/cmdline").read_bytes().split(b"\0")
+    assert child_cmdline[0] == str(engine_home() / "engines" / ENGINE / "venv" / "bin" / "python").encode()
+    assert b"mlx_lm.server" in child_cmdline
+
+
+def test_openai_client_chat_through_gateway(mlx_gateway: EngineGateway) -> None:
+    """A real mlx generation comes back through the gateway with the client's model name and token count."""
+    with client(mlx_gateway.url) as c:
+        messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
+        reply = c.chat.completions.create(model=DEMO, messages=messages, max_tokens=8)
+    assert reply.model == DEMO
+    assert reply.usage is not None and reply.usage.completion_tokens == 8
+    assert reply.choices[0].finish_reason == "length"
+
+
+def test_openai_client_stream_through_gateway(mlx_gateway: EngineGateway) -> None:
+    """A real mlx stream arrives chunk by chunk, ends cleanly and reports usage."""
+    with client(mlx_gateway.url) as c:
+        messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
+        stream = c.chat.completions.create(
+            model=DEMO,
+            messages=messages,
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = list(stream)
+    assert sum(1 for ch in chunks if ch.choices and ch.choices[0].delta.content) >= 2
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+
+
+def test_parity_direct_and_through_gateway(mlx_gateway: EngineGateway) -> None:
+    """At temperature 0 the content is byte-identical direct and through the gateway, for 3 prompts."""
+    with client(f"http://127.0.0.1:{mlx_gateway.child_port}") as direct, client(mlx_gateway.url) as proxied:
+        for prompt in PROMPTS:
+            assert ask(direct, prompt) == ask(proxied, prompt), prompt
+
+
+def test_engine_guards_answer_400_before_the_engine(mlx_gateway: EngineGateway) -> None:
+    """max_tokens 0 and a chat without messages get 400 at the gateway; the child stays healthy."""
+    with httpx.Client(trust_env=False, timeout=30) as http:
+        zero = http.post(
+            f"{mlx_gateway.url}/v1/chat/completions",
+            json={"model": DEMO, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
+        )
+        assert zero.status_code == 400 and zero.json()["error"]["param"] == "max_tokens"
+        empty = http.post(f"{mlx_gateway.url}/v1/chat/completions", json={"model": DEMO})
+        assert empty.status_code == 400 and empty.json()["error"]["param"] == "messages"
+        assert http.get(f"http://127.0.0.1:{mlx_gateway.child_port}/health").status_code == 200
+
+
+def test_bad_field_type_gets_502_not_a_hang(mlx_gateway: EngineGateway) -> None:
+    """A field type mlx cannot handle (it closes with 0 bytes) gets a 502 that says so."""
+    with httpx.Client(trust_env=False, timeout=30) as http:
+        response = http.post(
+            f"{mlx_gateway.url}/v1/chat/completions",
+            json={"model": DEMO, "messages": [{"role": "user", "content": "x"}], "temperature": "hot"},
+        )
+    assert response.status_code == 502
+    assert "without sending a response" in response.json()["error"]["message"]
+
+
+def test_crashed_child_comes_back_and_requests_meanwhile_get_503(
+    engine_installed: None, logs_dir: Path
+) -> None:
+    """SIGKILL the child: requests meanwhile get 503 with Retry-After, then it serves again."""
+    gateway = start_engine_gateway(logs_dir)
+    try:
+        os.kill(gateway.child_pid, signal.SIGKILL)
+        seen_503 = False
+        deadline = time.monotonic() + 120
+        with httpx.Client(trust_env=False, timeout=30) as http:
+            body = {"model": DEMO, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            while time.monotonic() < deadline:
+                response = http.post(f"{gateway.url}/v1/chat/completions", json=body)
+                if response.status_code == 200:
+                    break
+                assert response.status_code == 503, response.text
+                assert response.headers["retry-after"]
+                assert response.json()["error"]["code"] in ("model_loading", "upstream_unavailable")
+                seen_503 = True
+                time.sleep(0.05)
+            assert response.status_code == 200
+        assert seen_503
+        assert "restarting" in gateway.log() or "starting again" in gateway.log()
+    finally:
+        stop(gateway)
+
+
+def test_sigterm_stops_gateway_and_reaps_child(engine_installed: None, logs_dir: Path) -> None:
+    """SIGTERM: the gateway exits 0 and its child is gone."""
+    gateway = start_engine_gateway(logs_dir)
+    gateway.proc.send_signal(signal.SIGTERM)
+    assert gateway.proc.wait(30) == 0
+    assert not _pid_alive(gateway.child_pid)
+
+
+def test_sigkill_of_gateway_leaves_no_orphan(engine_installed: None, logs_dir: Path) -> None:
+    """SIGKILL the gateway: its child dies within 2 s (parent-death signal)."""
+    gateway = start_engine_gateway(logs_dir)
+    gateway.proc.kill()
+    gateway.proc.wait()
+    deadline = time.monotonic() + 2.0
+    while _pid_alive(gateway.child_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _pid_alive(gateway.child_pid)

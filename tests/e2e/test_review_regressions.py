@@ -1,0 +1,144 @@
+"""Regression tests named after bugs found in review of the request path."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import httpx
+import openai
+import orjson
+import pytest
+from openai.types.chat import ChatCompletionMessageParam
+
+from tests.e2e.conftest import FakeEngine, Running, StartFakeEngine, StartGateway
+
+CHAT = "/v1/chat/completions"
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
+
+
+def chat(**fields: object) -> dict[str, object]:
+    return {"model": "fake", "messages": MESSAGES, "max_tokens": 4, **fields}
+
+
+@pytest.fixture
+def http11(start_fake_engine: StartFakeEngine, start_gateway: StartGateway) -> tuple[FakeEngine, Running]:
+    """A keep-alive (HTTP/1.1, chunked) fake engine behind its own gateway."""
+    fake = start_fake_engine("--http11")
+    return fake, start_gateway({"fake": fake.url}, "--read-timeout", "1")
+
+
+def test_empty_reply_on_pooled_connection_is_not_sent_twice(
+    http11: tuple[FakeEngine, Running], http: httpx.Client
+) -> None:
+    """An upstream that took the request and then closed with 0 bytes is not sent it again."""
+    fake, gateway = http11
+    assert http.post(gateway.url + CHAT, json=chat()).status_code == 200  # pools a connection
+    response = http.post(
+        gateway.url + CHAT, json=chat(), headers={"x-fake": "prefill=0.2; empty", "x-request-id": "once"}
+    )
+    assert response.status_code == 502
+    assert [r["headers"]["x-request-id"] for r in fake.records()].count("once") == 1
+
+
+def test_malformed_chunk_mid_stream_becomes_an_sse_error_event(
+    http11: tuple[FakeEngine, Running],
+) -> None:
+    """A parse error after the stream started ends it with an error event (openai raises APIError)."""
+    _, gateway = http11
+    with openai.OpenAI(
+        base_url=f"{gateway.url}/v1",
+        api_key="x",
+        max_retries=0,
+        http_client=openai.DefaultHttpxClient(trust_env=False, timeout=10),
+    ) as c:
+        stream = c.chat.completions.create(
+            model="fake", messages=MESSAGES, max_tokens=5, stream=True, extra_headers={"x-fake": "bad-chunk"}
+        )
+        with pytest.raises(openai.APIError, match="malformed"):
+            list(stream)
+
+
+def test_cut_in_the_middle_of_an_event_still_gives_a_parseable_error(
+    gateway: Running, fake: FakeEngine
+) -> None:
+    """Half an event before the close is held back, so the error event parses as APIError."""
+    with openai.OpenAI(
+        base_url=f"{gateway.url}/v1",
+        api_key="x",
+        max_retries=0,
+        http_client=openai.DefaultHttpxClient(trust_env=False, timeout=10),
+    ) as c:
+        stream = c.chat.completions.create(
+            model="fake",
+            messages=MESSAGES,
+            max_tokens=8,
+            stream=True,
+            extra_headers={"x-fake": "die-after=2; mid-event"},
+        )
+        received: list[object] = []
+        with pytest.raises(openai.APIError, match="truncated"):
+            received.extend(stream)
+    assert len(received) == 2
+
+
+def test_upstream_silent_mid_response_times_out(
+    http11: tuple[FakeEngine, Running], http: httpx.Client
+) -> None:
+    """An upstream that stalls after its head no longer hangs the client: stream gets an error event."""
+    fake, gateway = http11
+    response = http.post(gateway.url + CHAT, json=chat(stream=True), headers={"x-fake": "stall=30"})
+    events = [e for e in response.content.split(b"\n\n") if e.strip()]
+    error = orjson.loads(events[-1].removeprefix(b"data: "))["error"]
+    assert error["code"] == "upstream_timeout"
+    record = fake.wait_for_record(lambda r: r["closed_at"] is not None)
+    assert record["outcome"] == "peer_closed"
+
+
+def test_upstream_silent_mid_json_body_cuts_the_response(
+    http11: tuple[FakeEngine, Running], http: httpx.Client
+) -> None:
+    """A non-stream body that stops arriving is cut, never left hanging or passed as complete."""
+    _, gateway = http11
+    with pytest.raises(httpx.RemoteProtocolError):
+        http.post(gateway.url + CHAT, json=chat(), headers={"x-fake": "stall=30"})
+
+
+def test_curl_form_content_type_reaches_upstream_as_json(gateway: Running, fake: FakeEngine) -> None:
+    """curl's default form type is accepted, and the upstream is told application/json."""
+    body = orjson.dumps(chat())
+    with socket.create_connection(("127.0.0.1", gateway.port), timeout=5) as sock:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/x-www-form-urlencoded\r\nContent-Length: %d\r\n\r\n"
+            % len(body)
+            + body
+        )
+        assert sock.recv(12) == b"HTTP/1.1 200"
+    assert fake.records()[0]["headers"]["content-type"] == "application/json"
+
+
+def test_server_timing_excludes_the_clients_upload(gateway: Running, fake: FakeEngine) -> None:
+    """A client that sends its body slowly does not inflate the gateway's Server-Timing figure."""
+    body = orjson.dumps(chat())
+    with socket.create_connection(("127.0.0.1", gateway.port), timeout=5) as sock:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body)
+        )
+        sock.sendall(body[:5])
+        time.sleep(0.5)
+        sock.sendall(body[5:])
+        raw = b""
+        while b"\r\n\r\n" not in raw:
+            raw += sock.recv(65536)
+    timing = next(line for line in raw.split(b"\r\n") if line.lower().startswith(b"server-timing:"))
+    gateway_ms = float(timing.split(b"gateway;dur=")[1].split(b",")[0])
+    assert gateway_ms < 500
+
+
+def test_upstream_error_keeps_retry_headers(gateway: Running, fake: FakeEngine, http: httpx.Client) -> None:
+    """An upstream 503 keeps Retry-After when normalised (openai-python reads it)."""
+    response = http.post(gateway.url + CHAT, json=chat(), headers={"x-fake": "status=503"})
+    assert response.status_code == 503
+    assert response.headers["retry-after"] == "7"
