@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -209,3 +210,13 @@ def http() -> Iterator[httpx.Client]:
     """A plain httpx client that ignores proxy variables."""
     with httpx.Client(trust_env=False, timeout=10) as client:
         yield client
+
+
+def openai_client(base_url: str, timeout_s: float = 10.0) -> openai.OpenAI:
+    """The official client as a user would make it, minus retries and proxy variables."""
+    return openai.OpenAI(
+        base_url=f"{base_url}/v1",
+        api_key="unused",
+        max_retries=0,
+        http_client=openai.DefaultHttpxClient(trust_env=False, timeout=timeout_s),
+    )

@@ -24,7 +24,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from tests.e2e.conftest import ROOT, free_port
+from tests.e2e.conftest import ROOT, free_port, openai_client
 
 ENGINE = "mlx-0.32.0"
 DEMO = "blazar-demo-qwen2-tiny"
@@ -132,12 +132,7 @@ def mlx_gateway(engine_installed: None, logs_dir: Path) -> Iterator[EngineGatewa
 
 
 def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=f"{url}/v1",
-        api_key="unused",
-        max_retries=0,
-        http_client=openai.DefaultHttpxClient(trust_env=False, timeout=60),
-    )
+    return openai_client(url, timeout_s=60)
 
 
 PROMPTS = ["Say hello.", "Count to five.", "What is the capital of France?"]

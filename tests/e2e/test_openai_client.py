@@ -6,18 +6,13 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from tests.e2e.conftest import FakeEngine, Running, StartFakeEngine, StartGateway
+from tests.e2e.conftest import FakeEngine, Running, StartFakeEngine, StartGateway, openai_client
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello"}]
 
 
 def client(gateway: Running) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=f"{gateway.url}/v1",
-        api_key="unused",
-        max_retries=0,
-        http_client=openai.DefaultHttpxClient(trust_env=False, timeout=10),
-    )
+    return openai_client(gateway.url)
 
 
 def async_client(gateway: Running) -> openai.AsyncOpenAI:

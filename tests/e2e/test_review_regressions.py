@@ -11,7 +11,7 @@ import orjson
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from tests.e2e.conftest import FakeEngine, Running, StartFakeEngine, StartGateway
+from tests.e2e.conftest import FakeEngine, Running, StartFakeEngine, StartGateway, openai_client
 
 CHAT = "/v1/chat/completions"
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
@@ -46,12 +46,7 @@ def test_malformed_chunk_mid_stream_becomes_an_sse_error_event(
 ) -> None:
     """A parse error after the stream started ends it with an error event (openai raises APIError)."""
     _, gateway = http11
-    with openai.OpenAI(
-        base_url=f"{gateway.url}/v1",
-        api_key="x",
-        max_retries=0,
-        http_client=openai.DefaultHttpxClient(trust_env=False, timeout=10),
-    ) as c:
+    with openai_client(gateway.url) as c:
         stream = c.chat.completions.create(
             model="fake", messages=MESSAGES, max_tokens=5, stream=True, extra_headers={"x-fake": "bad-chunk"}
         )
@@ -63,12 +58,7 @@ def test_cut_in_the_middle_of_an_event_still_gives_a_parseable_error(
     gateway: Running, fake: FakeEngine
 ) -> None:
     """Half an event before the close is held back, so the error event parses as APIError."""
-    with openai.OpenAI(
-        base_url=f"{gateway.url}/v1",
-        api_key="x",
-        max_retries=0,
-        http_client=openai.DefaultHttpxClient(trust_env=False, timeout=10),
-    ) as c:
+    with openai_client(gateway.url) as c:
         stream = c.chat.completions.create(
             model="fake",
             messages=MESSAGES,
