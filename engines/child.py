@@ -86,6 +86,8 @@ class ChildConfig:
     health_path: str = "/health"
     health_interval_s: float = 5.0
     health_failures: int = 3
+    probe_interval_s: float = 60.0
+    probe_timeout_s: float = 300.0
     stop_grace_s: float = 10.0
     backoff_initial_s: float = 1.0
     backoff_max_s: float = 30.0
@@ -343,14 +345,20 @@ class Child:
             if pending:
                 self.tail.append(pending.decode("utf-8", "replace"))
 
-    async def _await_ready(self) -> _Outcome:
-        """Poll until a real generation answers 200."""
+    def _probe_body(self) -> dict[str, Any]:
+        """A 1-token generation request, as the child's spec says to prove it works."""
         config = self.config
         body: dict[str, Any] = {"model": config.served_model, "max_tokens": config.ready_max_tokens}
         if config.ready_path.endswith("/chat/completions"):
             body["messages"] = [{"role": "user", "content": "ping"}]
         else:
             body["prompt"] = "ping"
+        return body
+
+    async def _await_ready(self) -> _Outcome:
+        """Poll until a real generation answers 200."""
+        config = self.config
+        body = self._probe_body()
         last = "no answer yet"
         async with _probe_client() as client:
             while True:
@@ -365,12 +373,24 @@ class Child:
                 await asyncio.sleep(0.2)
 
     async def _watch_health(self) -> _Outcome:
-        """Poll the health path; return when it has failed too often in a row."""
+        """Poll the health path, and now and then a generation; return when either fails.
+
+        /health fails after too many failures in a row (mlx answers 503 once
+        its generation thread died). The generation probe catches an engine
+        whose HTTP server answers while generation hangs: its deadline is
+        generous, because a probe joins the engine's queue like any request.
+        """
         config = self.config
         failures = 0
+        next_probe = time.monotonic() + config.probe_interval_s
         async with _probe_client(timeout_s=max(2.0, config.health_interval_s)) as client:
             while True:
                 await asyncio.sleep(config.health_interval_s)
+                if time.monotonic() >= next_probe:
+                    problem = await self._probe_generation(client)
+                    if problem:
+                        return _Outcome("unhealthy", problem)
+                    next_probe = time.monotonic() + config.probe_interval_s
                 try:
                     response = await client.get(config.base_url + config.health_path)
                     problem = (
@@ -381,6 +401,23 @@ class Child:
                 failures = failures + 1 if problem else 0
                 if problem and failures >= config.health_failures:
                     return _Outcome("unhealthy", problem)
+
+    async def _probe_generation(self, client: httpx.AsyncClient) -> str | None:
+        """None if a 1-token generation answers within the probe deadline, else why not."""
+        config = self.config
+        try:
+            response = await client.post(
+                config.base_url + config.ready_path,
+                json=self._probe_body(),
+                timeout=httpx.Timeout(config.probe_timeout_s, connect=1.0),
+            )
+        except httpx.TimeoutException:
+            return f"a 1-token generation did not answer within {config.probe_timeout_s:g} s"
+        except httpx.TransportError as exc:
+            return f"a 1-token generation failed: {exc!r}"
+        if response.status_code != 200:
+            return f"a 1-token generation answered {response.status_code}: {response.text[:200]}"
+        return None
 
     async def _terminate(self, proc: asyncio.subprocess.Process, exited: asyncio.Future[int]) -> None:
         """SIGTERM the group, wait the grace period, SIGKILL the group, reap."""

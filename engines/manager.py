@@ -119,6 +119,8 @@ def plan(
         ready_max_tokens=spec.readiness.max_tokens,
         ready_timeout_s=spec.readiness.timeout_s,
         health_path=spec.readiness.health_path,
+        probe_interval_s=spec.readiness.probe_interval_s,
+        probe_timeout_s=spec.readiness.probe_timeout_s,
     )
     return PlannedChild(config, spec.name, installation.variant, installation.venv, installation.cuda_home)
 

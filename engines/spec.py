@@ -28,6 +28,8 @@ class Readiness:
     max_tokens: int
     timeout_s: float
     health_path: str
+    probe_interval_s: float = 60.0
+    probe_timeout_s: float = 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +149,8 @@ def parse(data: dict[str, Any], *, source: str) -> EngineSpec:
             max_tokens=int(number(readiness, "max_tokens", 1, "readiness.")),
             timeout_s=float(number(readiness, "timeout_s", 600.0, "readiness.")),
             health_path=str(readiness.get("health_path", "")),
+            probe_interval_s=float(number(readiness, "probe_interval_s", 60.0, "readiness.")),
+            probe_timeout_s=float(number(readiness, "probe_timeout_s", 300.0, "readiness.")),
         ),
         model_field=mode,
         guards=Guards(

@@ -492,9 +492,12 @@ class FakeEngine:
         model_id: str = "fake-model",
         max_records: int = 10000,
         broken: bool = False,
+        hang_after: int | None = None,
         options: FakeOptions | None = None,
     ) -> None:
         self.http11 = http11
+        self.hang_after = hang_after
+        self.generations = 0
         self.embeddings = embeddings
         self.default_max_tokens = default_max_tokens
         self.model_id = model_id
@@ -1035,6 +1038,11 @@ class _Connection(asyncio.Protocol):
         rec = engine.new_record(self._conn_id, self._conn_seq, req, parse_body=not generation)
         self._current = rec
         opts = engine.options if generation else _NO_FAULTS
+        if generation and engine.hang_after is not None:
+            engine.generations += 1
+            if engine.generations > engine.hang_after:
+                # Generation hangs for good while /health stays 200.
+                opts = dataclasses.replace(opts, prefill_s=_HANG_S)
         header = req.headers.get("x-fake")
         if header is not None:
             try:
@@ -1254,6 +1262,7 @@ class _Connection(asyncio.Protocol):
 
 
 _NO_FAULTS = FakeOptions()
+_HANG_S = 24 * 3600.0
 
 
 def _frame(data: bytes) -> bytes:
@@ -1277,10 +1286,12 @@ async def start_fake_engine(
     model_id: str = "fake-model",
     max_records: int = 10000,
     broken: bool = False,
+    hang_after: int | None = None,
     **options: Any,
 ) -> FakeEngine:
     """Start an engine in this event loop; ``options`` are FakeOptions fields."""
     engine = FakeEngine(
+        hang_after=hang_after,
         http11=http11,
         embeddings=embeddings,
         default_max_tokens=default_max_tokens,
@@ -1306,6 +1317,13 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model-id", default="fake-model", help="id listed by /v1/models")
     parser.add_argument("--max-records", type=int, default=10000)
     parser.add_argument("--broken", action="store_true", help="start as mlx after max_tokens=0")
+    parser.add_argument(
+        "--hang-after",
+        type=_parse_count,
+        default=None,
+        metavar="N",
+        help="after N generation requests, generation hangs while /health stays 200",
+    )
     parser.add_argument("--prefill", type=_parse_seconds, default=0.0, metavar="S")
     parser.add_argument("--keepalive", type=_parse_seconds, default=0.0, metavar="S")
     parser.add_argument("--chunk-delay", type=_parse_seconds, default=0.0, metavar="S")
@@ -1330,6 +1348,7 @@ async def _serve_until_signal(args: argparse.Namespace) -> None:
         model_id=args.model_id,
         max_records=args.max_records,
         broken=args.broken,
+        hang_after=args.hang_after,
         prefill_s=args.prefill,
         keepalive_s=args.keepalive,
         chunk_delay_s=args.chunk_delay,

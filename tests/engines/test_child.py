@@ -141,6 +141,22 @@ async def test_unhealthy_child_is_restarted(tmp_path: Path) -> None:
         await child.shutdown()
 
 
+async def test_child_whose_generation_hangs_is_restarted(tmp_path: Path) -> None:
+    """A child that answers /health but no longer generates is restarted after the probe deadline."""
+    port = free_port()
+    argv = [sys.executable, "-m", "tests.fake_engine", "--port", str(port), "--hang-after", "1"]
+    child = Child(config(tmp_path, argv, port=port, probe_interval_s=0.3, probe_timeout_s=0.5))
+    try:
+        await child.ensure_ready(15)
+        first = child.pid
+        async with httpx.AsyncClient(trust_env=False) as client:
+            assert (await client.get(f"{child.config.base_url}/health")).status_code == 200
+        await wait_until(lambda: child.pid != first and child.ready, timeout_s=15)
+        assert child.restarts == 1
+    finally:
+        await child.shutdown()
+
+
 async def test_stop_kills_the_whole_group_and_reaps(tmp_path: Path) -> None:
     """stop() ends the child and anything it started in its group, then it can start again."""
     port = free_port()
