@@ -1,0 +1,1 @@
+"""Benchmarks: the gateway against direct and nginx, side by side (see perf/README.md)."""

@@ -1,0 +1,84 @@
+"""python -m perf receipt|matrix [--quick|--smoke] [--out DIR] [--cpu N|none]"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from perf import report
+
+
+def _cpu(text: str) -> int | None:
+    return None if text == "none" else int(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m perf", description=__doc__)
+    parser.add_argument("what", choices=("receipt", "matrix"))
+    parser.add_argument("--out", type=Path, default=None, help="output folder [perf/results/<what>-<time>]")
+    parser.add_argument("--cpu", type=_cpu, default=0, help="core to pin every process to, or 'none' [0]")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="a short version (tox -e perf)")
+    size.add_argument("--smoke", action="store_true", help="a few seconds, to prove the harness runs")
+    parser.add_argument("--duration", type=float, default=None, help="seconds per matrix run")
+    parser.add_argument("--rounds", type=int, default=None, help="matrix rounds")
+    parser.add_argument("--runs", type=int, default=None, help="receipt runs per surface")
+    parser.add_argument(
+        "--model", default=None, help="receipt: a model directory instead of the bench demo model"
+    )
+    args = parser.parse_args(argv)
+
+    out = args.out or Path(__file__).parent / "results" / f"{args.what}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    if args.what == "matrix":
+        from perf.matrix import Plan, run_matrix
+
+        plan = Plan(cpu=args.cpu)
+        if args.quick:
+            plan = Plan(ladder=(1, 16, 64), duration_s=1.0, rounds=1, cpu=args.cpu)
+        if args.smoke:
+            plan = Plan(ladder=(1,), workloads=("json", "sse"), duration_s=1.0, rounds=1, cpu=args.cpu)
+        if args.duration:
+            plan.duration_s = args.duration
+        if args.rounds:
+            plan.rounds = args.rounds
+        data = run_matrix(plan, out)
+        data["environment"] = report.environment()
+        report.write_json(out / "matrix.json", data)
+        (out / "matrix.md").write_text(report.matrix_markdown(data))
+        plotted = report.matrix_plot(data, out / "matrix.png")
+        print(report.matrix_markdown(data))
+        print(
+            f"written: {out / 'matrix.md'}, {out / 'matrix.json'}"
+            + (f", {out / 'matrix.png'}" if plotted else "")
+        )
+    else:
+        from perf.receipt import ReceiptPlan, run_receipt
+
+        rplan = ReceiptPlan(cpu=args.cpu, model=args.model)
+        if args.quick:
+            rplan = ReceiptPlan(cpu=args.cpu, model=args.model, runs=3, stream_runs=3, concurrent_rounds=1)
+        if args.smoke:
+            rplan = ReceiptPlan(
+                cpu=args.cpu,
+                model=args.model,
+                preset="tiny",
+                runs=1,
+                stream_runs=1,
+                concurrent_rounds=1,
+                max_tokens=8,
+            )
+        if args.runs:
+            rplan.runs = args.runs
+        data = run_receipt(rplan, out)
+        report.write_json(out / "receipt.json", data)
+        (out / "receipt.md").write_text(report.receipt_markdown(data))
+        print(report.receipt_markdown(data))
+        print(f"written: {out / 'receipt.md'}, {out / 'receipt.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

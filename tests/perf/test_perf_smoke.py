@@ -1,0 +1,70 @@
+"""The benchmark harness runs end to end for a few seconds, so it cannot rot.
+
+No figure is asserted: timings belong in perf/, not in tests. What is checked
+is that every surface ran, that the gateway served every request, and that
+the reports were written.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _need(tool: str) -> None:
+    if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists():
+        if os.environ.get("CI"):
+            pytest.fail(f"{tool} is not installed: scripts/test installs it (apt-get install {tool})")
+        pytest.skip(f"{tool} is not installed; scripts/test installs it")
+
+
+def _run(*args: str, env: dict[str, str] | None = None) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "perf", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def test_matrix_smoke(tmp_path: Path) -> None:
+    """`perf matrix --smoke` measures all four surfaces with no gateway errors and writes md, json and png."""
+    _need("nginx")
+    _need("wrk")
+    _run("matrix", "--smoke", "--out", str(tmp_path))
+    data = orjson.loads((tmp_path / "matrix.json").read_bytes())
+    surfaces = {(r["workload"], r["surface"]) for r in data["rows"]}
+    for workload in ("json", "sse"):
+        for surface in ("direct", "blazar", "nginx", "blazar-httpx"):
+            assert (workload, surface) in surfaces
+    for row in data["rows"]:
+        assert row["requests"] > 0, row
+        if row["surface"] == "blazar":
+            assert row["errors"] == 0, row
+            assert row["cpu_us_per_request"] > 0
+    assert {g["goal"] for g in data["goals"]} >= {"added p50 at C=1 (json)", "added p99 at C=1 (json)"}
+    assert "## Goals" in (tmp_path / "matrix.md").read_text()
+    assert (tmp_path / "matrix.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_receipt_smoke(tmp_path: Path) -> None:
+    """`perf receipt --smoke` runs the real engine direct and through the gateway, with content parity."""
+    home = os.environ.get("BLAZAR_TEST_HOME") or str(Path.home() / ".cache" / "blazar-test")
+    _run("receipt", "--smoke", "--out", str(tmp_path), env={"BLAZAR_HOME": home})
+    data = orjson.loads((tmp_path / "receipt.json").read_bytes())
+    summary = data["summary"]
+    assert summary["parity_identical"] == summary["parity_prompts"] >= 3
+    assert data["timings"]["direct"] and data["timings"]["gateway"]
+    assert data["environment"]["git_sha"]
+    assert "| via blazar-proxy |" in (tmp_path / "receipt.md").read_text()
