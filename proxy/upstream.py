@@ -84,6 +84,7 @@ class Connection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
         self._waiter: asyncio.Future[None] | None = None
+        self._read_timer: asyncio.TimerHandle | None = None
         self.state = ConnState.NEW
         self.requests_sent = 0
         self.idle_since = 0.0
@@ -104,6 +105,9 @@ class Connection(asyncio.Protocol):
         self._chunks: list[bytes] = []
         self._buffered = 0
         self._paused = False
+        self._last_data_at = 0.0
+        self._wait_since = 0.0
+        self._read_timeout_s = 0.0
 
     def __repr__(self) -> str:
         return f"<Connection {self.state.name} requests={self.requests_sent}>"
@@ -120,6 +124,7 @@ class Connection(asyncio.Protocol):
             self.close()
             return
         self._received_any = True
+        self._last_data_at = self._loop.time()
         try:
             self._parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
@@ -183,6 +188,7 @@ class Connection(asyncio.Protocol):
             return
         self._complete = True
         self.keep_alive = self._parser.should_keep_alive()
+        self._cancel_read_timer()
         self._wake()
 
     # -- used by the relay --------------------------------------------------
@@ -230,11 +236,13 @@ class Connection(asyncio.Protocol):
                 return b""
             if self._error is not None:
                 raise self._error
-            timer = self._loop.call_later(timeout_s, self._read_timed_out, timeout_s)
-            try:
-                await self._wait()
-            finally:
-                timer.cancel()
+            # One timer per response, re-armed only when it fires: arming and
+            # cancelling one per wait would cost every relayed event.
+            self._wait_since = self._loop.time()
+            if self._read_timer is None:
+                self._read_timeout_s = timeout_s
+                self._read_timer = self._loop.call_at(self._wait_since + timeout_s, self._check_read_deadline)
+            await self._wait()
 
     @property
     def complete(self) -> bool:
@@ -266,6 +274,7 @@ class Connection(asyncio.Protocol):
 
     def close(self) -> None:
         """Close at once, discarding anything unsent or unread."""
+        self._cancel_read_timer()
         self.state = ConnState.CLOSED
         if self._transport is not None:
             self._transport.abort()
@@ -277,12 +286,29 @@ class Connection(asyncio.Protocol):
             self._fail(HeadTimeout(f"upstream sent no response within {timeout_s:g} s"))
             self.close()
 
-    def _read_timed_out(self, timeout_s: float) -> None:
-        if self._error is None and not self._complete:
-            self._fail(
-                ReadTimeout(f"upstream sent nothing for {timeout_s:g} s in the middle of its response")
-            )
-            self.close()
+    def _check_read_deadline(self) -> None:
+        self._read_timer = None
+        if self._error is not None or self._complete or self.state is not ConnState.ACTIVE:
+            return
+        now = self._loop.time()
+        timeout_s = self._read_timeout_s
+        if self._waiter is None:
+            # The relay is busy with the client (backpressure): not our silence.
+            deadline = now + timeout_s
+        else:
+            deadline = max(self._wait_since, self._last_data_at) + timeout_s
+            if now >= deadline:
+                self._fail(
+                    ReadTimeout(f"upstream sent nothing for {timeout_s:g} s in the middle of its response")
+                )
+                self.close()
+                return
+        self._read_timer = self._loop.call_at(deadline, self._check_read_deadline)
+
+    def _cancel_read_timer(self) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
 
     def _on_close(self, exc: Exception | None) -> None:
         if self.state is not ConnState.ACTIVE or self._complete or self._error is not None:
@@ -334,7 +360,7 @@ class Pool:
         *,
         connect_timeout_s: float,
         idle_timeout_s: float = 4.0,
-        max_idle: int = 64,
+        max_idle: int = 512,
     ) -> None:
         self.address = address
         self.connect_timeout_s = connect_timeout_s

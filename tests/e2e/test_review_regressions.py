@@ -132,3 +132,17 @@ def test_upstream_error_keeps_retry_headers(gateway: Running, fake: FakeEngine, 
     response = http.post(gateway.url + CHAT, json=chat(), headers={"x-fake": "status=503"})
     assert response.status_code == 503
     assert response.headers["retry-after"] == "7"
+
+
+def test_read_timeout_is_per_silence_not_per_response(
+    http11: tuple[FakeEngine, Running], http: httpx.Client
+) -> None:
+    """A stream that keeps sending for longer than --read-timeout (1 s here) is not cut."""
+    _, gateway = http11
+    response = http.post(
+        gateway.url + CHAT,
+        json=chat(stream=True),
+        headers={"x-fake": "chunks=40; chunk-delay=0.05"},
+    )
+    assert response.content.endswith(b"data: [DONE]\n\n")
+    assert b'"error"' not in response.content
