@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 
         rplan = ReceiptPlan(cpu=args.cpu, model=args.model)
         if args.quick:
-            rplan = ReceiptPlan(cpu=args.cpu, model=args.model, runs=3, stream_runs=3, concurrent_rounds=1)
+            rplan = ReceiptPlan(cpu=args.cpu, model=args.model, runs=5, stream_runs=3, concurrent_rounds=1)
         if args.smoke:
             rplan = ReceiptPlan(
                 cpu=args.cpu,

@@ -32,10 +32,13 @@ PARITY_PROMPTS = ("Say hello.", "Count to ten.", "What is the capital of France?
 @dataclass
 class ReceiptPlan:
     cpu: int | None = 0
+    # The engine child's core: apart from the gateway's, so that its compute
+    # does not delay the gateway's turn on the CPU. None: same as `cpu`.
+    engine_cpu: int | None = 1
     model: str | None = None
     preset: str = "bench"
     variant: str = "cpu"
-    runs: int = 5
+    runs: int = 30
     warmup: int = 1
     stream_runs: int = 5
     max_tokens: int = 128
@@ -74,9 +77,11 @@ def _start_gateway(model: str, plan: ReceiptPlan, log_dir: Path) -> tuple[surfac
         )
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
-        match = re.search(r"pid \d+, port (\d+), ready in", log_path.read_text(errors="replace"))
+        match = re.search(r"pid (\d+), port (\d+), ready in", log_path.read_text(errors="replace"))
         if match:
-            return surfaces.Process("blazar", proc, port), int(match.group(1))
+            if plan.engine_cpu is not None and plan.cpu is not None:
+                _pin_process(int(match.group(1)), plan.engine_cpu)
+            return surfaces.Process("blazar", proc, port), int(match.group(2))
         if proc.poll() is not None:
             break
         time.sleep(0.1)
@@ -84,9 +89,16 @@ def _start_gateway(model: str, plan: ReceiptPlan, log_dir: Path) -> tuple[surfac
     raise RuntimeError(f"gateway with engine did not get ready: {log_path.read_text(errors='replace')}")
 
 
+def _pin_process(pid: int, cpu: int) -> None:
+    """Move every thread of a running process to one core."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(task), {cpu})
+
+
 def _chat(
     client: httpx.Client, base: str, model: str, prompt: str, max_tokens: int
-) -> tuple[float, int, str]:
+) -> tuple[float, int, str, float | None]:
+    """One chat: (wall s, completion tokens, content, the gateway's own ms from Server-Timing)."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
@@ -98,7 +110,13 @@ def _chat(
     wall = time.perf_counter() - started
     response.raise_for_status()
     data = response.json()
-    return wall, int(data["usage"]["completion_tokens"]), str(data["choices"][0]["message"]["content"])
+    timing = re.search(r"gateway;dur=([0-9.]+)", response.headers.get("server-timing", ""))
+    return (
+        wall,
+        int(data["usage"]["completion_tokens"]),
+        str(data["choices"][0]["message"]["content"]),
+        float(timing.group(1)) if timing else None,
+    )
 
 
 def _ttfb(client: httpx.Client, base: str, model: str, max_tokens: int) -> float:
@@ -138,9 +156,12 @@ def run_receipt(plan: ReceiptPlan, out_dir: Path) -> dict[str, Any]:
             for index in range(plan.warmup + plan.runs):
                 order = ["direct", "gateway"] if index % 2 == 0 else ["gateway", "direct"]
                 for name in order:
-                    wall, tokens, _ = _chat(client, surfaces_[name], served, PROMPT, plan.max_tokens)
+                    wall, tokens, _, own_ms = _chat(client, surfaces_[name], served, PROMPT, plan.max_tokens)
                     if index >= plan.warmup:
-                        timings[name].append({"wall_s": wall, "completion_tokens": tokens})
+                        run: dict[str, float] = {"wall_s": wall, "completion_tokens": tokens}
+                        if own_ms is not None:
+                            run["gateway_own_ms"] = own_ms
+                        timings[name].append(run)
             for index in range(plan.stream_runs):
                 order = ["direct", "gateway"] if index % 2 == 0 else ["gateway", "direct"]
                 for name in order:
@@ -183,9 +204,13 @@ def run_receipt(plan: ReceiptPlan, out_dir: Path) -> dict[str, Any]:
     pairs_ms = [
         (g["wall_s"] - d["wall_s"]) * 1000 for d, g in zip(timings["direct"], timings["gateway"], strict=True)
     ]
+    paired_sem_ms = statistics.stdev(pairs_ms) / len(pairs_ms) ** 0.5 if len(pairs_ms) > 1 else 0.0
     summary = {
         "paired_median_ms": statistics.median(pairs_ms),
+        "paired_mean_ms": statistics.fmean(pairs_ms),
+        "paired_ci95_ms": 1.96 * paired_sem_ms,
         "paired_stdev_ms": statistics.stdev(pairs_ms) if len(pairs_ms) > 1 else 0.0,
+        "gateway_own_median_ms": statistics.median(t["gateway_own_ms"] for t in timings["gateway"]),
         "direct_stdev_ms": statistics.stdev(t["wall_s"] * 1000 for t in timings["direct"])
         if len(timings["direct"]) > 1
         else 0.0,
@@ -209,6 +234,7 @@ def run_receipt(plan: ReceiptPlan, out_dir: Path) -> dict[str, Any]:
         "model": model_info.get("model"),
         "model_info": model_info,
         "cpu": plan.cpu,
+        "engine_cpu": plan.engine_cpu if plan.cpu is not None else None,
         "max_tokens": plan.max_tokens,
         "runs": plan.runs,
         "warmup": plan.warmup,

@@ -151,7 +151,8 @@ def receipt_markdown(data: dict[str, Any]) -> str:
         "",
         f"Engine {data['engine']} ({data['variant']}), model {data['model']}; "
         f"git {env['git_sha'][:12]}{' (dirty)' if env['git_dirty'] else ''}, {env['cpu']}, {env['cpus']} CPUs"
-        f"{', GPU ' + env['gpu'] if env.get('gpu') else ''}; pinned to CPU {data['cpu']}.",
+        f"{', GPU ' + env['gpu'] if env.get('gpu') else ''}; client and gateway pinned to CPU {data['cpu']}, "
+        f"engine child to CPU {data.get('engine_cpu')}.",
         f"Non-stream chat, fixed prompt, max_tokens {data['max_tokens']}, temperature 0; "
         f"{data['runs']} runs per surface after {data['warmup']} warmup, direct and gateway interleaved.",
         "",
@@ -161,8 +162,13 @@ def receipt_markdown(data: dict[str, Any]) -> str:
         f"| via blazar-proxy | {s['gateway_mean_s']:.3f} s | ~{s['gateway_tok_s']:.0f} | "
         f"{s['overhead_ms']:+.2f} ms ({s['overhead_pct']:+.2f} %), {s['gateway_tok_s'] - s['direct_tok_s']:+.1f} tok/s |",
         "",
-        f"Paired difference (gateway − direct, run by run): median {s['paired_median_ms']:+.2f} ms, "
-        f"stdev {s['paired_stdev_ms']:.2f} ms; a direct run's own stdev is {s['direct_stdev_ms']:.2f} ms.",
+        f"Paired differences (gateway − direct, run by run): mean {s['paired_mean_ms']:+.2f} ± {s['paired_ci95_ms']:.2f} ms "
+        f"(95 % CI), median {s['paired_median_ms']:+.2f} ms, stdev {s['paired_stdev_ms']:.2f} ms; one direct run's own "
+        f"stdev is {s['direct_stdev_ms']:.2f} ms, so the engine's jitter, not the gateway, sets the error bars.",
+        "",
+        f"The gateway's own time per request (its Server-Timing `gateway;dur`, median): "
+        f"{s['gateway_own_median_ms']:.3f} ms, {s['gateway_own_median_ms'] / (s['direct_mean_s'] * 1000) * 100:.3f} % "
+        f"of the request.",
         "",
         f"Streaming time to first data byte (median of {data['stream_runs']}): direct "
         f"{s['direct_ttfb_ms']:.2f} ms, gateway {s['gateway_ttfb_ms']:.2f} ms "

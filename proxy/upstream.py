@@ -369,6 +369,8 @@ class Pool:
         self.idle_timeout_s = idle_timeout_s
         self.max_idle = max_idle
         self._idle: list[Connection] = []
+        self._spare: asyncio.Future[None] | None = None
+        self._closed = False
         self._resolved: list[str] = []
         self.last_connect_error: str | None = None
 
@@ -421,17 +423,41 @@ class Pool:
     def release(self, conn: Connection) -> None:
         """Take back a connection whose request has ended."""
         if conn.reusable and len(self._idle) < self.max_idle:
-            conn.state = ConnState.IDLE
-            conn.idle_since = asyncio.get_running_loop().time()
-            self._idle.append(conn)
-        else:
-            conn.close()
+            self._park(conn)
+            return
+        ended_cleanly = conn.complete and not conn.keep_alive
+        conn.close()
+        if ended_cleanly and not self._idle and self._spare is None and not self._closed:
+            # An upstream that closes after every response (HTTP/1.0, like
+            # mlx_lm.server): open the next request's connection now, off
+            # its critical path, instead of when it arrives.
+            self._spare = asyncio.ensure_future(self._open_spare())
 
     def close(self) -> None:
-        """Close every idle connection."""
+        """Close every idle connection; open no more spares."""
+        self._closed = True
+        if self._spare is not None:
+            self._spare.cancel()
         for conn in self._idle:
             conn.close()
         self._idle.clear()
+
+    def _park(self, conn: Connection) -> None:
+        conn.state = ConnState.IDLE
+        conn.idle_since = asyncio.get_running_loop().time()
+        self._idle.append(conn)
+
+    async def _open_spare(self) -> None:
+        try:
+            conn = await self.connect()
+        except ConnectFailed:
+            return
+        finally:
+            self._spare = None
+        if self._closed:
+            conn.close()
+        else:
+            self._park(conn)
 
     async def _addresses(self, loop: asyncio.AbstractEventLoop) -> list[str]:
         # Resolve once and connect by IP after: asyncio resolves names in a

@@ -330,3 +330,47 @@ async def test_large_body_passes_through_backpressure() -> None:
             received += chunk
             await asyncio.sleep(0.001)
         assert bytes(received) == payload
+
+
+async def test_http10_upstream_gets_a_spare_connection_for_the_next_request() -> None:
+    """After a close-delimited response the pool opens the next connection at once, and it gets used."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n{}")
+
+    async with scripted(handler) as server:
+        pool = Pool(server.address, connect_timeout_s=1)
+        conn, body = await roundtrip(pool)
+        assert body == b"{}"
+        pool.release(conn)
+        for _ in range(100):
+            if server.connections == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert server.connections == 2  # the spare, opened before any second request
+        spare = await pool.acquire()
+        assert spare is not conn and spare.requests_sent == 0
+        spare.send(REQUEST, b"{}")
+        await spare.read_head(5)
+        assert await spare.read(5) == b"{}"
+        pool.release(spare)
+        pool.close()
+
+
+async def test_keep_alive_upstream_gets_no_spare() -> None:
+    """A keep-alive upstream needs no spare: its released connection is the next one."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+        await asyncio.sleep(1)
+
+    async with scripted(handler) as server:
+        pool = Pool(server.address, connect_timeout_s=1)
+        conn, _ = await roundtrip(pool)
+        pool.release(conn)
+        await asyncio.sleep(0.05)
+        assert server.connections == 1
+        pool.close()
