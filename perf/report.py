@@ -109,6 +109,9 @@ def matrix_markdown(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+_COLORS = {"direct": "tab:gray", "blazar": "tab:blue", "nginx": "tab:green", "blazar-httpx": "tab:red"}
+
+
 def matrix_plot(data: dict[str, Any], path: Path) -> bool:
     """Added p50 latency and req/s against concurrency, per surface and workload."""
     try:
@@ -125,10 +128,11 @@ def matrix_plot(data: dict[str, Any], path: Path) -> bool:
         for surface in dict.fromkeys(r["surface"] for r in rows):
             mine = [r for r in rows if r["surface"] == surface]
             xs = [r["concurrency"] for r in mine]
+            color = _COLORS.get(surface)
             if surface != "direct":
                 added = [(r.get("added_p50_ms") or 0.0) * 1000 for r in mine]
-                axes[row_index][0].plot(xs, added, marker="o", label=surface)
-            axes[row_index][1].plot(xs, [r["rps"] or 0 for r in mine], marker="o", label=surface)
+                axes[row_index][0].plot(xs, added, marker="o", label=surface, color=color)
+            axes[row_index][1].plot(xs, [r["rps"] or 0 for r in mine], marker="o", label=surface, color=color)
         for col, title in enumerate(("added p50 latency (µs)", "req/s")):
             ax = axes[row_index][col]
             ax.set_xscale("log", base=2)
