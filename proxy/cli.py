@@ -6,6 +6,7 @@ and ``proxy`` (the request path) together.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from collections.abc import Awaitable, Callable
@@ -116,6 +117,32 @@ def _echo(line: str) -> None:
     "event (streams) or a cut connection.",
 )
 @click.option(
+    "--max-in-flight",
+    type=click.IntRange(1),
+    default=None,
+    envvar="BLAZAR_MAX_IN_FLIGHT",
+    show_envvar=True,
+    help="Requests in flight per model; more wait in a queue. "
+    "[default: the engine's batch size for --engine models, no limit for --upstream ones]",
+)
+@click.option(
+    "--max-queued",
+    type=click.IntRange(0),
+    default=256,
+    envvar="BLAZAR_MAX_QUEUED",
+    show_envvar=True,
+    help="Requests that may wait per model; past it, 429 with Retry-After.",
+)
+@click.option(
+    "--queue-timeout",
+    "queue_timeout_s",
+    type=click.FloatRange(0, min_open=True),
+    default=60.0,
+    envvar="BLAZAR_QUEUE_TIMEOUT",
+    show_envvar=True,
+    help="Seconds a request may wait for a slot; past it, 503 with Retry-After.",
+)
+@click.option(
     "--log-level",
     default="info",
     type=click.Choice(_LOG_LEVELS),
@@ -138,6 +165,9 @@ def main(
     connect_timeout_s: float,
     first_byte_timeout_s: float,
     read_timeout_s: float,
+    max_in_flight: int | None,
+    max_queued: int,
+    queue_timeout_s: float,
     log_level: str,
 ) -> None:
     """An OpenAI-compatible gateway in front of local LLM engine servers.
@@ -154,12 +184,16 @@ def main(
     if (model or served_name) and not engine:
         raise click.UsageError("--model and --served-name need --engine")
     try:
-        routes = [parse_upstream_spec(spec) for spec in upstreams]
+        routes = [
+            dataclasses.replace(parse_upstream_spec(spec), max_in_flight=max_in_flight) for spec in upstreams
+        ]
     except UpstreamSpecError as exc:
         raise click.BadParameter(str(exc), param_hint="--upstream") from None
     hooks: tuple[Callable[[], Awaitable[None]], Callable[[], Awaitable[None]]] | None = None
     if engine:
         route, hooks = _engine_route(engine, model, served_name, engine_variant)
+        if max_in_flight is not None:
+            route = dataclasses.replace(route, max_in_flight=max_in_flight)
         routes.append(route)
     try:
         RoutingTable(routes)
@@ -173,6 +207,8 @@ def main(
         connect_timeout_s=connect_timeout_s,
         first_byte_timeout_s=first_byte_timeout_s,
         read_timeout_s=read_timeout_s,
+        max_queued=max_queued,
+        queue_timeout_s=queue_timeout_s,
         log_level=log_level,
     )
     serve(settings, hooks)
@@ -210,6 +246,8 @@ def _engine_route(
         guards=RequestGuards(
             min_max_tokens=spec.guards.min_max_tokens, require_input=spec.guards.require_input
         ),
+        # The engine generates this many at once; more would only queue inside it.
+        max_in_flight=spec.batch_size,
     )
     return route, (manager.start, manager.shutdown)
 
@@ -279,6 +317,8 @@ def serve(
             max_body_bytes=settings.max_body_bytes,
             head_timeout_s=settings.first_byte_timeout_s,
             read_timeout_s=settings.read_timeout_s,
+            max_queued=settings.max_queued,
+            queue_timeout_s=settings.queue_timeout_s,
         ),
         connect_timeout_s=settings.connect_timeout_s,
         on_startup=hooks[0] if hooks else None,

@@ -16,4 +16,6 @@ class Settings:
     connect_timeout_s: float = 5.0
     first_byte_timeout_s: float = 600.0
     read_timeout_s: float = 300.0
+    max_queued: int = 256
+    queue_timeout_s: float = 60.0
     log_level: str = "info"

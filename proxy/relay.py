@@ -13,6 +13,7 @@ started, one SSE ``data: {"error": ...}`` event ends it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -20,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from time import perf_counter
 
+from proxy.admission import Admission
 from proxy.asgi import Message, Receive, Scope, Send, send_json
 from proxy.errors import HTTPError, normalize_error, sse_error_event
 from proxy.headers import (
@@ -80,6 +82,8 @@ class RelaySettings:
     max_body_bytes: int = 32 * 1024 * 1024
     head_timeout_s: float = 600.0
     read_timeout_s: float = 300.0
+    max_queued: int = 256
+    queue_timeout_s: float = 60.0
 
 
 class Relay:
@@ -99,6 +103,11 @@ class Relay:
                 {path: route.upstream.target(endpoint) for path, endpoint in ENDPOINTS.items()},
                 route.gate,
                 route.guards,
+                Admission(
+                    route.max_in_flight,
+                    max_queued=settings.max_queued,
+                    queue_timeout_s=settings.queue_timeout_s,
+                ),
             )
             for route in table
         }
@@ -132,7 +141,7 @@ class Relay:
                     param="model",
                     code="model_not_found",
                 )
-            pool, host_header, targets, gate, guards = entry
+            pool, host_header, targets, gate, guards, admission = entry
             check_request(doc, ENDPOINTS[scope["path"]], guards)
             if gate is not None and not gate.ready:
                 raise HTTPError(
@@ -141,19 +150,25 @@ class Relay:
                     code="model_loading",
                     headers=((b"retry-after", _RETRY_AFTER_S),),
                 )
+            if not admission.try_enter():
+                await _wait_for_slot(admission, model, receive)
         except HTTPError as exc:
             headers = [(b"x-request-id", request_id), server_timing(started), *exc.headers]
             await send_json(send, exc.status, exc.body(), headers)
             return
         except ClientGone:
             return
-        headers = forward_request_headers(scope["headers"])
-        headers.append((b"x-request-id", request_id))
-        target = targets[scope["path"]]
-        if scope["query_string"]:
-            target += b"?" + scope["query_string"]
-        head = request_head(b"POST", target, host_header, headers, len(body))
-        await self._exchange(pool, head, body, receive, send, request_id, started)
+        # From here on this request holds a slot; it is given back below, on every path.
+        try:
+            headers = forward_request_headers(scope["headers"])
+            headers.append((b"x-request-id", request_id))
+            target = targets[scope["path"]]
+            if scope["query_string"]:
+                target += b"?" + scope["query_string"]
+            head = request_head(b"POST", target, host_header, headers, len(body))
+            await self._exchange(pool, head, body, receive, send, request_id, started)
+        finally:
+            admission.leave()
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
         limit = self._max_body_bytes
@@ -400,6 +415,29 @@ class RequestIds:
             if name == b"x-request-id" and valid_request_id(value):
                 return bytes(value)
         return b"%s%016x" % (self._prefix, next(self._counter))
+
+
+async def _wait_for_slot(admission: Admission, model: str, receive: Receive) -> None:
+    """Queue for a slot, watching the client: one that leaves while queued gives its place up."""
+    enter = asyncio.ensure_future(admission.enter(model))
+    gone = asyncio.ensure_future(receive())
+    try:
+        await asyncio.wait({enter, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not gone.done():
+            gone.cancel()
+    if not gone.done() or gone.cancelled():
+        enter.result()  # the slot, or the 429/503 HTTPError
+        return
+    # The client left while queued.
+    if enter.done():
+        if enter.exception() is None:
+            admission.leave()
+    else:
+        enter.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await enter
+    raise ClientGone()
 
 
 def _event_end(data: bytes) -> int:

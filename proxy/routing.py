@@ -64,6 +64,8 @@ class Route:
     upstream: UpstreamAddress
     gate: Gate | None = None
     guards: RequestGuards = DEFAULT_GUARDS
+    # Requests in flight at once; more wait in a queue. None: no limit.
+    max_in_flight: int | None = None
 
 
 class RoutingTable:

@@ -1,0 +1,95 @@
+"""Admission control: a limit on requests in flight per model, and a bounded FIFO queue.
+
+A request over the limit waits in the model's queue for a slot; a full queue
+answers 429 and a wait past the queue timeout 503, both with Retry-After
+(openai-python retries those by itself). A slot is taken once and released
+exactly once, on every path: the relay releases it in one ``finally``, and a
+slot handed to a waiter that has already given up is passed on to the next.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+
+from proxy.errors import HTTPError
+
+_RETRY_AFTER = (b"retry-after", b"1")
+
+
+class Admission:
+    """Slots for one model. ``limit`` None means no limit (and no queue)."""
+
+    def __init__(self, limit: int | None, *, max_queued: int = 256, queue_timeout_s: float = 60.0) -> None:
+        self.limit = limit
+        self.max_queued = max_queued
+        self.queue_timeout_s = queue_timeout_s
+        self.in_flight = 0
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    def __repr__(self) -> str:
+        return f"<Admission {self.in_flight}/{self.limit} queued={len(self._waiters)}>"
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiters)
+
+    def try_enter(self) -> bool:
+        """Take a slot if one is free and nobody is queued before us."""
+        if self.limit is None or (self.in_flight < self.limit and not self._waiters):
+            self.in_flight += 1
+            return True
+        return False
+
+    async def enter(self, model: str) -> None:
+        """Wait in the queue for a slot; raise 429 when the queue is full, 503 past the timeout."""
+        if len(self._waiters) >= self.max_queued:
+            raise HTTPError(
+                429,
+                f"too many requests queued for model `{model}` ({self.max_queued}); retry shortly",
+                code="queue_full",
+                headers=(_RETRY_AFTER,),
+            )
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            async with asyncio.timeout(self.queue_timeout_s):
+                await waiter
+        except TimeoutError:
+            if waiter.done() and not waiter.cancelled():
+                # The slot came just as the timer fired: keep it.
+                return
+            self._remove(waiter)
+            raise HTTPError(
+                503,
+                f"model `{model}` is busy: no slot within {self.queue_timeout_s:g} s; retry shortly",
+                code="queue_timeout",
+                headers=(_RETRY_AFTER,),
+            ) from None
+        except BaseException:
+            if waiter.done() and not waiter.cancelled():
+                # Handed a slot, then cancelled (the client left): pass it on.
+                self.leave()
+            else:
+                self._remove(waiter)
+            raise
+
+    def leave(self) -> None:
+        """Give back a slot: to the first live waiter, else to the pool."""
+        if self.limit is None:
+            self.in_flight -= 1
+            return
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                # The slot moves to the waiter: in_flight is unchanged.
+                waiter.set_result(None)
+                return
+        self.in_flight -= 1
+
+    def _remove(self, waiter: asyncio.Future[None]) -> None:
+        with contextlib.suppress(ValueError):
+            self._waiters.remove(waiter)
+        if not waiter.done():
+            waiter.cancel()

@@ -1,0 +1,99 @@
+"""Admission: slots per model, a FIFO queue, and exactly one release per slot."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from proxy.admission import Admission
+from proxy.errors import HTTPError
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_slots_up_to_the_limit_then_queue_in_order() -> None:
+    """Requests past the limit wait, and leave() hands slots to them first come, first served."""
+    admission = Admission(2, max_queued=5, queue_timeout_s=5)
+    assert admission.try_enter() and admission.try_enter()
+    assert not admission.try_enter()
+    order: list[int] = []
+
+    async def wait(i: int) -> None:
+        await admission.enter("m")
+        order.append(i)
+
+    waiters = [asyncio.create_task(wait(i)) for i in range(3)]
+    await asyncio.sleep(0.01)
+    assert admission.queued == 3
+    for _ in range(3):
+        admission.leave()
+        await asyncio.sleep(0.01)
+    await asyncio.gather(*waiters)
+    assert order == [0, 1, 2]
+    assert admission.in_flight == 2 and admission.queued == 0
+
+
+async def test_full_queue_is_429_with_retry_after() -> None:
+    """A request that finds the queue full is refused with 429 and Retry-After."""
+    admission = Admission(1, max_queued=1, queue_timeout_s=5)
+    assert admission.try_enter()
+    first = asyncio.create_task(admission.enter("m"))
+    await asyncio.sleep(0)
+    with pytest.raises(HTTPError) as info:
+        await admission.enter("m")
+    assert info.value.status == 429 and info.value.code == "queue_full"
+    assert (b"retry-after", b"1") in info.value.headers
+    first.cancel()
+
+
+async def test_queue_timeout_is_503_and_leaves_the_queue() -> None:
+    """A request that waits past the queue timeout gets 503 with Retry-After and no longer queues."""
+    admission = Admission(1, max_queued=4, queue_timeout_s=0.05)
+    assert admission.try_enter()
+    with pytest.raises(HTTPError) as info:
+        await admission.enter("m")
+    assert info.value.status == 503 and info.value.code == "queue_timeout"
+    assert admission.queued == 0
+    admission.leave()
+    assert admission.in_flight == 0
+
+
+async def test_cancelled_waiter_gives_up_its_place() -> None:
+    """A waiter cancelled while queued (its client left) is removed, and the slot goes to the next."""
+    admission = Admission(1, max_queued=4, queue_timeout_s=5)
+    assert admission.try_enter()
+    gone = asyncio.create_task(admission.enter("m"))
+    stays = asyncio.create_task(admission.enter("m"))
+    await asyncio.sleep(0.01)
+    gone.cancel()
+    await asyncio.sleep(0.01)
+    admission.leave()
+    await asyncio.wait_for(stays, 1)
+    assert admission.in_flight == 1 and admission.queued == 0
+
+
+async def test_slot_handed_to_a_waiter_cancelled_at_that_moment_is_passed_on() -> None:
+    """A slot handed over just as the waiter is cancelled is not lost: the next waiter gets it."""
+    admission = Admission(1, max_queued=4, queue_timeout_s=5)
+    assert admission.try_enter()
+    unlucky = asyncio.create_task(admission.enter("m"))
+    lucky = asyncio.create_task(admission.enter("m"))
+    await asyncio.sleep(0.01)
+    admission.leave()  # the slot goes to `unlucky`...
+    unlucky.cancel()  # ...which is cancelled before it runs again
+    with pytest.raises(asyncio.CancelledError):
+        await unlucky
+    await asyncio.wait_for(lucky, 1)
+    assert admission.in_flight == 1
+    admission.leave()
+    assert admission.in_flight == 0
+
+
+async def test_no_limit_means_no_queue() -> None:
+    """Without a limit every request enters at once."""
+    admission = Admission(None)
+    assert all(admission.try_enter() for _ in range(1000))
+    for _ in range(1000):
+        admission.leave()
+    assert admission.in_flight == 0
