@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from time import perf_counter
@@ -22,7 +23,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from proxy import __version__
-from proxy.asgi import Message, Receive, Scope, Send
+from proxy.asgi import Message, Receive, Scope, Send, send_json
+from proxy.auth import PUBLIC_PATHS, ApiKeys
 from proxy.errors import error_body
 from proxy.relay import ENDPOINTS, Relay, RelaySettings, RequestIds, server_timing
 from proxy.routing import RoutingTable, UpstreamAddress
@@ -34,17 +36,34 @@ _PROBE_TIMEOUT_S = 1.0
 class Gateway:
     """Top-level ASGI app: a choice of which app serves the request."""
 
-    def __init__(self, relay: Relay, admin: Starlette) -> None:
+    def __init__(self, relay: Relay, admin: Starlette, keys: ApiKeys | None = None) -> None:
         self.relay = relay
         self.admin = admin
+        self.keys = keys or ApiKeys(())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.admin(scope, receive, send)
+        elif self.keys and scope["path"] not in PUBLIC_PATHS and not self.keys.allows(scope):
+            await self._unauthorized(scope, send)
         elif scope["path"] in ENDPOINTS:
             await self.relay(scope, receive, send)
         else:
             await self.admin(scope, receive, _stamped(scope, send, self.relay.request_id_of))
+
+    async def _unauthorized(self, scope: Scope, send: Send) -> None:
+        started = perf_counter()
+        body = error_body(
+            401,
+            "Incorrect or missing API key: send it as `Authorization: Bearer <key>` or `x-api-key: <key>`",
+            code="invalid_api_key",
+        )
+        headers = [
+            (b"www-authenticate", b"Bearer"),
+            (b"x-request-id", self.relay.request_id_of(scope)),
+            server_timing(started),
+        ]
+        await send_json(send, 401, body, headers)
 
 
 def _stamped(scope: Scope, send: Send, request_id_of: RequestIds) -> Send:
@@ -71,6 +90,7 @@ def build_app(
     connect_timeout_s: float = 5.0,
     on_startup: Callable[[], Awaitable[None]] | None = None,
     on_shutdown: Callable[[], Awaitable[None]] | None = None,
+    api_keys: ApiKeys | None = None,
 ) -> Gateway:
     """Build the gateway for a routing table; every setting is resolved here.
 
@@ -78,7 +98,10 @@ def build_app(
     engine manager's start and stop).
     """
     pools = {address: Pool(address, connect_timeout_s=connect_timeout_s) for address in table.upstreams()}
-    relay = Relay(table, pools, relay_settings or RelaySettings())
+    settings = relay_settings or RelaySettings()
+    if api_keys:
+        settings = dataclasses.replace(settings, strip_credentials=True)
+    relay = Relay(table, pools, settings)
     created = int(time.time())
     models = {
         route.model: {"id": route.model, "object": "model", "created": created, "owned_by": "blazar-proxy"}
@@ -136,7 +159,7 @@ def build_app(
         exception_handlers={HTTPException: _http_exception, Exception: _unexpected},
         lifespan=lifespan,
     )
-    return Gateway(relay, admin)
+    return Gateway(relay, admin, api_keys)
 
 
 async def _readiness(table: RoutingTable, pools: Mapping[UpstreamAddress, Pool]) -> Response:

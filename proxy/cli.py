@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from types import FrameType
 
 import click
@@ -17,6 +18,7 @@ import uvicorn
 
 from proxy import __version__
 from proxy.app import build_app
+from proxy.auth import ApiKeys, read_key_file
 from proxy.config import Settings
 from proxy.payload import RequestGuards
 from proxy.relay import RelaySettings
@@ -143,6 +145,24 @@ def _echo(line: str) -> None:
     help="Seconds a request may wait for a slot; past it, 503 with Retry-After.",
 )
 @click.option(
+    "--api-key",
+    "api_keys",
+    multiple=True,
+    metavar="KEY",
+    envvar="BLAZAR_API_KEY",
+    show_envvar=True,
+    help="Require this key (Authorization: Bearer KEY, or x-api-key: KEY) on every request but "
+    "the probes. Repeatable; in the variable, separate several with spaces.",
+)
+@click.option(
+    "--api-key-file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    envvar="BLAZAR_API_KEY_FILE",
+    show_envvar=True,
+    help="Read more keys from a file, one per line (# starts a comment).",
+)
+@click.option(
     "--log-level",
     default="info",
     type=click.Choice(_LOG_LEVELS),
@@ -168,6 +188,8 @@ def main(
     max_in_flight: int | None,
     max_queued: int,
     queue_timeout_s: float,
+    api_keys: tuple[str, ...],
+    api_key_file: Path | None,
     log_level: str,
 ) -> None:
     """An OpenAI-compatible gateway in front of local LLM engine servers.
@@ -209,6 +231,7 @@ def main(
         read_timeout_s=read_timeout_s,
         max_queued=max_queued,
         queue_timeout_s=queue_timeout_s,
+        api_keys=(*api_keys, *(read_key_file(api_key_file) if api_key_file else ())),
         log_level=log_level,
     )
     serve(settings, hooks)
@@ -323,6 +346,7 @@ def serve(
         connect_timeout_s=settings.connect_timeout_s,
         on_startup=hooks[0] if hooks else None,
         on_shutdown=hooks[1] if hooks else None,
+        api_keys=ApiKeys(settings.api_keys),
     )
     config = uvicorn.Config(
         app,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from proxy.routing import Route
 
@@ -18,4 +18,6 @@ class Settings:
     read_timeout_s: float = 300.0
     max_queued: int = 256
     queue_timeout_s: float = 60.0
+    # Kept out of repr: settings may be logged.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
     log_level: str = "info"

@@ -73,12 +73,15 @@ def connection_tokens(headers: Iterable[Header]) -> frozenset[bytes]:
     return frozenset(names)
 
 
-def forward_request_headers(headers: Iterable[Header]) -> list[Header]:
+def forward_request_headers(
+    headers: Iterable[Header], also_drop: frozenset[bytes] = frozenset()
+) -> list[Header]:
     """The client's headers that go on to the upstream.
 
     Names must be lower-case already, as ASGI servers give them.
+    ``also_drop`` names more (the gateway's own credentials, when it checks keys).
     """
-    return _without(headers, _DROP_REQUEST)
+    return _without(headers, _DROP_REQUEST | also_drop if also_drop else _DROP_REQUEST)
 
 
 def filter_response_headers(headers: Iterable[Header]) -> list[Header]:

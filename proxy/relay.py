@@ -23,6 +23,7 @@ from time import perf_counter
 
 from proxy.admission import Admission
 from proxy.asgi import Message, Receive, Scope, Send, send_json
+from proxy.auth import CREDENTIAL_HEADERS
 from proxy.errors import HTTPError, normalize_error, sse_error_event
 from proxy.headers import (
     add_sse_headers,
@@ -84,6 +85,8 @@ class RelaySettings:
     read_timeout_s: float = 300.0
     max_queued: int = 256
     queue_timeout_s: float = 60.0
+    # The gateway checks API keys: the client's credentials are for it alone.
+    strip_credentials: bool = False
 
 
 class Relay:
@@ -115,6 +118,7 @@ class Relay:
         self._max_body_bytes = settings.max_body_bytes
         self._head_timeout_s = settings.head_timeout_s
         self._read_timeout_s = settings.read_timeout_s
+        self._also_drop = CREDENTIAL_HEADERS if settings.strip_credentials else frozenset()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = perf_counter()
@@ -160,7 +164,7 @@ class Relay:
             return
         # From here on this request holds a slot; it is given back below, on every path.
         try:
-            headers = forward_request_headers(scope["headers"])
+            headers = forward_request_headers(scope["headers"], self._also_drop)
             headers.append((b"x-request-id", request_id))
             target = targets[scope["path"]]
             if scope["query_string"]:

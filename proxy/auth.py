@@ -1,0 +1,56 @@
+"""Optional API keys: `Authorization: Bearer KEY` or `x-api-key: KEY`.
+
+Keys are compared in constant time, never logged, never echoed in an error,
+and never forwarded to an upstream (the relay drops both headers when keys
+are configured). Probes need no key, so a load balancer can check health.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Iterable
+from pathlib import Path
+
+from proxy.asgi import Scope
+
+# Paths that answer without a key: liveness and readiness probes.
+PUBLIC_PATHS = frozenset({"/livez", "/readyz"})
+CREDENTIAL_HEADERS = frozenset({b"authorization", b"x-api-key"})
+
+
+class ApiKeys:
+    """The set of accepted keys; empty means no authentication."""
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        self._keys = tuple(dict.fromkeys(k.strip().encode() for k in keys if k.strip()))
+
+    def __bool__(self) -> bool:
+        return bool(self._keys)
+
+    def __repr__(self) -> str:
+        # Never the keys themselves.
+        return f"<ApiKeys {len(self._keys)} configured>"
+
+    def allows(self, scope: Scope) -> bool:
+        """Whether the request carries one of the keys."""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                if scheme.lower() == b"bearer" and self._matches(token.strip()):
+                    return True
+            elif name == b"x-api-key" and self._matches(value.strip()):
+                return True
+        return False
+
+    def _matches(self, candidate: bytes) -> bool:
+        # Compare with every key, so the time taken says nothing about which matched.
+        found = False
+        for key in self._keys:
+            found |= hmac.compare_digest(candidate, key)
+        return found
+
+
+def read_key_file(path: Path) -> list[str]:
+    """Keys from a file: one per line; blank lines and lines starting with # are skipped."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
