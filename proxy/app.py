@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from time import perf_counter
 
 import orjson
@@ -33,13 +34,36 @@ from proxy.upstream import Pool
 _PROBE_TIMEOUT_S = 1.0
 
 
+@dataclass
+class GatewayState:
+    """What the gateway as a whole is doing; written by the server's drain, read per request."""
+
+    draining: bool = False
+    in_flight: int = 0
+    _idle: asyncio.Event | None = field(default=None, repr=False)
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        if not self.in_flight and self._idle is not None:
+            self._idle.set()
+
+    async def wait_idle(self) -> None:
+        """Return once no relayed request is in flight."""
+        while self.in_flight:
+            self._idle = asyncio.Event()
+            await self._idle.wait()
+
+
 class Gateway:
     """Top-level ASGI app: a choice of which app serves the request."""
 
-    def __init__(self, relay: Relay, admin: Starlette, keys: ApiKeys | None = None) -> None:
+    def __init__(
+        self, relay: Relay, admin: Starlette, keys: ApiKeys | None = None, state: GatewayState | None = None
+    ) -> None:
         self.relay = relay
         self.admin = admin
         self.keys = keys or ApiKeys(())
+        self.state = state or GatewayState()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -47,9 +71,28 @@ class Gateway:
         elif self.keys and scope["path"] not in PUBLIC_PATHS and not self.keys.allows(scope):
             await self._unauthorized(scope, send)
         elif scope["path"] in ENDPOINTS:
-            await self.relay(scope, receive, send)
+            state = self.state
+            if state.draining:
+                await self._draining(scope, send)
+                return
+            state.in_flight += 1
+            try:
+                await self.relay(scope, receive, send)
+            finally:
+                state.leave()
         else:
             await self.admin(scope, receive, _stamped(scope, send, self.relay.request_id_of))
+
+    async def _draining(self, scope: Scope, send: Send) -> None:
+        started = perf_counter()
+        body = error_body(503, "the gateway is shutting down; retry on another instance", code="draining")
+        headers = [
+            (b"connection", b"close"),
+            (b"retry-after", b"1"),
+            (b"x-request-id", self.relay.request_id_of(scope)),
+            server_timing(started),
+        ]
+        await send_json(send, 503, body, headers)
 
     async def _unauthorized(self, scope: Scope, send: Send) -> None:
         started = perf_counter()
@@ -98,6 +141,7 @@ def build_app(
     engine manager's start and stop).
     """
     pools = {address: Pool(address, connect_timeout_s=connect_timeout_s) for address in table.upstreams()}
+    state = GatewayState()
     settings = relay_settings or RelaySettings()
     if api_keys:
         settings = dataclasses.replace(settings, strip_credentials=True)
@@ -130,6 +174,8 @@ def build_app(
         return _json(200, b'{"status":"ok"}')
 
     async def readyz(request: Request) -> Response:
+        if state.draining:
+            return _json(503, b'{"status":"draining","reason":"the gateway is shutting down"}')
         return await _readiness(table, pools)
 
     @contextlib.asynccontextmanager
@@ -159,7 +205,7 @@ def build_app(
         exception_handlers={HTTPException: _http_exception, Exception: _unexpected},
         lifespan=lifespan,
     )
-    return Gateway(relay, admin, api_keys)
+    return Gateway(relay, admin, api_keys, state)
 
 
 async def _readiness(table: RoutingTable, pools: Mapping[UpstreamAddress, Pool]) -> Response:

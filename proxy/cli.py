@@ -11,18 +11,18 @@ import logging
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from types import FrameType
 
 import click
 import uvicorn
 
 from proxy import __version__
-from proxy.app import build_app
+from proxy.app import Gateway, build_app
 from proxy.auth import ApiKeys, read_key_file
 from proxy.config import Settings
 from proxy.payload import RequestGuards
 from proxy.relay import RelaySettings
 from proxy.routing import Route, RoutingTable, UpstreamAddress, UpstreamSpecError, parse_upstream_spec
+from proxy.server import GatewayServer
 
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 _VARIANTS = ("auto", "cpu", "cuda12", "cuda13", "metal")
@@ -145,6 +145,15 @@ def _echo(line: str) -> None:
     help="Seconds a request may wait for a slot; past it, 503 with Retry-After.",
 )
 @click.option(
+    "--drain-timeout",
+    "drain_timeout_s",
+    type=click.FloatRange(0),
+    default=30.0,
+    envvar="BLAZAR_DRAIN_TIMEOUT",
+    show_envvar=True,
+    help="On SIGTERM, seconds for requests in flight to finish before they are ended.",
+)
+@click.option(
     "--api-key",
     "api_keys",
     multiple=True,
@@ -188,6 +197,7 @@ def main(
     max_in_flight: int | None,
     max_queued: int,
     queue_timeout_s: float,
+    drain_timeout_s: float,
     api_keys: tuple[str, ...],
     api_key_file: Path | None,
     log_level: str,
@@ -232,6 +242,7 @@ def main(
         max_queued=max_queued,
         queue_timeout_s=queue_timeout_s,
         api_keys=(*api_keys, *(read_key_file(api_key_file) if api_key_file else ())),
+        drain_timeout_s=drain_timeout_s,
         log_level=log_level,
     )
     serve(settings, hooks)
@@ -334,7 +345,7 @@ def serve(
 ) -> None:
     """Run the gateway until it is stopped."""
     _configure_logging(settings.log_level)
-    app = build_app(
+    app: Gateway = build_app(
         RoutingTable(settings.routes),
         relay_settings=RelaySettings(
             max_body_bytes=settings.max_body_bytes,
@@ -363,20 +374,7 @@ def serve(
         proxy_headers=False,
         log_level=settings.log_level,
     )
-    _Server(config).run()
-
-
-class _Server(uvicorn.Server):
-    """uvicorn's server, exiting 0 after a graceful stop on SIGTERM or SIGINT.
-
-    uvicorn re-raises the signal once it has shut down, so the exit status
-    would read "killed by SIGTERM"; a gateway that stopped its children and
-    shut down in order has ended cleanly.
-    """
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        super().handle_exit(sig, frame)
-        self._captured_signals.clear()
+    GatewayServer(config, app, settings.drain_timeout_s).run()
 
 
 def _configure_logging(level: str) -> None:

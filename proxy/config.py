@@ -20,4 +20,5 @@ class Settings:
     queue_timeout_s: float = 60.0
     # Kept out of repr: settings may be logged.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
+    drain_timeout_s: float = 30.0
     log_level: str = "info"

@@ -39,6 +39,7 @@ from proxy.upstream import (
     BodyBroken,
     ClientGone,
     Connection,
+    Draining,
     Pool,
     UpstreamError,
 )
@@ -115,6 +116,8 @@ class Relay:
             for route in table
         }
         self.request_id_of = RequestIds()
+        # Upstream connections with a request on them, for a drain to end.
+        self.active: set[Connection] = set()
         self._max_body_bytes = settings.max_body_bytes
         self._head_timeout_s = settings.head_timeout_s
         self._read_timeout_s = settings.read_timeout_s
@@ -222,6 +225,7 @@ class Relay:
         conn.send(head, body)
         sent_at = perf_counter()
         watch = ClientWatch(receive, conn)
+        self.active.add(conn)
         try:
             try:
                 await conn.read_head(self._head_timeout_s)
@@ -235,6 +239,7 @@ class Relay:
         except ClientGone:
             pass
         finally:
+            self.active.discard(conn)
             if watch.stop():
                 conn.close()
             else:
@@ -351,6 +356,12 @@ class Relay:
         if not conn.complete:
             conn.close()
         return normalize_error(conn.status, b"".join(chunks))
+
+    def abort_all(self, reason: str) -> int:
+        """End every exchange still running (a drain that ran out of time); return how many."""
+        for conn in list(self.active):
+            conn.abort(Draining(reason))
+        return len(self.active)
 
 
 def server_timing(started: float, sent_at: float = 0.0, answered_at: float = 0.0) -> tuple[bytes, bytes]:

@@ -65,6 +65,13 @@ class ReadTimeout(UpstreamError):
     code = "upstream_timeout"
 
 
+class Draining(UpstreamError):
+    """The gateway is shutting down and its drain time is over."""
+
+    status = 503
+    code = "draining"
+
+
 class ClientGone(Exception):
     """The client went away; the upstream connection was closed for it."""
 
@@ -270,6 +277,11 @@ class Connection(asyncio.Protocol):
         if task.cancelled() or self.state is not ConnState.ACTIVE:
             return
         self._fail(ClientGone())
+        self.close()
+
+    def abort(self, error: UpstreamError) -> None:
+        """End the exchange with ``error`` (the relay tells its client) and close."""
+        self._fail(error)
         self.close()
 
     def close(self) -> None:

@@ -1,0 +1,77 @@
+"""The server: uvicorn, with the gateway's own handling of SIGTERM and SIGINT.
+
+uvicorn alone closes its listener at once on SIGTERM and then waits without
+limit for open streams. A gateway behind a load balancer must instead:
+
+1. turn /readyz to 503 at once, so the balancer stops sending;
+2. answer new requests 503 `draining` with `Connection: close`;
+3. let the requests in flight finish, up to the drain timeout;
+4. end what remains with an SSE error event (or a 503 before the head);
+5. shut down: stop and reap the engine children (lifespan), exit 0.
+
+A second signal exits at once; the children still die with the gateway (their
+parent-death signal).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from types import FrameType
+
+import uvicorn
+
+from proxy.app import Gateway
+
+log = logging.getLogger("blazar.server")
+
+# After the drain timeout, how long the ended exchanges get to tell their clients.
+_AFTER_ABORT_S = 5.0
+
+
+class GatewayServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, gateway: Gateway, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.gateway = gateway
+        self.drain_timeout_s = drain_timeout_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_started = False
+        self._drain_task: asyncio.Future[None] | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # A signal handler only records and queues; the loop does the work.
+        # Not calling uvicorn's: it would re-raise the signal at exit, and a
+        # gateway that drained and reaped its children has ended cleanly (0).
+        if self._drain_started or self._loop is None:
+            # The second signal, or one before the loop runs: leave now.
+            self.should_exit = True
+            self.force_exit = self._drain_started
+            return
+        self._drain_started = True
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self.drain())
+
+    async def drain(self) -> None:
+        """Stop taking requests, let those in flight finish, then shut down."""
+        state = self.gateway.state
+        state.draining = True
+        log.info("draining: %d requests in flight, up to %.0f s", state.in_flight, self.drain_timeout_s)
+        try:
+            await asyncio.wait_for(state.wait_idle(), self.drain_timeout_s)
+        except TimeoutError:
+            ended = self.gateway.relay.abort_all(
+                f"the gateway is shutting down and its drain time ({self.drain_timeout_s:g} s) is over"
+            )
+            log.warning("drain timeout: ended %d exchanges still running", ended)
+            # They answer their clients (an error event, or a 503) and leave.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(state.wait_idle(), _AFTER_ABORT_S)
+        self.should_exit = True
