@@ -27,6 +27,8 @@ from proxy import __version__
 from proxy.asgi import Message, Receive, Scope, Send, send_json
 from proxy.auth import PUBLIC_PATHS, ApiKeys
 from proxy.errors import error_body
+from proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from proxy.metrics import Metrics
 from proxy.relay import ENDPOINTS, Relay, RelaySettings, RequestIds, server_timing
 from proxy.routing import RoutingTable, UpstreamAddress
 from proxy.upstream import Pool
@@ -134,6 +136,7 @@ def build_app(
     on_startup: Callable[[], Awaitable[None]] | None = None,
     on_shutdown: Callable[[], Awaitable[None]] | None = None,
     api_keys: ApiKeys | None = None,
+    metrics: Metrics | None = None,
 ) -> Gateway:
     """Build the gateway for a routing table; every setting is resolved here.
 
@@ -145,7 +148,7 @@ def build_app(
     settings = relay_settings or RelaySettings()
     if api_keys:
         settings = dataclasses.replace(settings, strip_credentials=True)
-    relay = Relay(table, pools, settings)
+    relay = Relay(table, pools, settings, metrics)
     created = int(time.time())
     models = {
         route.model: {"id": route.model, "object": "model", "created": created, "owned_by": "blazar-proxy"}
@@ -169,6 +172,10 @@ def build_app(
                 ),
             )
         return _json(200, orjson.dumps(model))
+
+    async def metrics_route(request: Request) -> Response:
+        assert metrics is not None
+        return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     async def livez(request: Request) -> Response:
         return _json(200, b'{"status":"ok"}')
@@ -200,6 +207,8 @@ def build_app(
             Route("/models/{model:path}", get_model, methods=["GET"]),
             Route("/livez", livez, methods=["GET"]),
             Route("/readyz", readyz, methods=["GET"]),
+            # A plain route: Mount("/metrics", app) answers 307 and Prometheus scrapes nothing.
+            *([Route("/metrics", metrics_route, methods=["GET"])] if metrics is not None else []),
             Route("/version", lambda r: _json(200, orjson.dumps({"version": __version__})), methods=["GET"]),
         ],
         exception_handlers={HTTPException: _http_exception, Exception: _unexpected},

@@ -19,6 +19,7 @@ from proxy import __version__
 from proxy.app import Gateway, build_app
 from proxy.auth import ApiKeys, read_key_file
 from proxy.config import Settings
+from proxy.metrics import EngineSample, Metrics
 from proxy.payload import RequestGuards
 from proxy.relay import RelaySettings
 from proxy.routing import Route, RoutingTable, UpstreamAddress, UpstreamSpecError, parse_upstream_spec
@@ -172,6 +173,13 @@ def _echo(line: str) -> None:
     help="Read more keys from a file, one per line (# starts a comment).",
 )
 @click.option(
+    "--metrics/--no-metrics",
+    default=True,
+    envvar="BLAZAR_METRICS",
+    show_envvar=True,
+    help="Serve Prometheus metrics at GET /metrics.",
+)
+@click.option(
     "--log-level",
     default="info",
     type=click.Choice(_LOG_LEVELS),
@@ -200,6 +208,7 @@ def main(
     drain_timeout_s: float,
     api_keys: tuple[str, ...],
     api_key_file: Path | None,
+    metrics: bool,
     log_level: str,
 ) -> None:
     """An OpenAI-compatible gateway in front of local LLM engine servers.
@@ -243,6 +252,7 @@ def main(
         queue_timeout_s=queue_timeout_s,
         api_keys=(*api_keys, *(read_key_file(api_key_file) if api_key_file else ())),
         drain_timeout_s=drain_timeout_s,
+        metrics=metrics,
         log_level=log_level,
     )
     serve(settings, hooks)
@@ -345,6 +355,10 @@ def serve(
 ) -> None:
     """Run the gateway until it is stopped."""
     _configure_logging(settings.log_level)
+    registry = Metrics() if settings.metrics else None
+    if registry is not None:
+        children = [(r.model, r.gate) for r in settings.routes if r.gate is not None]
+        registry.watch_engines(lambda: [_engine_sample(model, gate) for model, gate in children])
     app: Gateway = build_app(
         RoutingTable(settings.routes),
         relay_settings=RelaySettings(
@@ -358,6 +372,7 @@ def serve(
         on_startup=hooks[0] if hooks else None,
         on_shutdown=hooks[1] if hooks else None,
         api_keys=ApiKeys(settings.api_keys),
+        metrics=registry,
     )
     config = uvicorn.Config(
         app,
@@ -375,6 +390,16 @@ def serve(
         log_level=settings.log_level,
     )
     GatewayServer(config, app, settings.drain_timeout_s).run()
+
+
+def _engine_sample(model: str, gate: object) -> EngineSample:
+    # Gates of engine routes are engines.child.Child objects.
+    return EngineSample(
+        model=model,
+        up=getattr(gate, "pid", None) is not None,
+        ready=bool(getattr(gate, "ready", False)),
+        restarts=int(getattr(gate, "restarts", 0)),
+    )
 
 
 def _configure_logging(level: str) -> None:

@@ -21,4 +21,5 @@ class Settings:
     # Kept out of repr: settings may be logged.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     drain_timeout_s: float = 30.0
+    metrics: bool = True
     log_level: str = "info"

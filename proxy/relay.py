@@ -33,6 +33,7 @@ from proxy.headers import (
     request_head,
     valid_request_id,
 )
+from proxy.metrics import Metrics, ModelMetrics
 from proxy.payload import check_request, parse_request
 from proxy.routing import RoutingTable, UpstreamAddress
 from proxy.upstream import (
@@ -55,6 +56,10 @@ ENDPOINTS: Mapping[str, bytes] = {
     "/completions": b"/completions",
     "/v1/embeddings": b"/embeddings",
     "/embeddings": b"/embeddings",
+}
+
+_ROUTE_LABELS: Mapping[str, str] = {
+    path: endpoint.decode().lstrip("/") for path, endpoint in ENDPOINTS.items()
 }
 
 # Upstream error bodies are read whole to be normalised, up to this size.
@@ -98,6 +103,7 @@ class Relay:
         table: RoutingTable,
         pools: Mapping[UpstreamAddress, Pool],
         settings: RelaySettings,
+        metrics: Metrics | None = None,
     ) -> None:
         # Everything the hot path needs about a model, computed once.
         self._routes = {
@@ -112,9 +118,13 @@ class Relay:
                     max_queued=settings.max_queued,
                     queue_timeout_s=settings.queue_timeout_s,
                 ),
+                metrics.for_model(route.model) if metrics is not None else None,
             )
             for route in table
         }
+        self._metrics = metrics
+        if metrics is not None:
+            metrics.watch_admission(self._admission_sample)
         self.request_id_of = RequestIds()
         # Upstream connections with a request on them, for a drain to end.
         self.active: set[Connection] = set()
@@ -126,6 +136,7 @@ class Relay:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = perf_counter()
         request_id = b""
+        stats: ModelMetrics | None = None
         try:
             request_id = self.request_id_of(scope)
             if scope["method"] != "POST":
@@ -148,7 +159,7 @@ class Relay:
                     param="model",
                     code="model_not_found",
                 )
-            pool, host_header, targets, gate, guards, admission = entry
+            pool, host_header, targets, gate, guards, admission, stats = entry
             check_request(doc, ENDPOINTS[scope["path"]], guards)
             if gate is not None and not gate.ready:
                 raise HTTPError(
@@ -158,12 +169,19 @@ class Relay:
                     headers=((b"retry-after", _RETRY_AFTER_S),),
                 )
             if not admission.try_enter():
+                queued_at = perf_counter()
                 await _wait_for_slot(admission, model, receive)
+                if stats is not None:
+                    stats.queue_time.observe(perf_counter() - queued_at)
         except HTTPError as exc:
             headers = [(b"x-request-id", request_id), server_timing(started), *exc.headers]
             await send_json(send, exc.status, exc.body(), headers)
+            if stats is not None:
+                stats.count(_ROUTE_LABELS[scope["path"]], exc.status)
             return
         except ClientGone:
+            if self._metrics is not None:
+                self._metrics.client_disconnects += 1
             return
         # From here on this request holds a slot; it is given back below, on every path.
         try:
@@ -173,9 +191,24 @@ class Relay:
             if scope["query_string"]:
                 target += b"?" + scope["query_string"]
             head = request_head(b"POST", target, host_header, headers, len(body))
-            await self._exchange(pool, head, body, receive, send, request_id, started)
+            outcome = _Outcome()
+            await self._exchange(pool, head, body, receive, send, request_id, started, outcome)
         finally:
             admission.leave()
+        if stats is not None:
+            self._record(stats, _ROUTE_LABELS[scope["path"]], outcome, started)
+
+    def _record(self, stats: ModelMetrics, route: str, outcome: _Outcome, started: float) -> None:
+        """Per request, once, after the response: a few pre-bound metric updates."""
+        stats.count(route, outcome.status)
+        stats.e2e.observe(perf_counter() - started)
+        if outcome.own_s is not None:
+            stats.overhead.observe(outcome.own_s)
+            stats.ttft.observe(outcome.head_s)
+        if outcome.error is not None:
+            stats.upstream_error(outcome.error)
+        if outcome.client_gone and self._metrics is not None:
+            self._metrics.client_disconnects += 1
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
         limit = self._max_body_bytes
@@ -214,10 +247,12 @@ class Relay:
         send: Send,
         request_id: bytes,
         started: float,
+        outcome: _Outcome,
     ) -> None:
         try:
             conn = await pool.acquire()
         except UpstreamError as exc:
+            outcome.failed(exc)
             await _send_upstream_error(send, exc, request_id, server_timing(started))
             return
         # No retry once the request is written: the upstream may have acted
@@ -231,13 +266,14 @@ class Relay:
                 await conn.read_head(self._head_timeout_s)
             except UpstreamError as exc:
                 conn.close()
+                outcome.failed(exc)
                 await _send_upstream_error(
                     send, exc, request_id, server_timing(started, sent_at, perf_counter())
                 )
                 return
-            await self._respond(conn, send, request_id, started, sent_at)
+            await self._respond(conn, send, request_id, started, sent_at, outcome)
         except ClientGone:
-            pass
+            outcome.client_gone = True
         finally:
             self.active.discard(conn)
             if watch.stop():
@@ -246,11 +282,20 @@ class Relay:
                 pool.release(conn)
 
     async def _respond(
-        self, conn: Connection, send: Send, request_id: bytes, started: float, sent_at: float
+        self,
+        conn: Connection,
+        send: Send,
+        request_id: bytes,
+        started: float,
+        sent_at: float,
+        outcome: _Outcome,
     ) -> None:
         head_at = perf_counter()
         status = conn.status
+        outcome.status = status
+        outcome.head_s = head_at - started
         if not 200 <= status <= 599:
+            outcome.status, outcome.error = 502, "upstream_bad_response"
             conn.close()
             message = f"upstream answered with status {status}"
             timing = server_timing(started, sent_at, head_at)
@@ -264,6 +309,7 @@ class Relay:
                 body = await self._read_error_body(conn)
             except UpstreamError as exc:
                 conn.close()
+                outcome.failed(exc)
                 status, body = 502, _upstream_error_body(502, str(exc), exc.code)
             kept = [(n, v) for n, v in headers if n in _KEPT_ON_ERRORS]
             timing = server_timing(started, sent_at, perf_counter())
@@ -273,6 +319,7 @@ class Relay:
             headers = add_sse_headers(headers)
         headers.append((b"x-request-id", request_id))
         headers.append(server_timing(started, sent_at, head_at))
+        outcome.own_s = sent_at - started + perf_counter() - head_at
         if not conn.close_delimited and status not in (204, 304):
             for name, value in conn.headers:
                 if name == b"content-length":
@@ -280,27 +327,29 @@ class Relay:
                     break
         await send({"type": "http.response.start", "status": status, "headers": headers})
         if sse:
-            await self._relay_events(conn, send)
+            outcome.error = await self._relay_events(conn, send)
         else:
-            await self._relay_body(conn, send)
+            outcome.error = await self._relay_body(conn, send)
 
-    async def _relay_body(self, conn: Connection, send: Send) -> None:
+    async def _relay_body(self, conn: Connection, send: Send) -> str | None:
+        """Relay a body as it arrives; the upstream error's code if it broke."""
         read_timeout_s = self._read_timeout_s
         try:
             while chunk := await conn.read(read_timeout_s):
                 if conn.complete:
                     await send({"type": "http.response.body", "body": chunk})
-                    return
+                    return None
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except UpstreamError as exc:
             # Headers are out: the only honest signal left is to cut the
             # client's connection before the declared end of the body.
             conn.close()
             log.warning("upstream body broken, cutting the client's response: %s", exc)
-            return
+            return exc.code
         await send({"type": "http.response.body", "body": b""})
+        return None
 
-    async def _relay_events(self, conn: Connection, send: Send) -> None:
+    async def _relay_events(self, conn: Connection, send: Send) -> str | None:
         """Relay an SSE stream event by event as bytes arrive, and vouch for its end.
 
         Bytes after the last complete event of a read wait for the rest of
@@ -324,21 +373,22 @@ class Relay:
                 tail = chunk[-_TAIL_BYTES:] if len(chunk) >= _TAIL_BYTES else (tail + chunk)[-_TAIL_BYTES:]
                 if conn.complete and not conn.close_delimited and not pending:
                     await send({"type": "http.response.body", "body": chunk})
-                    return
+                    return None
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except UpstreamError as exc:
             conn.close()
             event = sse_error_event(exc.status, str(exc), code=exc.code)
             await send({"type": "http.response.body", "body": event})
-            return
+            return exc.code
         if conn.close_delimited and b"[DONE]" not in tail:
             # An HTTP/1.0 stream ends with the close either way: without
             # [DONE], the engine crashed or cut it, and the client must know.
             message = "upstream stream ended without [DONE]: the response is truncated"
             event = sse_error_event(502, message, code="upstream_truncated")
             await send({"type": "http.response.body", "body": event})
-            return
+            return "upstream_truncated"
         await send({"type": "http.response.body", "body": pending})
+        return None
 
     async def _read_error_body(self, conn: Connection) -> bytes:
         """An upstream error body, read whole (bounded) and put in OpenAI's envelope."""
@@ -356,6 +406,9 @@ class Relay:
         if not conn.complete:
             conn.close()
         return normalize_error(conn.status, b"".join(chunks))
+
+    def _admission_sample(self) -> list[tuple[str, int, int]]:
+        return [(model, entry[5].in_flight, entry[5].queued) for model, entry in self._routes.items()]
 
     def abort_all(self, reason: str) -> int:
         """End every exchange still running (a drain that ran out of time); return how many."""
@@ -378,6 +431,23 @@ def server_timing(started: float, sent_at: float = 0.0, answered_at: float = 0.0
         b"server-timing",
         b"gateway;dur=%.3f, upstream;dur=%.3f" % (own_ms, (answered_at - sent_at) * 1000),
     )
+
+
+class _Outcome:
+    """How one relayed request ended, for the metrics."""
+
+    __slots__ = ("client_gone", "error", "head_s", "own_s", "status")
+
+    def __init__(self) -> None:
+        self.status = 0
+        self.own_s: float | None = None
+        self.head_s = 0.0
+        self.error: str | None = None
+        self.client_gone = False
+
+    def failed(self, exc: UpstreamError) -> None:
+        self.status = exc.status
+        self.error = exc.code
 
 
 class ClientWatch:

@@ -1,0 +1,194 @@
+"""Prometheus metrics, served at GET /metrics (a plain route: a mounted app answers 307).
+
+Cost is per request, never per chunk, and small: the relay updates plain
+counters and bucket arrays bound once per model (a dict increment and a
+`bisect` per observation). prometheus-client's own Counter and Histogram take
+a lock on every update and cost ~14 µs a request here in all; they are used
+only to write the text format, at scrape time, from these figures. In-flight
+counts, queue depths and engine states are read at scrape time from the live
+objects. Everything runs in the event loop's thread, so nothing needs a lock.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from proxy import __version__
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# The gateway's own time per request: the headline, so buckets start at 25 µs.
+OVERHEAD_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 0.01, 0.05, 0.25)
+LATENCY_BUCKETS = (0.005, 0.025, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+QUEUE_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSample:
+    model: str
+    up: bool
+    ready: bool
+    restarts: int
+
+
+class Buckets:
+    """A histogram's figures: counts per bucket (`le` bounds), sum and count."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        out, running = [], 0
+        for bound, count in zip((*map(str, self.bounds), "+Inf"), self.counts, strict=True):
+            running += count
+            out.append((bound, float(running)))
+        return out
+
+
+class ModelMetrics:
+    """One model's figures, updated by the relay once per request."""
+
+    __slots__ = ("e2e", "model", "overhead", "queue_time", "requests", "ttft", "upstream_errors")
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.requests: dict[tuple[str, int], int] = {}
+        self.upstream_errors: dict[str, int] = {}
+        self.e2e = Buckets(LATENCY_BUCKETS)
+        self.ttft = Buckets(LATENCY_BUCKETS)
+        self.overhead = Buckets(OVERHEAD_BUCKETS)
+        self.queue_time = Buckets(QUEUE_BUCKETS)
+
+    def count(self, route: str, status: int) -> None:
+        key = (route, status)
+        self.requests[key] = self.requests.get(key, 0) + 1
+
+    def upstream_error(self, kind: str) -> None:
+        self.upstream_errors[kind] = self.upstream_errors.get(kind, 0) + 1
+
+
+class Metrics:
+    """Every metric of one gateway, in its own registry."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.models: dict[str, ModelMetrics] = {}
+        self.client_disconnects = 0
+        self.registry.register(_RequestCollector(self))
+
+    def for_model(self, model: str) -> ModelMetrics:
+        return self.models.setdefault(model, ModelMetrics(model))
+
+    def watch_admission(self, sample: Callable[[], Iterable[tuple[str, int, int]]]) -> None:
+        """Report in-flight and queued counts, read at scrape time from (model, in flight, queued)."""
+        self.registry.register(_AdmissionCollector(sample))
+
+    def watch_engines(self, sample: Callable[[], Iterable[EngineSample]]) -> None:
+        """Report engine children's state, read at scrape time."""
+        self.registry.register(_EngineCollector(sample))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _RequestCollector(Collector):
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        models = list(self._metrics.models.values())
+        requests = CounterMetricFamily(
+            "blazar_requests",
+            "Requests answered, by model, route and status.",
+            labels=["model", "route", "code"],
+        )
+        errors = CounterMetricFamily(
+            "blazar_upstream_errors", "Upstream failures, by model and kind.", labels=["model", "kind"]
+        )
+        for m in models:
+            for (route, status), value in sorted(m.requests.items()):
+                requests.add_metric([m.model, route, str(status)], value)
+            for kind, value in sorted(m.upstream_errors.items()):
+                errors.add_metric([m.model, kind], value)
+        yield requests
+        yield errors
+        for name, doc, pick in (
+            ("blazar_queue_time_seconds", "Time queued for a slot (requests that queued).", "queue_time"),
+            (
+                "blazar_time_to_first_token_seconds",
+                "From the request's arrival to the upstream's response head (for streams, the first event).",
+                "ttft",
+            ),
+            (
+                "blazar_e2e_request_latency_seconds",
+                "From the request's arrival to the end of its response.",
+                "e2e",
+            ),
+            (
+                "blazar_proxy_overhead_seconds",
+                "The gateway's own time per request (Server-Timing gateway;dur).",
+                "overhead",
+            ),
+        ):
+            family = HistogramMetricFamily(name, doc, labels=["model"])
+            for m in models:
+                buckets: Buckets = getattr(m, pick)
+                family.add_metric([m.model], buckets.cumulative(), buckets.sum)
+            yield family
+        disconnects = CounterMetricFamily(
+            "blazar_client_disconnects", "Clients that left before their response ended."
+        )
+        disconnects.add_metric([], self._metrics.client_disconnects)
+        yield disconnects
+        build = GaugeMetricFamily("blazar_build_info", "The gateway's version.", labels=["version"])
+        build.add_metric([__version__], 1)
+        yield build
+
+
+class _AdmissionCollector(Collector):
+    def __init__(self, sample: Callable[[], Iterable[tuple[str, int, int]]]) -> None:
+        self._sample = sample
+
+    def collect(self) -> Iterator[Metric]:
+        in_flight = GaugeMetricFamily(
+            "blazar_requests_in_flight", "Requests holding a slot.", labels=["model"]
+        )
+        queued = GaugeMetricFamily("blazar_queue_depth", "Requests waiting for a slot.", labels=["model"])
+        for model, running, waiting in self._sample():
+            in_flight.add_metric([model], running)
+            queued.add_metric([model], waiting)
+        yield in_flight
+        yield queued
+
+
+class _EngineCollector(Collector):
+    def __init__(self, sample: Callable[[], Iterable[EngineSample]]) -> None:
+        self._sample = sample
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily("blazar_engine_up", "1 while the child process runs.", labels=["model"])
+        ready = GaugeMetricFamily("blazar_engine_ready", "1 while the child serves.", labels=["model"])
+        restarts = CounterMetricFamily(
+            "blazar_engine_restarts", "Times the child was started again.", labels=["model"]
+        )
+        for engine in self._sample():
+            up.add_metric([engine.model], 1 if engine.up else 0)
+            ready.add_metric([engine.model], 1 if engine.ready else 0)
+            restarts.add_metric([engine.model], engine.restarts)
+        yield up
+        yield ready
+        yield restarts
