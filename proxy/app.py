@@ -24,6 +24,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from proxy import __version__
+from proxy.accesslog import AccessLog
 from proxy.asgi import Message, Receive, Scope, Send, send_json
 from proxy.auth import PUBLIC_PATHS, ApiKeys
 from proxy.errors import error_body
@@ -137,6 +138,7 @@ def build_app(
     on_shutdown: Callable[[], Awaitable[None]] | None = None,
     api_keys: ApiKeys | None = None,
     metrics: Metrics | None = None,
+    access_log: AccessLog | None = None,
 ) -> Gateway:
     """Build the gateway for a routing table; every setting is resolved here.
 
@@ -148,7 +150,7 @@ def build_app(
     settings = relay_settings or RelaySettings()
     if api_keys:
         settings = dataclasses.replace(settings, strip_credentials=True)
-    relay = Relay(table, pools, settings, metrics)
+    relay = Relay(table, pools, settings, metrics, access_log)
     created = int(time.time())
     models = {
         route.model: {"id": route.model, "object": "model", "created": created, "owned_by": "blazar-proxy"}

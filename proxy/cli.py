@@ -16,6 +16,7 @@ import click
 import uvicorn
 
 from proxy import __version__
+from proxy.accesslog import AccessLog
 from proxy.app import Gateway, build_app
 from proxy.auth import ApiKeys, read_key_file
 from proxy.config import Settings
@@ -180,6 +181,29 @@ def _echo(line: str) -> None:
     help="Serve Prometheus metrics at GET /metrics.",
 )
 @click.option(
+    "--access-log/--no-access-log",
+    default=True,
+    envvar="BLAZAR_ACCESS_LOG",
+    show_envvar=True,
+    help="One line per relayed request on stderr (not probes or /metrics).",
+)
+@click.option(
+    "--log-format",
+    type=click.Choice(("text", "json")),
+    default="text",
+    envvar="BLAZAR_LOG_FORMAT",
+    show_envvar=True,
+    help="Access log lines as text or JSON.",
+)
+@click.option(
+    "--forwarded-allow-ips",
+    default="",
+    metavar="CIDRS",
+    envvar="BLAZAR_FORWARDED_ALLOW_IPS",
+    show_envvar=True,
+    help="Comma-separated proxy addresses whose X-Forwarded-For is trusted for the client address.",
+)
+@click.option(
     "--log-level",
     default="info",
     type=click.Choice(_LOG_LEVELS),
@@ -209,6 +233,9 @@ def main(
     api_keys: tuple[str, ...],
     api_key_file: Path | None,
     metrics: bool,
+    access_log: bool,
+    log_format: str,
+    forwarded_allow_ips: str,
     log_level: str,
 ) -> None:
     """An OpenAI-compatible gateway in front of local LLM engine servers.
@@ -253,6 +280,9 @@ def main(
         api_keys=(*api_keys, *(read_key_file(api_key_file) if api_key_file else ())),
         drain_timeout_s=drain_timeout_s,
         metrics=metrics,
+        access_log=access_log,
+        log_format=log_format,
+        forwarded_allow_ips=tuple(ip.strip() for ip in forwarded_allow_ips.split(",") if ip.strip()),
         log_level=log_level,
     )
     serve(settings, hooks)
@@ -373,6 +403,9 @@ def serve(
         on_shutdown=hooks[1] if hooks else None,
         api_keys=ApiKeys(settings.api_keys),
         metrics=registry,
+        access_log=AccessLog(settings.log_format, settings.forwarded_allow_ips)
+        if settings.access_log
+        else None,
     )
     config = uvicorn.Config(
         app,
@@ -403,6 +436,14 @@ def _engine_sample(model: str, gate: object) -> EngineSample:
 
 
 def _configure_logging(level: str) -> None:
+    access = logging.getLogger("blazar.access")
+    if not access.handlers:
+        plain = logging.StreamHandler(sys.stderr)
+        plain.setFormatter(logging.Formatter("%(message)s"))
+        access.addHandler(plain)
+    # The access log is on or off by its own flag, whatever the log level.
+    access.setLevel(logging.INFO)
+    access.propagate = False
     logger = logging.getLogger("blazar")
     if not logger.handlers:
         handler = logging.StreamHandler(sys.stderr)

@@ -22,4 +22,7 @@ class Settings:
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     drain_timeout_s: float = 30.0
     metrics: bool = True
+    access_log: bool = True
+    log_format: str = "text"
+    forwarded_allow_ips: tuple[str, ...] = ()
     log_level: str = "info"

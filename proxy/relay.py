@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from time import perf_counter
 
+from proxy.accesslog import AccessLog
 from proxy.admission import Admission
 from proxy.asgi import Message, Receive, Scope, Send, send_json
 from proxy.auth import CREDENTIAL_HEADERS
@@ -104,6 +105,7 @@ class Relay:
         pools: Mapping[UpstreamAddress, Pool],
         settings: RelaySettings,
         metrics: Metrics | None = None,
+        access_log: AccessLog | None = None,
     ) -> None:
         # Everything the hot path needs about a model, computed once.
         self._routes = {
@@ -123,6 +125,7 @@ class Relay:
             for route in table
         }
         self._metrics = metrics
+        self._access = access_log
         if metrics is not None:
             metrics.watch_admission(self._admission_sample)
         self.request_id_of = RequestIds()
@@ -137,6 +140,7 @@ class Relay:
         started = perf_counter()
         request_id = b""
         stats: ModelMetrics | None = None
+        model = ""
         try:
             request_id = self.request_id_of(scope)
             if scope["method"] != "POST":
@@ -178,6 +182,17 @@ class Relay:
             await send_json(send, exc.status, exc.body(), headers)
             if stats is not None:
                 stats.count(_ROUTE_LABELS[scope["path"]], exc.status)
+            if self._access is not None:
+                self._access.write(
+                    scope,
+                    request_id=request_id,
+                    model=model if stats is not None else "",
+                    status=exc.status,
+                    bytes_out=0,
+                    duration_s=perf_counter() - started,
+                    ttfb_s=None,
+                    overhead_s=None,
+                )
             return
         except ClientGone:
             if self._metrics is not None:
@@ -197,6 +212,17 @@ class Relay:
             admission.leave()
         if stats is not None:
             self._record(stats, _ROUTE_LABELS[scope["path"]], outcome, started)
+        if self._access is not None:
+            self._access.write(
+                scope,
+                request_id=request_id,
+                model=model,
+                status=outcome.status or 499,
+                bytes_out=outcome.bytes_out,
+                duration_s=perf_counter() - started,
+                ttfb_s=outcome.head_s if outcome.own_s is not None else None,
+                overhead_s=outcome.own_s,
+            )
 
     def _record(self, stats: ModelMetrics, route: str, outcome: _Outcome, started: float) -> None:
         """Per request, once, after the response: a few pre-bound metric updates."""
@@ -327,15 +353,16 @@ class Relay:
                     break
         await send({"type": "http.response.start", "status": status, "headers": headers})
         if sse:
-            outcome.error = await self._relay_events(conn, send)
+            outcome.error = await self._relay_events(conn, send, outcome)
         else:
-            outcome.error = await self._relay_body(conn, send)
+            outcome.error = await self._relay_body(conn, send, outcome)
 
-    async def _relay_body(self, conn: Connection, send: Send) -> str | None:
+    async def _relay_body(self, conn: Connection, send: Send, outcome: _Outcome) -> str | None:
         """Relay a body as it arrives; the upstream error's code if it broke."""
         read_timeout_s = self._read_timeout_s
         try:
             while chunk := await conn.read(read_timeout_s):
+                outcome.bytes_out += len(chunk)
                 if conn.complete:
                     await send({"type": "http.response.body", "body": chunk})
                     return None
@@ -349,7 +376,7 @@ class Relay:
         await send({"type": "http.response.body", "body": b""})
         return None
 
-    async def _relay_events(self, conn: Connection, send: Send) -> str | None:
+    async def _relay_events(self, conn: Connection, send: Send, outcome: _Outcome) -> str | None:
         """Relay an SSE stream event by event as bytes arrive, and vouch for its end.
 
         Bytes after the last complete event of a read wait for the rest of
@@ -371,6 +398,7 @@ class Relay:
                         if not chunk:
                             continue
                 tail = chunk[-_TAIL_BYTES:] if len(chunk) >= _TAIL_BYTES else (tail + chunk)[-_TAIL_BYTES:]
+                outcome.bytes_out += len(chunk)
                 if conn.complete and not conn.close_delimited and not pending:
                     await send({"type": "http.response.body", "body": chunk})
                     return None
@@ -436,10 +464,11 @@ def server_timing(started: float, sent_at: float = 0.0, answered_at: float = 0.0
 class _Outcome:
     """How one relayed request ended, for the metrics."""
 
-    __slots__ = ("client_gone", "error", "head_s", "own_s", "status")
+    __slots__ = ("bytes_out", "client_gone", "error", "head_s", "own_s", "status")
 
     def __init__(self) -> None:
         self.status = 0
+        self.bytes_out = 0
         self.own_s: float | None = None
         self.head_s = 0.0
         self.error: str | None = None
