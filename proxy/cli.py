@@ -22,6 +22,7 @@ from proxy.auth import ApiKeys, read_key_file
 from proxy.config import Settings
 from proxy.metrics import EngineSample, Metrics
 from proxy.payload import RequestGuards
+from proxy.protocol import protocol_class
 from proxy.relay import RelaySettings
 from proxy.routing import Route, RoutingTable, UpstreamAddress, UpstreamSpecError, parse_upstream_spec
 from proxy.server import GatewayServer
@@ -147,6 +148,32 @@ def _echo(line: str) -> None:
     help="Seconds a request may wait for a slot; past it, 503 with Retry-After.",
 )
 @click.option(
+    "--header-timeout",
+    "header_timeout_s",
+    type=click.FloatRange(0, min_open=True),
+    default=10.0,
+    envvar="BLAZAR_HEADER_TIMEOUT",
+    show_envvar=True,
+    help="Seconds for a request head to arrive whole (slowloris); past it, 408 and close.",
+)
+@click.option(
+    "--body-timeout",
+    "body_timeout_s",
+    type=click.FloatRange(0, min_open=True),
+    default=60.0,
+    envvar="BLAZAR_BODY_TIMEOUT",
+    show_envvar=True,
+    help="Seconds for a request body to arrive whole; past it, 408 and close.",
+)
+@click.option(
+    "--max-header-bytes",
+    type=click.IntRange(1024),
+    default=64 * 1024,
+    envvar="BLAZAR_MAX_HEADER_BYTES",
+    show_envvar=True,
+    help="Largest request head accepted; past it, 431 and close.",
+)
+@click.option(
     "--drain-timeout",
     "drain_timeout_s",
     type=click.FloatRange(0),
@@ -229,6 +256,9 @@ def main(
     max_in_flight: int | None,
     max_queued: int,
     queue_timeout_s: float,
+    header_timeout_s: float,
+    body_timeout_s: float,
+    max_header_bytes: int,
     drain_timeout_s: float,
     api_keys: tuple[str, ...],
     api_key_file: Path | None,
@@ -279,6 +309,9 @@ def main(
         queue_timeout_s=queue_timeout_s,
         api_keys=(*api_keys, *(read_key_file(api_key_file) if api_key_file else ())),
         drain_timeout_s=drain_timeout_s,
+        header_timeout_s=header_timeout_s,
+        body_timeout_s=body_timeout_s,
+        max_header_bytes=max_header_bytes,
         metrics=metrics,
         access_log=access_log,
         log_format=log_format,
@@ -397,6 +430,7 @@ def serve(
             read_timeout_s=settings.read_timeout_s,
             max_queued=settings.max_queued,
             queue_timeout_s=settings.queue_timeout_s,
+            body_timeout_s=settings.body_timeout_s,
         ),
         connect_timeout_s=settings.connect_timeout_s,
         on_startup=hooks[0] if hooks else None,
@@ -412,7 +446,7 @@ def serve(
         host=settings.host,
         port=settings.port,
         loop="uvloop",
-        http="httptools",
+        http=protocol_class(settings.header_timeout_s, settings.max_header_bytes),
         ws="none",
         lifespan="on",
         access_log=False,

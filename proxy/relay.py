@@ -94,6 +94,7 @@ class RelaySettings:
     queue_timeout_s: float = 60.0
     # The gateway checks API keys: the client's credentials are for it alone.
     strip_credentials: bool = False
+    body_timeout_s: float = 60.0
 
 
 class Relay:
@@ -134,6 +135,7 @@ class Relay:
         self._max_body_bytes = settings.max_body_bytes
         self._head_timeout_s = settings.head_timeout_s
         self._read_timeout_s = settings.read_timeout_s
+        self._body_timeout_s = settings.body_timeout_s
         self._also_drop = CREDENTIAL_HEADERS if settings.strip_credentials else frozenset()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -250,10 +252,28 @@ class Relay:
                         f"Content-Type {media.decode('latin-1')!r} is not supported; send application/json",
                         code="unsupported_media_type",
                     )
+        message = await receive()
+        if message["type"] == "http.request" and not message.get("more_body", False):
+            # The common case: the whole body came with the head.
+            body: bytes = message.get("body", b"")
+            if len(body) > limit:
+                raise _too_large(limit)
+            return body
+        try:
+            async with asyncio.timeout(self._body_timeout_s):
+                return await self._read_rest(message, receive, limit)
+        except TimeoutError:
+            raise HTTPError(
+                408,
+                f"the request body did not arrive within {self._body_timeout_s:g} s",
+                code="request_timeout",
+                headers=((b"connection", b"close"),),
+            ) from None
+
+    async def _read_rest(self, message: Message, receive: Receive, limit: int) -> bytes:
         chunks: list[bytes] = []
         size = 0
         while True:
-            message = await receive()
             if message["type"] == "http.disconnect":
                 raise ClientGone()
             chunk: bytes = message.get("body", b"")
@@ -262,7 +282,8 @@ class Relay:
                 raise _too_large(limit)
             chunks.append(chunk)
             if not message.get("more_body", False):
-                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                return b"".join(chunks)
+            message = await receive()
 
     async def _exchange(
         self,

@@ -1,0 +1,107 @@
+"""uvicorn's HTTP protocol (httptools), with the limits a public gateway needs.
+
+- A request head must arrive whole within ``header_timeout_s`` of the
+  connection opening or of its first byte (slowloris: a head sent a byte at a
+  time, or a connection that sends nothing); past it, 408 and close.
+- Request headers are bounded (``max_header_bytes``); past it, 431 and close.
+- Requests the parser refuses (e.g. both Content-Length and
+  Transfer-Encoding) get uvicorn's 400 and close, but in OpenAI's envelope.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from proxy.errors import error_body
+
+
+class _Refused(Exception):
+    """Raised inside a parser callback to stop parsing; the status says why."""
+
+
+class GatewayProtocol(HttpToolsProtocol):
+    header_timeout_s: float = 10.0
+    max_header_bytes: int = 64 * 1024
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._header_bytes = 0
+        self._refusal: tuple[int, str, str] | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._header_bytes = 0
+        if self._head_timer is None:
+            self._arm_head_timer()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_bytes += len(name) + len(value) + 4
+        if self._header_bytes > self.max_header_bytes:
+            self._refusal = (
+                431,
+                f"request headers are larger than {self.max_header_bytes} bytes",
+                "headers_too_large",
+            )
+            raise _Refused()
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._cancel_head_timer()
+        super().on_headers_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        status, message, code = self._refusal or (400, f"invalid HTTP request: {msg}", "invalid_request")
+        self._reply_and_close(status, message, code)
+
+    def _arm_head_timer(self) -> None:
+        self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_too_slow)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_too_slow(self) -> None:
+        self._head_timer = None
+        if self.cycle is None or self.cycle.response_complete:
+            # No request under way: an idle or silent connection, or a head in progress.
+            self._reply_and_close(
+                408, f"the request head did not arrive within {self.header_timeout_s:g} s", "request_timeout"
+            )
+
+    def _reply_and_close(self, status: int, message: str, code: str) -> None:
+        if self.transport.is_closing():
+            return
+        body = error_body(status, message, code=code)
+        head = [STATUS_LINE[status]]
+        for name, value in self.server_state.default_headers:
+            head += [name, b": ", value, b"\r\n"]
+        head += [
+            b"content-type: application/json\r\ncontent-length: ",
+            str(len(body)).encode(),
+            b"\r\nconnection: close\r\n\r\n",
+            body,
+        ]
+        self.transport.write(b"".join(head))
+        self.transport.close()
+
+
+def protocol_class(header_timeout_s: float, max_header_bytes: int) -> type[GatewayProtocol]:
+    """The protocol with these limits, as uvicorn's `http` setting takes a class."""
+    return type(
+        "GatewayProtocol",
+        (GatewayProtocol,),
+        {"header_timeout_s": header_timeout_s, "max_header_bytes": max_header_bytes},
+    )

@@ -1,0 +1,111 @@
+"""Client-side limits: slowloris heads and bodies, oversized headers, ambiguous framing."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import orjson
+import pytest
+
+from tests.e2e.conftest import FakeEngine, Running, StartGateway
+
+BODY = orjson.dumps({"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+
+
+@pytest.fixture
+def strict(start_gateway: StartGateway, fake: FakeEngine) -> Running:
+    """A gateway with a 0.5 s head deadline, a 0.5 s body deadline and 4 KiB of headers."""
+    return start_gateway(
+        {"fake": fake.url}, "--header-timeout", "0.5", "--body-timeout", "0.5", "--max-header-bytes", "4096"
+    )
+
+
+def exchange(gateway: Running, *parts: bytes, pause_s: float = 0.0) -> bytes:
+    with socket.create_connection(("127.0.0.1", gateway.port), timeout=5) as sock:
+        for part in parts:
+            try:
+                sock.sendall(part)
+            except (BrokenPipeError, ConnectionResetError):
+                break  # the gateway has answered and closed: read what it said
+            time.sleep(pause_s)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+            if received.endswith(b"}}") or received.endswith(b"}}\n"):
+                break
+        return received
+
+
+def test_slowloris_head_gets_408_and_close(strict: Running, fake: FakeEngine) -> None:
+    """A head sent a few bytes at a time past the head deadline gets 408 in OpenAI's envelope."""
+    started = time.monotonic()
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+    response = exchange(strict, *(head[i : i + 5] for i in range(0, len(head), 5)), pause_s=0.1)
+    assert response.startswith(b"HTTP/1.1 408")
+    assert b'"code":"request_timeout"' in response and b"connection: close" in response
+    assert time.monotonic() - started < 3
+    assert fake.records() == []
+
+
+def test_silent_connection_is_closed(strict: Running) -> None:
+    """A connection that sends nothing is answered 408 and closed at the head deadline."""
+    with socket.create_connection(("127.0.0.1", strict.port), timeout=5) as sock:
+        started = time.monotonic()
+        data = sock.recv(65536)
+        assert data.startswith(b"HTTP/1.1 408")
+        assert sock.recv(65536) == b""
+        assert time.monotonic() - started < 3
+
+
+def test_slow_body_gets_408(strict: Running, fake: FakeEngine) -> None:
+    """A body that does not arrive within the body deadline gets 408 and the engine never sees it."""
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n"
+    )
+    response = exchange(strict, head % len(BODY) + BODY[:10], BODY[10:20], BODY[20:30], pause_s=0.4)
+    assert response.startswith(b"HTTP/1.1 408")
+    assert b'"code":"request_timeout"' in response
+    assert fake.records() == []
+
+
+def test_oversized_headers_get_431(strict: Running, fake: FakeEngine) -> None:
+    """Headers past --max-header-bytes get 431 and close, before any body is read."""
+    response = exchange(
+        strict,
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Big: "
+        + b"a" * 8000
+        + b"\r\nContent-Length: 2\r\n\r\n{}",
+    )
+    assert response.startswith(b"HTTP/1.1 431")
+    assert b'"code":"headers_too_large"' in response
+    assert fake.records() == []
+
+
+def test_content_length_with_transfer_encoding_is_400_and_close(gateway: Running, fake: FakeEngine) -> None:
+    """Content-Length with Transfer-Encoding (request smuggling) gets 400 and close, as OpenAI JSON."""
+    response = exchange(
+        gateway,
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n" % len(BODY) + BODY,
+    )
+    assert response.startswith(b"HTTP/1.1 400")
+    assert b"connection: close" in response and b'"error":' in response
+    assert fake.records() == []
+
+
+def test_normal_requests_are_unaffected(strict: Running, fake: FakeEngine) -> None:
+    """Keep-alive requests well within the limits pass, one after another on one connection."""
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(BODY) + BODY
+    )
+    with socket.create_connection(("127.0.0.1", strict.port), timeout=5) as sock:
+        for _ in range(3):
+            sock.sendall(request)
+            received = b""
+            while b'"usage"' not in received:
+                received += sock.recv(65536)
+            assert received.startswith(b"HTTP/1.1 200")
+            time.sleep(0.3)
