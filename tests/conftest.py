@@ -1,8 +1,87 @@
-"""Shared fixtures: the anyio backend for async tests."""
+"""Shared fixtures, and the fault catalogue's one-line summary at the end of a run.
+
+Tests that inject a fault (a dying engine, a stalled stream, a slowloris
+client, a drain, ...) carry the `fault` marker. The run ends with
+
+    faults injected N, survived N, requests lost 0, orphans 0
+
+where "survived" counts fault tests that passed (each asserts that its
+requests were answered, none silently cut), "requests lost" the fault tests
+that failed, and "orphans" the engine or fake-engine processes left running
+by the suite once it is over.
+"""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
+
+_FAULT_FILES = {
+    "test_disconnect.py",
+    "test_review_regressions.py",
+    "test_admission.py",
+    "test_drain.py",
+    "test_client_limits.py",
+    "test_child.py",
+}
+_FAULT_TESTS = {
+    "test_broken_upstream_is_502",
+    "test_truncated_stream_ends_with_error_event",
+    "test_non_stream_body_cut_short_is_not_a_clean_response",
+    "test_first_byte_timeout_is_504",
+    "test_upstream_down_is_503_with_retry_after",
+    "test_stream_that_dies_raises_api_error",
+    "test_empty_reply_is_internal_server_error_502",
+    "test_bad_field_type_gets_502_not_a_hang",
+    "test_crashed_child_comes_back_and_requests_meanwhile_get_503",
+    "test_sigterm_stops_gateway_and_reaps_child",
+    "test_sigkill_of_gateway_leaves_no_orphan",
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "fault: the test injects a fault and checks that nothing is lost")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        name = getattr(item, "originalname", item.name)
+        if Path(str(item.fspath)).name in _FAULT_FILES or name in _FAULT_TESTS:
+            item.add_marker(pytest.mark.fault)
+
+
+def _orphans() -> int:
+    """Engine or fake-engine processes still running, started by this suite."""
+    count = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if b"tests.fake_engine" in cmdline or b"mlx_lm.server" in cmdline:
+            count += 1
+    return count
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    stats = terminalreporter.stats
+
+    def faults(outcome: str) -> set[str]:
+        return {r.nodeid for r in stats.get(outcome, []) if "fault" in getattr(r, "keywords", {})}
+
+    passed = faults("passed")
+    lost = faults("failed") | faults("error")
+    injected = len(passed | lost)
+    if not injected:
+        return
+    terminalreporter.write_line(
+        f"faults injected {injected}, survived {len(passed - lost)}, requests lost {len(lost)}, "
+        f"orphans {_orphans()}"
+    )
 
 
 @pytest.fixture
