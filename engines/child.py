@@ -166,6 +166,21 @@ class Child:
 
     # -- asking the owner ---------------------------------------------------
 
+    async def wait_ready(self, timeout_s: float) -> bool:
+        """Wait, up to ``timeout_s``, for the child to be ready; whether it is.
+
+        For requests that arrive while the child starts or restarts: they
+        wait instead of failing at once (``--load-wait``).
+        """
+        if self.state is ChildState.READY:
+            return True
+        try:
+            async with asyncio.timeout(timeout_s), self._changed:
+                await self._changed.wait_for(lambda: self.state in (ChildState.READY, ChildState.SHUTDOWN))
+        except TimeoutError:
+            return False
+        return self.ready
+
     async def ensure_ready(self, timeout_s: float | None = None) -> None:
         """Start the child if needed and wait until it is ready.
 

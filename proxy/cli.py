@@ -174,6 +174,16 @@ def _echo(line: str) -> None:
     help="Largest request head accepted; past it, 431 and close.",
 )
 @click.option(
+    "--load-wait",
+    "load_wait_s",
+    type=click.FloatRange(0),
+    default=0.0,
+    envvar="BLAZAR_LOAD_WAIT",
+    show_envvar=True,
+    help="Seconds a request for a model whose engine is starting waits for it; 0 answers "
+    "503 model_loading with Retry-After at once (openai-python retries those itself).",
+)
+@click.option(
     "--drain-timeout",
     "drain_timeout_s",
     type=click.FloatRange(0),
@@ -259,6 +269,7 @@ def main(
     header_timeout_s: float,
     body_timeout_s: float,
     max_header_bytes: int,
+    load_wait_s: float,
     drain_timeout_s: float,
     api_keys: tuple[str, ...],
     api_key_file: Path | None,
@@ -309,6 +320,7 @@ def main(
         queue_timeout_s=queue_timeout_s,
         api_keys=(*api_keys, *(read_key_file(api_key_file) if api_key_file else ())),
         drain_timeout_s=drain_timeout_s,
+        load_wait_s=load_wait_s,
         header_timeout_s=header_timeout_s,
         body_timeout_s=body_timeout_s,
         max_header_bytes=max_header_bytes,
@@ -431,6 +443,7 @@ def serve(
             max_queued=settings.max_queued,
             queue_timeout_s=settings.queue_timeout_s,
             body_timeout_s=settings.body_timeout_s,
+            load_wait_s=settings.load_wait_s,
         ),
         connect_timeout_s=settings.connect_timeout_s,
         on_startup=hooks[0] if hooks else None,

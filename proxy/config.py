@@ -21,6 +21,7 @@ class Settings:
     # Kept out of repr: settings may be logged.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     drain_timeout_s: float = 30.0
+    load_wait_s: float = 0.0
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
     max_header_bytes: int = 64 * 1024

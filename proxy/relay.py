@@ -95,6 +95,9 @@ class RelaySettings:
     # The gateway checks API keys: the client's credentials are for it alone.
     strip_credentials: bool = False
     body_timeout_s: float = 60.0
+    # A request for a model whose child is starting waits this long for it
+    # (0: answer 503 model_loading at once).
+    load_wait_s: float = 0.0
 
 
 class Relay:
@@ -136,6 +139,7 @@ class Relay:
         self._head_timeout_s = settings.head_timeout_s
         self._read_timeout_s = settings.read_timeout_s
         self._body_timeout_s = settings.body_timeout_s
+        self._load_wait_s = settings.load_wait_s
         self._also_drop = CREDENTIAL_HEADERS if settings.strip_credentials else frozenset()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -167,7 +171,11 @@ class Relay:
                 )
             pool, host_header, targets, gate, guards, admission, stats = entry
             check_request(doc, ENDPOINTS[scope["path"]], guards)
-            if gate is not None and not gate.ready:
+            if (
+                gate is not None
+                and not gate.ready
+                and not (self._load_wait_s and await gate.wait_ready(self._load_wait_s))
+            ):
                 raise HTTPError(
                     503,
                     f"model `{model}` is loading: its engine is starting or restarting; retry shortly",

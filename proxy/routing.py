@@ -51,6 +51,10 @@ class Gate(Protocol):
     @property
     def ready(self) -> bool: ...
 
+    async def wait_ready(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for readiness; whether it came."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class Route:

@@ -260,3 +260,17 @@ def test_sigkill_of_gateway_leaves_no_orphan(engine_installed: None, logs_dir: P
     while _pid_alive(gateway.child_pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _pid_alive(gateway.child_pid)
+
+
+def test_load_wait_holds_requests_until_the_child_is_back(engine_installed: None, logs_dir: Path) -> None:
+    """With --load-wait, a request made while the child restarts waits for it and succeeds."""
+    gateway = start_engine_gateway(logs_dir, "--load-wait", "60")
+    try:
+        os.kill(gateway.child_pid, signal.SIGKILL)
+        time.sleep(0.2)  # the owner has seen the exit: the child is not ready
+        with httpx.Client(trust_env=False, timeout=90) as http:
+            body = {"model": DEMO, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            response = http.post(f"{gateway.url}/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+    finally:
+        stop(gateway)
