@@ -184,6 +184,17 @@ def _echo(line: str) -> None:
     "503 model_loading with Retry-After at once (openai-python retries those itself).",
 )
 @click.option(
+    "--sse-heartbeat",
+    "heartbeat_s",
+    type=click.FloatRange(0),
+    default=15.0,
+    envvar="BLAZAR_SSE_HEARTBEAT",
+    show_envvar=True,
+    help="A stream whose upstream has not answered after this many seconds (a long prefill) "
+    "is started by the gateway with `: keepalive` comments, so proxies in front do not time "
+    "it out. 0: off.",
+)
+@click.option(
     "--drain-timeout",
     "drain_timeout_s",
     type=click.FloatRange(0),
@@ -270,6 +281,7 @@ def main(
     body_timeout_s: float,
     max_header_bytes: int,
     load_wait_s: float,
+    heartbeat_s: float,
     drain_timeout_s: float,
     api_keys: tuple[str, ...],
     api_key_file: Path | None,
@@ -321,6 +333,7 @@ def main(
         api_keys=(*api_keys, *(read_key_file(api_key_file) if api_key_file else ())),
         drain_timeout_s=drain_timeout_s,
         load_wait_s=load_wait_s,
+        heartbeat_s=heartbeat_s,
         header_timeout_s=header_timeout_s,
         body_timeout_s=body_timeout_s,
         max_header_bytes=max_header_bytes,
@@ -444,6 +457,7 @@ def serve(
             queue_timeout_s=settings.queue_timeout_s,
             body_timeout_s=settings.body_timeout_s,
             load_wait_s=settings.load_wait_s,
+            heartbeat_s=settings.heartbeat_s,
         ),
         connect_timeout_s=settings.connect_timeout_s,
         on_startup=hooks[0] if hooks else None,

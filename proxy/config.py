@@ -22,6 +22,7 @@ class Settings:
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     drain_timeout_s: float = 30.0
     load_wait_s: float = 0.0
+    heartbeat_s: float = 15.0
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
     max_header_bytes: int = 64 * 1024

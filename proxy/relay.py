@@ -27,6 +27,7 @@ from proxy.asgi import Message, Receive, Scope, Send, send_json
 from proxy.auth import CREDENTIAL_HEADERS
 from proxy.errors import HTTPError, normalize_error, sse_error_event
 from proxy.headers import (
+    SSE_HEADERS,
     add_sse_headers,
     filter_response_headers,
     forward_request_headers,
@@ -42,6 +43,7 @@ from proxy.upstream import (
     ClientGone,
     Connection,
     Draining,
+    HeadTimeout,
     Pool,
     UpstreamError,
 )
@@ -98,6 +100,8 @@ class RelaySettings:
     # A request for a model whose child is starting waits this long for it
     # (0: answer 503 model_loading at once).
     load_wait_s: float = 0.0
+    # A stream whose head takes longer than this gets SSE keepalive comments.
+    heartbeat_s: float = 15.0
 
 
 class Relay:
@@ -140,6 +144,7 @@ class Relay:
         self._read_timeout_s = settings.read_timeout_s
         self._body_timeout_s = settings.body_timeout_s
         self._load_wait_s = settings.load_wait_s
+        self._heartbeat_s = settings.heartbeat_s
         self._also_drop = CREDENTIAL_HEADERS if settings.strip_credentials else frozenset()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -217,6 +222,7 @@ class Relay:
                 target += b"?" + scope["query_string"]
             head = request_head(b"POST", target, host_header, headers, len(body))
             outcome = _Outcome()
+            outcome.heartbeat = bool(self._heartbeat_s) and doc.get("stream") is True
             await self._exchange(pool, head, body, receive, send, request_id, started, outcome)
         finally:
             admission.leave()
@@ -318,13 +324,20 @@ class Relay:
         self.active.add(conn)
         try:
             try:
-                await conn.read_head(self._head_timeout_s)
+                if outcome.heartbeat:
+                    await self._await_head_with_heartbeats(conn, send, request_id, started, sent_at, outcome)
+                else:
+                    await conn.read_head(self._head_timeout_s)
             except UpstreamError as exc:
                 conn.close()
                 outcome.failed(exc)
-                await _send_upstream_error(
-                    send, exc, request_id, server_timing(started, sent_at, perf_counter())
-                )
+                if outcome.sse_started:
+                    event = sse_error_event(exc.status, str(exc), code=exc.code)
+                    await send({"type": "http.response.body", "body": event})
+                else:
+                    await _send_upstream_error(
+                        send, exc, request_id, server_timing(started, sent_at, perf_counter())
+                    )
                 return
             await self._respond(conn, send, request_id, started, sent_at, outcome)
         except ClientGone:
@@ -335,6 +348,39 @@ class Relay:
                 conn.close()
             else:
                 pool.release(conn)
+
+    async def _await_head_with_heartbeats(
+        self,
+        conn: Connection,
+        send: Send,
+        request_id: bytes,
+        started: float,
+        sent_at: float,
+        outcome: _Outcome,
+    ) -> None:
+        """Wait for a stream's head; during a long prefill, keep the client's proxies from timing out.
+
+        After each ``heartbeat_s`` without a head, the gateway starts the SSE
+        response itself (200, text/event-stream) and sends `: keepalive`
+        comments, so that an nginx `proxy_read_timeout` in front of it does
+        not cut the stream. The upstream's own head then only continues it.
+        """
+        deadline = sent_at + self._head_timeout_s
+        while not await conn.wait_head(max(0.0, min(self._heartbeat_s, deadline - perf_counter()))):
+            if perf_counter() >= deadline:
+                conn.close()
+                raise HeadTimeout(f"upstream sent no response within {self._head_timeout_s:g} s")
+            if not outcome.sse_started:
+                headers = [
+                    (b"content-type", b"text/event-stream; charset=utf-8"),
+                    *SSE_HEADERS,
+                    (b"x-request-id", request_id),
+                    server_timing(started),
+                ]
+                await send({"type": "http.response.start", "status": 200, "headers": headers})
+                outcome.sse_started = True
+                outcome.status = 200
+            await send({"type": "http.response.body", "body": b": keepalive\n\n", "more_body": True})
 
     async def _respond(
         self,
@@ -347,8 +393,11 @@ class Relay:
     ) -> None:
         head_at = perf_counter()
         status = conn.status
-        outcome.status = status
         outcome.head_s = head_at - started
+        if outcome.sse_started:
+            await self._continue_stream(conn, send, status, outcome)
+            return
+        outcome.status = status
         if not 200 <= status <= 599:
             outcome.status, outcome.error = 502, "upstream_bad_response"
             conn.close()
@@ -385,6 +434,25 @@ class Relay:
             outcome.error = await self._relay_events(conn, send, outcome)
         else:
             outcome.error = await self._relay_body(conn, send, outcome)
+
+    async def _continue_stream(self, conn: Connection, send: Send, status: int, outcome: _Outcome) -> None:
+        """The upstream's head after the gateway's heartbeats: relay its events, or its error as one."""
+        if 200 <= status < 300 and is_event_stream(conn.headers):
+            outcome.error = await self._relay_events(conn, send, outcome)
+            return
+        try:
+            body = await self._read_error_body(conn) if status >= 400 else b""
+        except UpstreamError as exc:
+            conn.close()
+            outcome.failed(exc)
+            body = _upstream_error_body(502, str(exc), exc.code)
+        if not body:
+            conn.close()
+            body = _upstream_error_body(
+                502, f"upstream answered {status} without an event stream", "upstream_bad_response"
+            )
+        outcome.error = outcome.error or "upstream_status"
+        await send({"type": "http.response.body", "body": b"data: " + body + b"\n\n"})
 
     async def _relay_body(self, conn: Connection, send: Send, outcome: _Outcome) -> str | None:
         """Relay a body as it arrives; the upstream error's code if it broke."""
@@ -493,11 +561,13 @@ def server_timing(started: float, sent_at: float = 0.0, answered_at: float = 0.0
 class _Outcome:
     """How one relayed request ended, for the metrics."""
 
-    __slots__ = ("bytes_out", "client_gone", "error", "head_s", "own_s", "status")
+    __slots__ = ("bytes_out", "client_gone", "error", "head_s", "heartbeat", "own_s", "sse_started", "status")
 
     def __init__(self) -> None:
         self.status = 0
         self.bytes_out = 0
+        self.heartbeat = False
+        self.sse_started = False
         self.own_s: float | None = None
         self.head_s = 0.0
         self.error: str | None = None

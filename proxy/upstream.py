@@ -224,6 +224,24 @@ class Connection(asyncio.Protocol):
             assert self._error is not None
             raise self._error
 
+    async def wait_head(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the response head: True when it came, False if not yet.
+
+        Unlike read_head, running out of time leaves the exchange alone.
+        """
+        if not self._head_done and self._error is None:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    while not self._head_done and self._error is None:
+                        await self._wait()
+            except TimeoutError:
+                if not self._head_done and self._error is None:
+                    return False
+        if self._head_done:
+            return True
+        assert self._error is not None
+        raise self._error
+
     async def read(self, timeout_s: float) -> bytes:
         """The body bytes that have arrived; ``b""`` once the body is complete.
 
