@@ -195,6 +195,25 @@ def _echo(line: str) -> None:
     "it out. 0: off.",
 )
 @click.option(
+    "--total-timeout",
+    "total_timeout_s",
+    type=click.FloatRange(0),
+    default=0.0,
+    envvar="BLAZAR_TOTAL_TIMEOUT",
+    show_envvar=True,
+    help="Seconds a whole request may take; past it, 504 (or an SSE error event). 0: no limit.",
+)
+@click.option(
+    "--send-stall",
+    "send_stall_s",
+    type=click.FloatRange(0),
+    default=120.0,
+    envvar="BLAZAR_SEND_STALL",
+    show_envvar=True,
+    help="A client that reads nothing for this long while response bytes wait for it is cut "
+    "(its upstream closed). Until then backpressure reaches the upstream. 0: never.",
+)
+@click.option(
     "--drain-timeout",
     "drain_timeout_s",
     type=click.FloatRange(0),
@@ -282,6 +301,8 @@ def main(
     max_header_bytes: int,
     load_wait_s: float,
     heartbeat_s: float,
+    total_timeout_s: float,
+    send_stall_s: float,
     drain_timeout_s: float,
     api_keys: tuple[str, ...],
     api_key_file: Path | None,
@@ -334,6 +355,8 @@ def main(
         drain_timeout_s=drain_timeout_s,
         load_wait_s=load_wait_s,
         heartbeat_s=heartbeat_s,
+        total_timeout_s=total_timeout_s,
+        send_stall_s=send_stall_s,
         header_timeout_s=header_timeout_s,
         body_timeout_s=body_timeout_s,
         max_header_bytes=max_header_bytes,
@@ -458,6 +481,8 @@ def serve(
             body_timeout_s=settings.body_timeout_s,
             load_wait_s=settings.load_wait_s,
             heartbeat_s=settings.heartbeat_s,
+            total_timeout_s=settings.total_timeout_s,
+            send_stall_s=settings.send_stall_s,
         ),
         connect_timeout_s=settings.connect_timeout_s,
         on_startup=hooks[0] if hooks else None,

@@ -23,6 +23,8 @@ class Settings:
     drain_timeout_s: float = 30.0
     load_wait_s: float = 0.0
     heartbeat_s: float = 15.0
+    total_timeout_s: float = 0.0
+    send_stall_s: float = 120.0
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
     max_header_bytes: int = 64 * 1024

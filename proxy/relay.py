@@ -20,6 +20,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from time import perf_counter
+from typing import Any
 
 from proxy.accesslog import AccessLog
 from proxy.admission import Admission
@@ -45,6 +46,7 @@ from proxy.upstream import (
     Draining,
     HeadTimeout,
     Pool,
+    TotalTimeout,
     UpstreamError,
 )
 
@@ -102,6 +104,10 @@ class RelaySettings:
     load_wait_s: float = 0.0
     # A stream whose head takes longer than this gets SSE keepalive comments.
     heartbeat_s: float = 15.0
+    # A whole exchange may take this long (0: no limit).
+    total_timeout_s: float = 0.0
+    # A client that takes no bytes for this long while some wait is cut (0: never).
+    send_stall_s: float = 120.0
 
 
 class Relay:
@@ -145,6 +151,8 @@ class Relay:
         self._body_timeout_s = settings.body_timeout_s
         self._load_wait_s = settings.load_wait_s
         self._heartbeat_s = settings.heartbeat_s
+        self._total_timeout_s = settings.total_timeout_s
+        self._send_stall_s = settings.send_stall_s
         self._also_drop = CREDENTIAL_HEADERS if settings.strip_credentials else frozenset()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -223,7 +231,16 @@ class Relay:
             head = request_head(b"POST", target, host_header, headers, len(body))
             outcome = _Outcome()
             outcome.heartbeat = bool(self._heartbeat_s) and doc.get("stream") is True
-            await self._exchange(pool, head, body, receive, send, request_id, started, outcome)
+            try:
+                await self._exchange(pool, head, body, receive, send, request_id, started, outcome)
+            except asyncio.CancelledError:
+                if not outcome.stalled:
+                    raise
+                # Our own watchdog cancelled a send the client never took:
+                # returning unfinished makes uvicorn close that connection.
+                task = asyncio.current_task()
+                if task is not None:
+                    task.uncancel()
         finally:
             admission.leave()
         if stats is not None:
@@ -322,6 +339,7 @@ class Relay:
         sent_at = perf_counter()
         watch = ClientWatch(receive, conn)
         self.active.add(conn)
+        guards = self._guard(conn, outcome)
         try:
             try:
                 if outcome.heartbeat:
@@ -343,11 +361,54 @@ class Relay:
         except ClientGone:
             outcome.client_gone = True
         finally:
+            for guard in guards:
+                guard.cancel()
             self.active.discard(conn)
             if watch.stop():
                 conn.close()
             else:
                 pool.release(conn)
+
+    def _guard(self, conn: Connection, outcome: _Outcome) -> list[asyncio.TimerHandle]:
+        """Arm the optional whole-exchange deadline and the send-stall watchdog."""
+        loop = asyncio.get_running_loop()
+        guards = []
+        if self._total_timeout_s:
+            error = TotalTimeout(
+                f"the request took longer than the gateway's limit of {self._total_timeout_s:g} s"
+            )
+            guards.append(loop.call_later(self._total_timeout_s, conn.abort, error))
+        if self._send_stall_s:
+            task = asyncio.current_task()
+            assert task is not None
+            guards.append(
+                loop.call_later(self._send_stall_s, self._check_stall, conn, outcome, task, guards, -1)
+            )
+        return guards
+
+    def _check_stall(
+        self,
+        conn: Connection,
+        outcome: _Outcome,
+        task: asyncio.Task[Any],
+        guards: list[asyncio.TimerHandle],
+        last_bytes: int,
+    ) -> None:
+        """A client that took no bytes for a whole interval, while the relay was not waiting on the
+        upstream (so it was stuck handing bytes to the client), is cut, and its upstream closed."""
+        if outcome.bytes_out == last_bytes and not conn.awaited:
+            outcome.stalled = True
+            log.warning(
+                "client stopped reading for %g s: closing its response and the upstream", self._send_stall_s
+            )
+            conn.close()
+            task.cancel()
+            return
+        guards.append(
+            asyncio.get_running_loop().call_later(
+                self._send_stall_s, self._check_stall, conn, outcome, task, guards, outcome.bytes_out
+            )
+        )
 
     async def _await_head_with_heartbeats(
         self,
@@ -561,9 +622,20 @@ def server_timing(started: float, sent_at: float = 0.0, answered_at: float = 0.0
 class _Outcome:
     """How one relayed request ended, for the metrics."""
 
-    __slots__ = ("bytes_out", "client_gone", "error", "head_s", "heartbeat", "own_s", "sse_started", "status")
+    __slots__ = (
+        "bytes_out",
+        "client_gone",
+        "error",
+        "head_s",
+        "heartbeat",
+        "own_s",
+        "sse_started",
+        "stalled",
+        "status",
+    )
 
     def __init__(self) -> None:
+        self.stalled = False
         self.status = 0
         self.bytes_out = 0
         self.heartbeat = False

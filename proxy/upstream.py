@@ -65,6 +65,11 @@ class ReadTimeout(UpstreamError):
     code = "upstream_timeout"
 
 
+class TotalTimeout(UpstreamError):
+    status = 504
+    code = "total_timeout"
+
+
 class Draining(UpstreamError):
     """The gateway is shutting down and its drain time is over."""
 
@@ -268,6 +273,11 @@ class Connection(asyncio.Protocol):
                 self._read_timeout_s = timeout_s
                 self._read_timer = self._loop.call_at(self._wait_since + timeout_s, self._check_read_deadline)
             await self._wait()
+
+    @property
+    def awaited(self) -> bool:
+        """Whether the relay is waiting on this connection for the upstream's bytes."""
+        return self._waiter is not None and not self._waiter.done()
 
     @property
     def complete(self) -> bool:

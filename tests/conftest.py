@@ -25,6 +25,8 @@ _FAULT_FILES = {
     "test_drain.py",
     "test_client_limits.py",
     "test_child.py",
+    "test_send_limits.py",
+    "test_heartbeat.py",
 }
 _FAULT_TESTS = {
     "test_broken_upstream_is_502",
