@@ -27,6 +27,7 @@ from proxy import __version__
 from proxy.accesslog import AccessLog
 from proxy.asgi import Message, Receive, Scope, Send, send_json
 from proxy.auth import PUBLIC_PATHS, ApiKeys
+from proxy.cors import Cors
 from proxy.errors import error_body
 from proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from proxy.metrics import Metrics
@@ -61,14 +62,46 @@ class Gateway:
     """Top-level ASGI app: a choice of which app serves the request."""
 
     def __init__(
-        self, relay: Relay, admin: Starlette, keys: ApiKeys | None = None, state: GatewayState | None = None
+        self,
+        relay: Relay,
+        admin: Starlette,
+        keys: ApiKeys | None = None,
+        state: GatewayState | None = None,
+        cors: Cors | None = None,
     ) -> None:
         self.relay = relay
         self.admin = admin
         self.keys = keys or ApiKeys(())
         self.state = state or GatewayState()
+        self.cors = cors or Cors(())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.cors:
+            origin = self.cors.origin_of(scope)
+            if self.cors.is_preflight(scope):
+                await self._preflight(scope, send, origin)
+                return
+            if origin is not None:
+                send = self.cors.marking(send, origin)
+        await self._dispatch(scope, receive, send)
+
+    async def _preflight(self, scope: Scope, send: Send, origin: bytes | None) -> None:
+        if origin is None:
+            body = error_body(
+                403, "this origin is not allowed (see --cors-origin)", code="origin_not_allowed"
+            )
+            await send_json(send, 403, body)
+            return
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 204,
+                "headers": self.cors.preflight_headers(scope, origin),
+            }
+        )
+        await send({"type": "http.response.body", "body": b""})
+
+    async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.admin(scope, receive, send)
         elif self.keys and scope["path"] not in PUBLIC_PATHS and not self.keys.allows(scope):
@@ -139,6 +172,7 @@ def build_app(
     api_keys: ApiKeys | None = None,
     metrics: Metrics | None = None,
     access_log: AccessLog | None = None,
+    cors: Cors | None = None,
 ) -> Gateway:
     """Build the gateway for a routing table; every setting is resolved here.
 
@@ -216,7 +250,7 @@ def build_app(
         exception_handlers={HTTPException: _http_exception, Exception: _unexpected},
         lifespan=lifespan,
     )
-    return Gateway(relay, admin, api_keys, state)
+    return Gateway(relay, admin, api_keys, state, cors)
 
 
 async def _readiness(table: RoutingTable, pools: Mapping[UpstreamAddress, Pool]) -> Response:

@@ -20,6 +20,7 @@ from proxy.accesslog import AccessLog
 from proxy.app import Gateway, build_app
 from proxy.auth import ApiKeys, read_key_file
 from proxy.config import Settings
+from proxy.cors import Cors
 from proxy.metrics import EngineSample, Metrics
 from proxy.payload import RequestGuards
 from proxy.protocol import protocol_class
@@ -248,6 +249,16 @@ def _echo(line: str) -> None:
     help="Serve Prometheus metrics at GET /metrics.",
 )
 @click.option(
+    "--cors-origin",
+    "cors_origins",
+    multiple=True,
+    metavar="ORIGIN",
+    envvar="BLAZAR_CORS_ORIGIN",
+    show_envvar=True,
+    help="Allow browser requests from this origin (e.g. https://app.example.com, or *). "
+    "Repeatable. CORS is off without it.",
+)
+@click.option(
     "--access-log/--no-access-log",
     default=True,
     envvar="BLAZAR_ACCESS_LOG",
@@ -307,6 +318,7 @@ def main(
     api_keys: tuple[str, ...],
     api_key_file: Path | None,
     metrics: bool,
+    cors_origins: tuple[str, ...],
     access_log: bool,
     log_format: str,
     forwarded_allow_ips: str,
@@ -361,6 +373,7 @@ def main(
         body_timeout_s=body_timeout_s,
         max_header_bytes=max_header_bytes,
         metrics=metrics,
+        cors_origins=cors_origins,
         access_log=access_log,
         log_format=log_format,
         forwarded_allow_ips=tuple(ip.strip() for ip in forwarded_allow_ips.split(",") if ip.strip()),
@@ -489,6 +502,7 @@ def serve(
         on_shutdown=hooks[1] if hooks else None,
         api_keys=ApiKeys(settings.api_keys),
         metrics=registry,
+        cors=Cors(settings.cors_origins),
         access_log=AccessLog(settings.log_format, settings.forwarded_allow_ips)
         if settings.access_log
         else None,

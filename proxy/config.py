@@ -29,6 +29,7 @@ class Settings:
     body_timeout_s: float = 60.0
     max_header_bytes: int = 64 * 1024
     metrics: bool = True
+    cors_origins: tuple[str, ...] = ()
     access_log: bool = True
     log_format: str = "text"
     forwarded_allow_ips: tuple[str, ...] = ()
