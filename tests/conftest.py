@@ -40,6 +40,8 @@ _FAULT_TESTS = {
     "test_crashed_child_comes_back_and_requests_meanwhile_get_503",
     "test_sigterm_stops_gateway_and_reaps_child",
     "test_sigkill_of_gateway_leaves_no_orphan",
+    "test_sigterm_lets_a_real_stream_finish_then_reaps_the_child",
+    "test_load_wait_holds_requests_until_the_child_is_back",
 }
 
 

@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -274,3 +275,31 @@ def test_load_wait_holds_requests_until_the_child_is_back(engine_installed: None
         assert response.status_code == 200, response.text
     finally:
         stop(gateway)
+
+
+def test_sigterm_lets_a_real_stream_finish_then_reaps_the_child(
+    engine_installed: None, logs_dir: Path
+) -> None:
+    """A real mlx stream in flight at SIGTERM completes with [DONE]; the child is reaped; exit 0."""
+    gateway = start_engine_gateway(logs_dir)
+    received: list[bytes] = []
+
+    def stream() -> None:
+        body = {
+            "model": DEMO,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 400,
+            "stream": True,
+        }
+        with httpx.Client(trust_env=False, timeout=60) as http:
+            received.append(http.post(f"{gateway.url}/v1/chat/completions", json=body).content)
+
+    worker = threading.Thread(target=stream)
+    worker.start()
+    time.sleep(0.3)
+    gateway.proc.send_signal(signal.SIGTERM)
+    worker.join(60)
+    assert received and received[0].rstrip().endswith(b"data: [DONE]")
+    assert b'"error"' not in received[0]
+    assert gateway.proc.wait(30) == 0
+    assert not _pid_alive(gateway.child_pid)
