@@ -67,8 +67,10 @@ class Admission:
                 code="queue_timeout",
                 headers=(_RETRY_AFTER,),
             ) from None
+        except HTTPError:
+            raise
         except BaseException:
-            if waiter.done() and not waiter.cancelled():
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
                 # Handed a slot, then cancelled (the client left): pass it on.
                 self.leave()
             else:
@@ -87,6 +89,16 @@ class Admission:
                 waiter.set_result(None)
                 return
         self.in_flight -= 1
+
+    def fail_waiters(self, error: BaseException) -> int:
+        """Turn every queued request away with ``error`` (a drain); return how many."""
+        failed = 0
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_exception(error)
+                failed += 1
+        return failed
 
     def _remove(self, waiter: asyncio.Future[None]) -> None:
         with contextlib.suppress(ValueError):

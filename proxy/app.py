@@ -81,8 +81,7 @@ class Gateway:
             if self.cors.is_preflight(scope):
                 await self._preflight(scope, send, origin)
                 return
-            if origin is not None:
-                send = self.cors.marking(send, origin)
+            send = self.cors.marking(send, origin)
         await self._dispatch(scope, receive, send)
 
     async def _preflight(self, scope: Scope, send: Send, origin: bytes | None) -> None:

@@ -520,6 +520,8 @@ def serve(
         # The gateway does not use the client address; the middleware that
         # rewrites it from X-Forwarded-For would cost every request.
         proxy_headers=False,
+        # A backstop after our own drain (server.py) has ended what it could.
+        timeout_graceful_shutdown=10,
         log_level=settings.log_level,
     )
     GatewayServer(config, app, settings.drain_timeout_s).run()

@@ -48,18 +48,22 @@ class Cors:
             (b"vary", b"Origin"),
         ]
 
-    def marking(self, send: Send, origin: bytes) -> Send:
-        """Wrap ``send`` so the response start carries the CORS headers for ``origin``."""
-        allow = b"*" if self.any_origin else origin
+    def marking(self, send: Send, origin: bytes | None) -> Send:
+        """Wrap ``send`` so the response start carries the CORS headers for ``origin``.
+
+        Every response varies by Origin once CORS is configured, allowed or
+        not, so that a cache never serves one origin's answer to another.
+        """
+        added = [(b"vary", b"Origin")]
+        if origin is not None:
+            added += [
+                (b"access-control-allow-origin", b"*" if self.any_origin else origin),
+                (b"access-control-expose-headers", _EXPOSE_HEADERS),
+            ]
 
         async def marked(message: Message) -> None:
             if message["type"] == "http.response.start":
-                message["headers"] = [
-                    *message.get("headers", ()),
-                    (b"access-control-allow-origin", allow),
-                    (b"access-control-expose-headers", _EXPOSE_HEADERS),
-                    (b"vary", b"Origin"),
-                ]
+                message["headers"] = [*message.get("headers", ()), *added]
             await send(message)
 
         return marked

@@ -30,6 +30,10 @@ class GatewayProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._head_timer: asyncio.TimerHandle | None = None
         self._header_bytes = 0
+        # Raw bytes of the request head so far: httptools builds a whole
+        # header value (or URL) before any callback, so counting there is late.
+        self._head_bytes = 0
+        self._in_head = True
         self._refusal: tuple[int, str, str] | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -40,9 +44,28 @@ class GatewayProtocol(HttpToolsProtocol):
         self._cancel_head_timer()
         super().connection_lost(exc)
 
+    def data_received(self, data: bytes) -> None:
+        if self._in_head:
+            self._head_bytes += len(data)
+            if self._head_bytes > self.max_header_bytes + 65536:
+                # Far past the limit and still no complete head: refuse before
+                # parsing more (the +64 KiB leaves room for a body in the same read).
+                self._refusal = (
+                    431,
+                    f"request headers are larger than {self.max_header_bytes} bytes",
+                    "headers_too_large",
+                )
+                self.send_400_response("")
+                return
+        super().data_received(data)
+
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._header_bytes = 0
+        # The client's abort, for the relay to cut a client that stopped reading.
+        extensions: dict[str, Any] = dict(self.scope.get("extensions") or {})
+        extensions["blazar.abort"] = self.transport.abort
+        self.scope["extensions"] = extensions
         if self._head_timer is None:
             self._arm_head_timer()
 
@@ -59,7 +82,14 @@ class GatewayProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._cancel_head_timer()
+        self._in_head = False
         super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        # The next bytes on this connection begin the next request's head.
+        self._in_head = True
+        self._head_bytes = 0
 
     def send_400_response(self, msg: str) -> None:
         status, message, code = self._refusal or (400, f"invalid HTTP request: {msg}", "invalid_request")
@@ -80,6 +110,9 @@ class GatewayProtocol(HttpToolsProtocol):
             self._reply_and_close(
                 408, f"the request head did not arrive within {self.header_timeout_s:g} s", "request_timeout"
             )
+        elif self._in_head and self._head_bytes:
+            # A pipelined head trickling in behind a running request: check again later.
+            self._arm_head_timer()
 
     def _reply_and_close(self, status: int, message: str, code: str) -> None:
         if self.transport.is_closing():

@@ -71,6 +71,8 @@ _ROUTE_LABELS: Mapping[str, str] = {
 _ERROR_BODY_LIMIT_BYTES = 1024 * 1024
 # Enough of a stream's end to hold "data: [DONE]" and its newlines.
 _TAIL_BYTES = 32
+# Larger reads are handed to the client in slices of this size.
+_SLICE_BYTES = 64 * 1024
 # The most of a half-written SSE event held back to wait for its end.
 _PARTIAL_EVENT_LIMIT_BYTES = 64 * 1024
 # Upstream error headers that clients act on (openai-python reads them all).
@@ -145,6 +147,8 @@ class Relay:
         self.request_id_of = RequestIds()
         # Upstream connections with a request on them, for a drain to end.
         self.active: set[Connection] = set()
+        # Set when a drain's time is over: nothing new may start.
+        self.closing = False
         self._max_body_bytes = settings.max_body_bytes
         self._head_timeout_s = settings.head_timeout_s
         self._read_timeout_s = settings.read_timeout_s
@@ -160,6 +164,7 @@ class Relay:
         request_id = b""
         stats: ModelMetrics | None = None
         model = ""
+        entry = None
         try:
             request_id = self.request_id_of(scope)
             if scope["method"] != "POST":
@@ -171,7 +176,7 @@ class Relay:
                 )
             body = await self._read_body(scope, receive)
             # The client's upload time is not the gateway's.
-            started = perf_counter()
+            started = arrived = perf_counter()
             model, doc = parse_request(body)
             entry = self._routes.get(model)
             if entry is None:
@@ -200,6 +205,8 @@ class Relay:
                 await _wait_for_slot(admission, model, receive)
                 if stats is not None:
                     stats.queue_time.observe(perf_counter() - queued_at)
+                # Waiting for a slot is not the gateway's own time either.
+                started = perf_counter()
         except HTTPError as exc:
             headers = [(b"x-request-id", request_id), server_timing(started), *exc.headers]
             await send_json(send, exc.status, exc.body(), headers)
@@ -209,7 +216,7 @@ class Relay:
                 self._access.write(
                     scope,
                     request_id=request_id,
-                    model=model if stats is not None else "",
+                    model=model if entry is not None else "",
                     status=exc.status,
                     bytes_out=0,
                     duration_s=perf_counter() - started,
@@ -232,27 +239,30 @@ class Relay:
             outcome = _Outcome()
             outcome.heartbeat = bool(self._heartbeat_s) and doc.get("stream") is True
             try:
-                await self._exchange(pool, head, body, receive, send, request_id, started, outcome)
+                await self._exchange(pool, head, body, receive, send, request_id, started, outcome, scope)
             except asyncio.CancelledError:
                 if not outcome.stalled:
                     raise
-                # Our own watchdog cancelled a send the client never took:
-                # returning unfinished makes uvicorn close that connection.
+                # Our own watchdog cancelled a send the client never took (and
+                # aborted that client's connection).
                 task = asyncio.current_task()
                 if task is not None:
                     task.uncancel()
+                outcome.status, outcome.error = 499, "client_stalled"
         finally:
             admission.leave()
+        if not outcome.status:
+            outcome.status = 499  # the client left before the response began
         if stats is not None:
-            self._record(stats, _ROUTE_LABELS[scope["path"]], outcome, started)
+            self._record(stats, _ROUTE_LABELS[scope["path"]], outcome, arrived)
         if self._access is not None:
             self._access.write(
                 scope,
                 request_id=request_id,
                 model=model,
-                status=outcome.status or 499,
+                status=outcome.status,
                 bytes_out=outcome.bytes_out,
-                duration_s=perf_counter() - started,
+                duration_s=perf_counter() - arrived,
                 ttfb_s=outcome.head_s if outcome.own_s is not None else None,
                 overhead_s=outcome.own_s,
             )
@@ -271,6 +281,8 @@ class Relay:
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
         limit = self._max_body_bytes
+        media = b""
+        from_browser = False
         for name, value in scope["headers"]:
             if name == b"content-length":
                 if value.isdigit() and int(value) > limit:
@@ -283,6 +295,16 @@ class Relay:
                         f"Content-Type {media.decode('latin-1')!r} is not supported; send application/json",
                         code="unsupported_media_type",
                     )
+            elif name == b"origin":
+                from_browser = True
+        if from_browser and media == b"application/x-www-form-urlencoded":
+            # A form type needs no CORS preflight: any web page could make a
+            # visitor's browser run generations here. Browsers must send JSON.
+            raise HTTPError(
+                415,
+                "a browser request must send Content-Type: application/json",
+                code="unsupported_media_type",
+            )
         message = await receive()
         if message["type"] == "http.request" and not message.get("more_body", False):
             # The common case: the whole body came with the head.
@@ -326,7 +348,14 @@ class Relay:
         request_id: bytes,
         started: float,
         outcome: _Outcome,
+        scope: Scope,
     ) -> None:
+        if self.closing:
+            # The drain is over: nothing new starts.
+            draining = Draining("the gateway is shutting down")
+            outcome.failed(draining)
+            await _send_upstream_error(send, draining, request_id, server_timing(started))
+            return
         try:
             conn = await pool.acquire()
         except UpstreamError as exc:
@@ -339,7 +368,7 @@ class Relay:
         sent_at = perf_counter()
         watch = ClientWatch(receive, conn)
         self.active.add(conn)
-        guards = self._guard(conn, outcome)
+        guards = self._guard(conn, outcome, scope)
         try:
             try:
                 if outcome.heartbeat:
@@ -369,7 +398,7 @@ class Relay:
             else:
                 pool.release(conn)
 
-    def _guard(self, conn: Connection, outcome: _Outcome) -> list[asyncio.TimerHandle]:
+    def _guard(self, conn: Connection, outcome: _Outcome, scope: Scope) -> list[asyncio.TimerHandle]:
         """Arm the optional whole-exchange deadline and the send-stall watchdog."""
         loop = asyncio.get_running_loop()
         guards = []
@@ -381,34 +410,10 @@ class Relay:
         if self._send_stall_s:
             task = asyncio.current_task()
             assert task is not None
-            guards.append(
-                loop.call_later(self._send_stall_s, self._check_stall, conn, outcome, task, guards, -1)
-            )
+            abort_client = (scope.get("extensions") or {}).get("blazar.abort")
+            watch = _StallWatch(self._send_stall_s, conn, outcome, task, guards, abort_client)
+            guards.append(loop.call_later(self._send_stall_s, watch.check, -1))
         return guards
-
-    def _check_stall(
-        self,
-        conn: Connection,
-        outcome: _Outcome,
-        task: asyncio.Task[Any],
-        guards: list[asyncio.TimerHandle],
-        last_bytes: int,
-    ) -> None:
-        """A client that took no bytes for a whole interval, while the relay was not waiting on the
-        upstream (so it was stuck handing bytes to the client), is cut, and its upstream closed."""
-        if outcome.bytes_out == last_bytes and not conn.awaited:
-            outcome.stalled = True
-            log.warning(
-                "client stopped reading for %g s: closing its response and the upstream", self._send_stall_s
-            )
-            conn.close()
-            task.cancel()
-            return
-        guards.append(
-            asyncio.get_running_loop().call_later(
-                self._send_stall_s, self._check_stall, conn, outcome, task, guards, outcome.bytes_out
-            )
-        )
 
     async def _await_head_with_heartbeats(
         self,
@@ -456,6 +461,9 @@ class Relay:
         status = conn.status
         outcome.head_s = head_at - started
         if outcome.sse_started:
+            # The client's first byte was the gateway's own heartbeat; the
+            # gateway's own time is still everything but the upstream's wait.
+            outcome.own_s = sent_at - started + perf_counter() - head_at
             await self._continue_stream(conn, send, status, outcome)
             return
         outcome.status = status
@@ -521,10 +529,13 @@ class Relay:
         try:
             while chunk := await conn.read(read_timeout_s):
                 outcome.bytes_out += len(chunk)
+                if len(chunk) > _SLICE_BYTES:
+                    chunk = await _send_all_but_last_slice(send, chunk, outcome)
                 if conn.complete:
                     await send({"type": "http.response.body", "body": chunk})
                     return None
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                outcome.sends += 1
         except UpstreamError as exc:
             # Headers are out: the only honest signal left is to cut the
             # client's connection before the declared end of the body.
@@ -557,10 +568,13 @@ class Relay:
                             continue
                 tail = chunk[-_TAIL_BYTES:] if len(chunk) >= _TAIL_BYTES else (tail + chunk)[-_TAIL_BYTES:]
                 outcome.bytes_out += len(chunk)
+                if len(chunk) > _SLICE_BYTES:
+                    chunk = await _send_all_but_last_slice(send, chunk, outcome)
                 if conn.complete and not conn.close_delimited and not pending:
                     await send({"type": "http.response.body", "body": chunk})
                     return None
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                outcome.sends += 1
         except UpstreamError as exc:
             conn.close()
             event = sse_error_event(exc.status, str(exc), code=exc.code)
@@ -597,10 +611,15 @@ class Relay:
         return [(model, entry[5].in_flight, entry[5].queued) for model, entry in self._routes.items()]
 
     def abort_all(self, reason: str) -> int:
-        """End every exchange still running (a drain that ran out of time); return how many."""
+        """End everything still running or waiting (a drain that ran out of time); return how many."""
+        self.closing = True
+        ended = len(self.active)
         for conn in list(self.active):
             conn.abort(Draining(reason))
-        return len(self.active)
+        refusal = HTTPError(503, reason, code="draining", headers=((b"retry-after", _RETRY_AFTER_S),))
+        for entry in self._routes.values():
+            ended += entry[5].fail_waiters(refusal)
+        return ended
 
 
 def server_timing(started: float, sent_at: float = 0.0, answered_at: float = 0.0) -> tuple[bytes, bytes]:
@@ -629,6 +648,7 @@ class _Outcome:
         "head_s",
         "heartbeat",
         "own_s",
+        "sends",
         "sse_started",
         "stalled",
         "status",
@@ -636,6 +656,7 @@ class _Outcome:
 
     def __init__(self) -> None:
         self.stalled = False
+        self.sends = 0
         self.status = 0
         self.bytes_out = 0
         self.heartbeat = False
@@ -646,8 +667,52 @@ class _Outcome:
         self.client_gone = False
 
     def failed(self, exc: UpstreamError) -> None:
-        self.status = exc.status
+        if not self.sse_started:
+            # Once the gateway has started the stream, the client has its 200.
+            self.status = exc.status
         self.error = exc.code
+
+
+class _StallWatch:
+    """Cuts a client that took nothing for a whole interval while the relay was handing it bytes.
+
+    Progress is a completed ``send``; a relay waiting on the upstream is not
+    stalled by its client. A stalled client's socket is aborted (a plain close
+    would wait for it to take the bytes it is not taking), its upstream closed,
+    and the relay task cancelled out of the blocked ``send``.
+    """
+
+    __slots__ = ("abort_client", "conn", "guards", "interval_s", "outcome", "task")
+
+    def __init__(
+        self,
+        interval_s: float,
+        conn: Connection,
+        outcome: _Outcome,
+        task: asyncio.Task[Any],
+        guards: list[asyncio.TimerHandle],
+        abort_client: Any,
+    ) -> None:
+        self.interval_s = interval_s
+        self.conn = conn
+        self.outcome = outcome
+        self.task = task
+        self.guards = guards
+        self.abort_client = abort_client
+
+    def check(self, last_sends: int) -> None:
+        if self.outcome.sends == last_sends and not self.conn.awaited:
+            self.outcome.stalled = True
+            log.warning(
+                "client took nothing for %g s: closing its response and the upstream", self.interval_s
+            )
+            self.conn.close()
+            if self.abort_client is not None:
+                self.abort_client()
+            self.task.cancel()
+            return
+        loop = asyncio.get_running_loop()
+        self.guards.append(loop.call_later(self.interval_s, self.check, self.outcome.sends))
 
 
 class ClientWatch:
@@ -708,6 +773,16 @@ async def _wait_for_slot(admission: Admission, model: str, receive: Receive) -> 
     gone = asyncio.ensure_future(receive())
     try:
         await asyncio.wait({enter, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        # Cancelled while queued: give the place (or a slot just granted) back.
+        enter.cancel()
+        try:
+            await enter
+        except (asyncio.CancelledError, HTTPError):
+            pass
+        else:
+            admission.leave()  # the slot had been granted: pass it on
+        raise
     finally:
         if not gone.done():
             gone.cancel()
@@ -723,6 +798,22 @@ async def _wait_for_slot(admission: Admission, model: str, receive: Receive) -> 
         with contextlib.suppress(asyncio.CancelledError):
             await enter
     raise ClientGone()
+
+
+async def _send_all_but_last_slice(send: Send, chunk: bytes, outcome: _Outcome) -> bytes:
+    """Send a large chunk in slices, so that a slow but steady client shows progress; return the last."""
+    view = memoryview(chunk)
+    last = (len(chunk) - 1) // _SLICE_BYTES * _SLICE_BYTES
+    for offset in range(0, last, _SLICE_BYTES):
+        await send(
+            {
+                "type": "http.response.body",
+                "body": bytes(view[offset : offset + _SLICE_BYTES]),
+                "more_body": True,
+            }
+        )
+        outcome.sends += 1
+    return bytes(view[last:])
 
 
 def _event_end(data: bytes) -> int:

@@ -27,6 +27,7 @@ _FAULT_FILES = {
     "test_child.py",
     "test_send_limits.py",
     "test_heartbeat.py",
+    "test_review5_regressions.py",
 }
 _FAULT_TESTS = {
     "test_broken_upstream_is_502",
