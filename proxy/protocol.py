@@ -19,7 +19,7 @@ from proxy.errors import error_body
 
 
 class _Refused(Exception):
-    """Raised inside a parser callback to stop parsing; the status says why."""
+    """Raised in a parser callback to stop parsing; ``send_400_response`` answers for it."""
 
 
 class GatewayProtocol(HttpToolsProtocol):
@@ -29,7 +29,6 @@ class GatewayProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._head_timer: asyncio.TimerHandle | None = None
-        self._header_bytes = 0
         # Raw bytes of the request head so far: httptools builds a whole
         # header value (or URL) before any callback, so counting there is late.
         self._head_bytes = 0
@@ -45,23 +44,20 @@ class GatewayProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._in_head:
-            self._head_bytes += len(data)
-            if self._head_bytes > self.max_header_bytes + 65536:
-                # Far past the limit and still no complete head: refuse before
-                # parsing more (the +64 KiB leaves room for a body in the same read).
-                self._refusal = (
-                    431,
-                    f"request headers are larger than {self.max_header_bytes} bytes",
-                    "headers_too_large",
-                )
-                self.send_400_response("")
-                return
+        if not self._in_head:
+            super().data_received(data)
+            return
+        # Counted on raw bytes as they arrive: httptools builds a whole header
+        # value (or URL) before any callback, so counting there is too late.
+        self._head_bytes += len(data)
         super().data_received(data)
+        if self._in_head and self._head_bytes > self.max_header_bytes and not self.transport.is_closing():
+            self._reply_and_close(
+                431, f"request headers are larger than {self.max_header_bytes} bytes", "headers_too_large"
+            )
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._header_bytes = 0
         # The client's abort, for the relay to cut a client that stopped reading.
         extensions: dict[str, Any] = dict(self.scope.get("extensions") or {})
         extensions["blazar.abort"] = self.transport.abort
@@ -69,20 +65,18 @@ class GatewayProtocol(HttpToolsProtocol):
         if self._head_timer is None:
             self._arm_head_timer()
 
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._header_bytes += len(name) + len(value) + 4
-        if self._header_bytes > self.max_header_bytes:
+    def on_headers_complete(self) -> None:
+        self._cancel_head_timer()
+        self._in_head = False
+        # A head that arrived whole in one read: check its size here.
+        size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
+        if size > self.max_header_bytes:
             self._refusal = (
                 431,
                 f"request headers are larger than {self.max_header_bytes} bytes",
                 "headers_too_large",
             )
             raise _Refused()
-        super().on_header(name, value)
-
-    def on_headers_complete(self) -> None:
-        self._cancel_head_timer()
-        self._in_head = False
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
