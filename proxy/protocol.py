@@ -68,9 +68,13 @@ class GatewayProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._cancel_head_timer()
         self._in_head = False
-        # A head that arrived whole in one read: check its size here.
-        size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
-        if size > self.max_header_bytes:
+        # A head that arrived whole in one read: check its size here (only
+        # when the raw bytes read so far, head and maybe body, pass the limit).
+        if (
+            self._head_bytes > self.max_header_bytes
+            and len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
+            > self.max_header_bytes
+        ):
             self._refusal = (
                 431,
                 f"request headers are larger than {self.max_header_bytes} bytes",

@@ -73,6 +73,7 @@ _ERROR_BODY_LIMIT_BYTES = 1024 * 1024
 _TAIL_BYTES = 32
 # Larger reads are handed to the client in slices of this size.
 _SLICE_BYTES = 64 * 1024
+_HEARTBEAT = b": keepalive\n\n"
 # The most of a half-written SSE event held back to wait for its end.
 _PARTIAL_EVENT_LIMIT_BYTES = 64 * 1024
 # Upstream error headers that clients act on (openai-python reads them all).
@@ -446,7 +447,8 @@ class Relay:
                 await send({"type": "http.response.start", "status": 200, "headers": headers})
                 outcome.sse_started = True
                 outcome.status = 200
-            await send({"type": "http.response.body", "body": b": keepalive\n\n", "more_body": True})
+            await send({"type": "http.response.body", "body": _HEARTBEAT, "more_body": True})
+            outcome.bytes_out += len(_HEARTBEAT)
 
     async def _respond(
         self,
@@ -481,9 +483,10 @@ class Relay:
             try:
                 body = await self._read_error_body(conn)
             except UpstreamError as exc:
+                # The error body broke or timed out: say that, with its own status.
                 conn.close()
                 outcome.failed(exc)
-                status, body = 502, _upstream_error_body(502, str(exc), exc.code)
+                status, body = exc.status, _upstream_error_body(exc.status, str(exc), exc.code)
             kept = [(n, v) for n, v in headers if n in _KEPT_ON_ERRORS]
             timing = server_timing(started, sent_at, perf_counter())
             await send_json(send, status, body, [(b"x-request-id", request_id), timing, *kept])
