@@ -28,6 +28,7 @@ _FAULT_FILES = {
     "test_send_limits.py",
     "test_heartbeat.py",
     "test_review5_regressions.py",
+    "test_load_balancer.py",
 }
 _FAULT_TESTS = {
     "test_broken_upstream_is_502",

@@ -117,9 +117,11 @@ def _start_fake_engine(log_dir: Path, *args: str) -> FakeEngine:
 
 
 def _start_gateway(log_dir: Path, upstreams: dict[str, str], *args: str) -> Running:
-    port = free_port()
+    port = int(args[args.index("--port") + 1]) if "--port" in args else free_port()
     log_path = log_dir / f"gateway-{port}.log"
-    argv = [sys.executable, "-m", "proxy", "--port", str(port), "--log-level", "warning"]
+    argv = [sys.executable, "-m", "proxy", "--log-level", "warning"]
+    if "--port" not in args:
+        argv += ["--port", str(port)]
     for name, url in upstreams.items():
         argv += ["--upstream", f"{name}={url}"]
     with log_path.open("wb") as log:
