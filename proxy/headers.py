@@ -73,15 +73,20 @@ def connection_tokens(headers: Iterable[Header]) -> frozenset[bytes]:
     return frozenset(names)
 
 
+def request_drop(also: frozenset[bytes] = frozenset()) -> frozenset[bytes]:
+    """The request fields that never go upstream, plus ``also`` (the gateway's own
+    credentials, when it checks keys). Resolve once, at startup."""
+    return _DROP_REQUEST | also
+
+
 def forward_request_headers(
-    headers: Iterable[Header], also_drop: frozenset[bytes] = frozenset()
+    headers: Iterable[Header], drop: frozenset[bytes] = _DROP_REQUEST
 ) -> list[Header]:
     """The client's headers that go on to the upstream.
 
     Names must be lower-case already, as ASGI servers give them.
-    ``also_drop`` names more (the gateway's own credentials, when it checks keys).
     """
-    return _without(headers, _DROP_REQUEST | also_drop if also_drop else _DROP_REQUEST)
+    return _without(headers, drop)
 
 
 def filter_response_headers(headers: Iterable[Header]) -> list[Header]:

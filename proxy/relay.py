@@ -20,7 +20,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from time import perf_counter
-from typing import Any
+from typing import Any, NamedTuple
 
 from proxy.accesslog import AccessLog
 from proxy.admission import Admission
@@ -33,12 +33,13 @@ from proxy.headers import (
     filter_response_headers,
     forward_request_headers,
     is_event_stream,
+    request_drop,
     request_head,
     valid_request_id,
 )
 from proxy.metrics import Metrics, ModelMetrics
-from proxy.payload import check_request, parse_request
-from proxy.routing import RoutingTable, UpstreamAddress
+from proxy.payload import RequestGuards, check_request, parse_request
+from proxy.routing import Gate, RoutingTable, UpstreamAddress
 from proxy.upstream import (
     BodyBroken,
     ClientGone,
@@ -126,7 +127,7 @@ class Relay:
     ) -> None:
         # Everything the hot path needs about a model, computed once.
         self._routes = {
-            route.model: (
+            route.model: _RouteEntry(
                 pools[route.upstream],
                 route.upstream.host_header,
                 {path: route.upstream.target(endpoint) for path, endpoint in ENDPOINTS.items()},
@@ -158,7 +159,7 @@ class Relay:
         self._heartbeat_s = settings.heartbeat_s
         self._total_timeout_s = settings.total_timeout_s
         self._send_stall_s = settings.send_stall_s
-        self._also_drop = CREDENTIAL_HEADERS if settings.strip_credentials else frozenset()
+        self._request_drop = request_drop(CREDENTIAL_HEADERS if settings.strip_credentials else frozenset())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = perf_counter()
@@ -231,7 +232,7 @@ class Relay:
             return
         # From here on this request holds a slot; it is given back below, on every path.
         try:
-            headers = forward_request_headers(scope["headers"], self._also_drop)
+            headers = forward_request_headers(scope["headers"], self._request_drop)
             headers.append((b"x-request-id", request_id))
             target = targets[scope["path"]]
             if scope["query_string"]:
@@ -611,7 +612,7 @@ class Relay:
         return normalize_error(conn.status, b"".join(chunks))
 
     def _admission_sample(self) -> list[tuple[str, int, int]]:
-        return [(model, entry[5].in_flight, entry[5].queued) for model, entry in self._routes.items()]
+        return [(model, e.admission.in_flight, e.admission.queued) for model, e in self._routes.items()]
 
     def abort_all(self, reason: str) -> int:
         """End everything still running or waiting (a drain that ran out of time); return how many."""
@@ -621,7 +622,7 @@ class Relay:
             conn.abort(Draining(reason))
         refusal = HTTPError(503, reason, code="draining", headers=((b"retry-after", _RETRY_AFTER_S),))
         for entry in self._routes.values():
-            ended += entry[5].fail_waiters(refusal)
+            ended += entry.admission.fail_waiters(refusal)
         return ended
 
 
@@ -639,6 +640,18 @@ def server_timing(started: float, sent_at: float = 0.0, answered_at: float = 0.0
         b"server-timing",
         b"gateway;dur=%.3f, upstream;dur=%.3f" % (own_ms, (answered_at - sent_at) * 1000),
     )
+
+
+class _RouteEntry(NamedTuple):
+    """Everything the hot path needs about a model, resolved once (unpacked per request)."""
+
+    pool: Pool
+    host_header: bytes
+    targets: dict[str, bytes]
+    gate: Gate | None
+    guards: RequestGuards
+    admission: Admission
+    stats: ModelMetrics | None
 
 
 class _Outcome:
