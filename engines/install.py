@@ -27,8 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from engines import cudahome
+from engines import spec as specs
 from engines.home import Home
 from engines.spec import CUDA_VARIANTS, EngineSpec
+from engines.variant import Machine, detect_variant
 
 Progress = Callable[[str], None]
 
@@ -143,6 +145,15 @@ def install(
             raise
         progress(f"installed {spec.name} ({variant}) with {installer} in {time.monotonic() - started:.1f} s")
         return installation
+
+
+def ensure_installed(
+    name: str, variant: str, home: Home, *, progress: Progress = lambda line: None
+) -> tuple[EngineSpec, Installation]:
+    """Load engine ``name``'s spec and install it for ``variant`` (``auto``: this machine's)."""
+    engine = specs.load(name)
+    chosen = detect_variant(Machine.probe()) if variant == "auto" else variant
+    return engine, install(engine, chosen, home, progress=progress)
 
 
 def installed(home: Home) -> list[Installation]:

@@ -48,12 +48,12 @@ class ReceiptPlan:
 
 def _prepare_model(plan: ReceiptPlan) -> tuple[str, dict[str, Any]]:
     """The model directory to serve, installing the engine and the demo model if needed."""
-    from engines import install, spec
+    from engines import install
     from engines.home import Home, blazar_home
     from engines.manager import ensure_demo_model
 
     home = Home(blazar_home())
-    installation = install.install(spec.load(ENGINE), plan.variant, home, progress=print)
+    _, installation = install.ensure_installed(ENGINE, plan.variant, home, progress=print)
     if plan.model:
         return plan.model, {"model": plan.model}
     path = ensure_demo_model(installation, home, plan.preset)

@@ -391,13 +391,10 @@ def _engine_route(
     from engines.environment import ServedNameError
     from engines.home import Home, blazar_home
     from engines.manager import EngineManager, PlanError, ensure_demo_model, plan
-    from engines.variant import Machine, detect_variant
 
     home = Home(blazar_home())
     try:
-        spec = specs.load(engine)
-        chosen = detect_variant(Machine.probe()) if variant == "auto" else variant
-        installation = installing.install(spec, chosen, home, progress=_echo)
+        spec, installation = installing.ensure_installed(engine, variant, home, progress=_echo)
         if model is None:
             _echo("no --model given: serving the built-in demo model")
             model = str(ensure_demo_model(installation, home))
@@ -433,12 +430,9 @@ def engines_install(engine: str, variant: str) -> None:
     from engines import install as installing
     from engines import spec as specs
     from engines.home import Home, blazar_home
-    from engines.variant import Machine, detect_variant
 
     try:
-        spec = specs.load(engine)
-        chosen = detect_variant(Machine.probe()) if variant == "auto" else variant
-        installing.install(spec, chosen, Home(blazar_home()), progress=_echo)
+        installing.ensure_installed(engine, variant, Home(blazar_home()), progress=_echo)
     except (specs.SpecError, installing.InstallError) as exc:
         raise click.ClickException(str(exc)) from None
 
