@@ -495,8 +495,9 @@ class Relay:
         if sse:
             headers = add_sse_headers(headers)
         headers.append((b"x-request-id", request_id))
-        headers.append(server_timing(started, sent_at, head_at))
+        # The gateway's own time, computed once: for the header and the metrics.
         outcome.own_s = sent_at - started + perf_counter() - head_at
+        headers.append(_timing(outcome.own_s, head_at - sent_at))
         if not conn.close_delimited and status not in (204, 304):
             for name, value in conn.headers:
                 if name == b"content-length":
@@ -635,11 +636,11 @@ def server_timing(started: float, sent_at: float = 0.0, answered_at: float = 0.0
     now = perf_counter()
     if not sent_at:
         return (b"server-timing", b"gateway;dur=%.3f" % ((now - started) * 1000))
-    own_ms = (sent_at - started + now - answered_at) * 1000
-    return (
-        b"server-timing",
-        b"gateway;dur=%.3f, upstream;dur=%.3f" % (own_ms, (answered_at - sent_at) * 1000),
-    )
+    return _timing(sent_at - started + now - answered_at, answered_at - sent_at)
+
+
+def _timing(own_s: float, upstream_s: float) -> tuple[bytes, bytes]:
+    return (b"server-timing", b"gateway;dur=%.3f, upstream;dur=%.3f" % (own_s * 1000, upstream_s * 1000))
 
 
 class _RouteEntry(NamedTuple):
