@@ -135,6 +135,8 @@ class Child:
         self.state = ChildState.STOPPED
         self.pid: int | None = None
         self.restarts = 0
+        # Processes spawned, for any reason (a lazy load, a restart).
+        self.starts = 0
         self.last_error: str | None = None
         self.ready_in_s: float | None = None
         self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
@@ -288,6 +290,7 @@ class Child:
     async def _run_once(self, control: asyncio.Future[_Command]) -> _Outcome:
         """One life of the process: start, serve, end. Returns why it ended."""
         await self._move(ChildState.STARTING)
+        self.starts += 1
         started = time.monotonic()
         try:
             proc = await self._spawn()

@@ -32,8 +32,8 @@ from proxy.errors import error_body
 from proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from proxy.metrics import Metrics
 from proxy.relay import ENDPOINTS, Relay, RelaySettings, RequestIds, server_timing
+from proxy.routing import Route as RouteConfig
 from proxy.routing import RoutingTable, UpstreamAddress
-from proxy.upstream import Pool
 
 _PROBE_TIMEOUT_S = 1.0
 
@@ -178,35 +178,74 @@ def build_app(
     ``on_startup`` and ``on_shutdown`` run in the server's event loop (the
     engine manager's start and stop).
     """
-    pools = {address: Pool(address, connect_timeout_s=connect_timeout_s) for address in table.upstreams()}
     state = GatewayState()
     settings = relay_settings or RelaySettings()
     if api_keys:
         settings = dataclasses.replace(settings, strip_credentials=True)
-    relay = Relay(table, pools, settings, metrics, access_log)
+    relay = Relay(table, settings, metrics, access_log, connect_timeout_s=connect_timeout_s)
     created = int(time.time())
-    models = {
-        route.model: {"id": route.model, "object": "model", "created": created, "owned_by": "blazar-proxy"}
-        for route in table
-    }
-    model_list = orjson.dumps({"object": "list", "data": list(models.values())})
+
+    def describe(route: RouteConfig) -> dict[str, object]:
+        return {
+            "id": route.model,
+            "object": "model",
+            "created": created,
+            "owned_by": "blazar-proxy",
+            # Static upstreams are always there as far as the gateway knows.
+            "state": route.gate.state if route.gate is not None else "loaded",
+            **({"aliases": list(route.aliases)} if route.aliases else {}),
+        }
 
     async def list_models(request: Request) -> Response:
-        return _json(200, model_list)
+        return _json(200, orjson.dumps({"object": "list", "data": [describe(r) for r in relay.table]}))
 
-    async def get_model(request: Request) -> Response:
-        model = models.get(request.path_params["model"])
-        if model is None:
+    def route_of(request: Request) -> RouteConfig | Response:
+        name = request.path_params["model"]
+        route = relay.table.get(name)
+        if route is None:
             return _json(
                 404,
                 error_body(
                     404,
-                    f"The model `{request.path_params['model']}` does not exist or is not served here",
+                    f"The model `{name}` does not exist or is not served here",
                     param="model",
                     code="model_not_found",
                 ),
             )
-        return _json(200, orjson.dumps(model))
+        return route
+
+    async def get_model(request: Request) -> Response:
+        route = route_of(request)
+        if isinstance(route, Response):
+            return route
+        return _json(200, orjson.dumps(describe(route)))
+
+    def engine_route(request: Request, verb: str) -> RouteConfig | Response:
+        route = route_of(request)
+        if isinstance(route, Response) or route.gate is not None:
+            return route
+        message = f"model `{route.model}` is a static upstream: the gateway has no engine to {verb} for it"
+        return _json(409, error_body(409, message, param="model", code="not_an_engine_model"))
+
+    async def load_model(request: Request) -> Response:
+        route = engine_route(request, "load")
+        if isinstance(route, Response):
+            return route
+        assert route.gate is not None
+        problem = await route.gate.load()
+        if problem is not None:
+            return _json(
+                503, error_body(503, problem, code="model_load_failed"), headers={"retry-after": "2"}
+            )
+        return _json(200, orjson.dumps(describe(route)))
+
+    async def unload_model(request: Request) -> Response:
+        route = engine_route(request, "unload")
+        if isinstance(route, Response):
+            return route
+        assert route.gate is not None
+        await route.gate.unload()
+        return _json(200, orjson.dumps(describe(route)))
 
     async def metrics_route(request: Request) -> Response:
         assert metrics is not None
@@ -218,7 +257,7 @@ def build_app(
     async def readyz(request: Request) -> Response:
         if state.draining:
             return _json(503, b'{"status":"draining","reason":"the gateway is shutting down"}')
-        return await _readiness(table, pools)
+        return await _readiness(relay.table)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -231,7 +270,7 @@ def build_app(
                 if on_shutdown is not None:
                     await on_shutdown()
             finally:
-                for pool in pools.values():
+                for pool in relay.pools.values():
                     pool.close()
 
     admin = Starlette(
@@ -240,6 +279,8 @@ def build_app(
             Route("/models", list_models, methods=["GET"]),
             Route("/v1/models/{model:path}", get_model, methods=["GET"]),
             Route("/models/{model:path}", get_model, methods=["GET"]),
+            Route("/admin/models/{model:path}/load", load_model, methods=["POST"]),
+            Route("/admin/models/{model:path}/unload", unload_model, methods=["POST"]),
             Route("/livez", livez, methods=["GET"]),
             Route("/readyz", readyz, methods=["GET"]),
             # A plain route: Mount("/metrics", app) answers 307 and Prometheus scrapes nothing.
@@ -252,10 +293,11 @@ def build_app(
     return Gateway(relay, admin, api_keys, state, cors)
 
 
-async def _readiness(table: RoutingTable, pools: Mapping[UpstreamAddress, Pool]) -> Response:
+async def _readiness(table: RoutingTable) -> Response:
     """200 when at least one model can be served now.
 
-    An engine child counts when it is ready; a static upstream when it
+    An engine model counts when a child of it is ready, or when it is
+    unloaded (its first request starts it); a static upstream when it
     accepts a TCP connection (the one check every OpenAI server passes).
     """
     static = list(dict.fromkeys(r.upstream for r in table if r.gate is None))
@@ -265,8 +307,9 @@ async def _readiness(table: RoutingTable, pools: Mapping[UpstreamAddress, Pool])
     reasons: set[str] = set()
     for route in table:
         if route.gate is not None:
-            models[route.model] = "ready" if route.gate.ready else "loading"
-            if not route.gate.ready:
+            state = "ready" if route.gate.ready else route.gate.state
+            models[route.model] = state
+            if state == "loading":
                 reasons.add(f"{route.model}: engine child is not ready")
         else:
             problem = reachable[route.upstream]
@@ -275,7 +318,7 @@ async def _readiness(table: RoutingTable, pools: Mapping[UpstreamAddress, Pool])
                 reasons.add(problem)
     if not models:
         return _json(503, orjson.dumps({"status": "unavailable", "reason": "no models are configured"}))
-    if "ready" not in models.values():
+    if "ready" not in models.values() and "unloaded" not in models.values():
         return _json(
             503,
             orjson.dumps(

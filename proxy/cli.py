@@ -6,27 +6,35 @@ and ``proxy`` (the request path) together.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import difflib
 import logging
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 import uvicorn
 
-from proxy import __version__
+from proxy import __version__, configfile
 from proxy.accesslog import AccessLog
 from proxy.app import Gateway, build_app
 from proxy.auth import ApiKeys, read_key_file
+from proxy.catalog import Catalog
 from proxy.config import Settings
+from proxy.configfile import ConfigError, FileConfig, ModelConfig
 from proxy.cors import Cors
 from proxy.metrics import EngineSample, Metrics
-from proxy.payload import RequestGuards
 from proxy.protocol import protocol_class
 from proxy.relay import RelaySettings
-from proxy.routing import Route, RoutingTable, UpstreamAddress, UpstreamSpecError, parse_upstream_spec
+from proxy.routing import RoutingTable, UpstreamSpecError, parse_upstream_url
 from proxy.server import GatewayServer
+
+if TYPE_CHECKING:
+    from engines.registry import Registry
+    from proxy.relay import Relay
 
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 _VARIANTS = ("auto", "cpu", "cuda12", "cuda13", "metal")
@@ -37,6 +45,35 @@ def _echo(line: str) -> None:
 
 
 @click.group(invoke_without_command=True, context_settings={"show_default": True})
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    is_eager=True,
+    expose_value=True,
+    callback=lambda ctx, param, value: _read_config(ctx, value),
+    envvar="BLAZAR_CONFIG",
+    show_envvar=True,
+    help="A TOML file with [gateway] settings (option names, without --) and [models.NAME] tables. "
+    "The command line and BLAZAR_* variables win over it.",
+)
+@click.option(
+    "--watch-config/--no-watch-config",
+    default=False,
+    envvar="BLAZAR_WATCH_CONFIG",
+    show_envvar=True,
+    help="Reload the models from --config when the file changes (SIGHUP always reloads).",
+)
+@click.option(
+    "--max-loaded",
+    type=click.IntRange(0),
+    default=0,
+    envvar="BLAZAR_MAX_LOADED",
+    show_envvar=True,
+    help="Engine models loaded at once; loading one more unloads the least recently used idle "
+    "one (never one with requests in flight, never an always-loaded one). 0: no limit.",
+)
 @click.option(
     "--upstream",
     "upstreams",
@@ -293,6 +330,9 @@ def _echo(line: str) -> None:
 @click.pass_context
 def main(
     ctx: click.Context,
+    config_file: FileConfig | None,
+    watch_config: bool,
+    max_loaded: int,
     upstreams: tuple[str, ...],
     engine: str | None,
     model: str | None,
@@ -333,28 +373,58 @@ def main(
     """
     if ctx.invoked_subcommand is not None:
         return
-    if not upstreams and not engine:
-        raise click.UsageError("nothing to serve: give --engine ENGINE [--model PATH] or --upstream NAME=URL")
+    file_models = config_file.models if config_file else ()
+    if not upstreams and not engine and not file_models:
+        raise click.UsageError(
+            "nothing to serve: give --engine ENGINE [--model PATH], --upstream NAME=URL, "
+            "or --config FILE with [models.NAME] tables"
+        )
     if (model or served_name) and not engine:
         raise click.UsageError("--model and --served-name need --engine")
-    try:
-        routes = [
-            dataclasses.replace(parse_upstream_spec(spec), max_in_flight=max_in_flight) for spec in upstreams
-        ]
-    except UpstreamSpecError as exc:
-        raise click.BadParameter(str(exc), param_hint="--upstream") from None
-    hooks: tuple[Callable[[], Awaitable[None]], Callable[[], Awaitable[None]]] | None = None
+    configs = []
+    for spec in upstreams:
+        name, sep, url = spec.partition("=")
+        if not sep or not name.strip() or not url.strip():
+            raise click.BadParameter(
+                f"upstream {spec!r}: expected NAME=URL, e.g. qwen=http://127.0.0.1:8080",
+                param_hint="--upstream",
+            )
+        try:
+            parse_upstream_url(url)
+        except UpstreamSpecError as exc:
+            raise click.BadParameter(str(exc), param_hint="--upstream") from None
+        configs.append(ModelConfig(name=name.strip(), upstream=url.strip()))
     if engine:
-        route, hooks = _engine_route(engine, model, served_name, engine_variant)
-        if max_in_flight is not None:
-            route = dataclasses.replace(route, max_in_flight=max_in_flight)
-        routes.append(route)
+        # The one-line start: its model starts with the gateway.
+        configs.append(
+            ModelConfig(
+                name=served_name, engine=engine, model=model, variant=engine_variant, always_loaded=True
+            )
+        )
+    from_command_line = len(configs)
+    configs.extend(file_models)
+    catalog = Catalog(home=None, registry=None, max_in_flight=max_in_flight, announce=_echo)
+    if any(c.engine is not None for c in configs):
+        from engines.home import Home, blazar_home
+
+        catalog.home = Home(blazar_home())
     try:
-        RoutingTable(routes)
-    except UpstreamSpecError as exc:
-        raise click.UsageError(str(exc)) from None
+        catalog.build(configs)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    keep = list(catalog.entries)[:from_command_line]
+    registry = None
+    if catalog.served_models():
+        from engines.registry import Registry
+
+        registry = Registry(
+            catalog.served_models(), max_loaded=max_loaded, announce=_echo, retire_timeout_s=drain_timeout_s
+        )
+        catalog.registry = registry
+    elif max_loaded:
+        _echo("--max-loaded has no effect: no engine models are configured")
     settings = Settings(
-        routes=tuple(routes),
+        routes=tuple(route for _, route in catalog.entries.values()),
         host=host,
         port=port,
         max_body_bytes=max_body_bytes,
@@ -379,42 +449,8 @@ def main(
         forwarded_allow_ips=tuple(ip.strip() for ip in forwarded_allow_ips.split(",") if ip.strip()),
         log_level=log_level,
     )
-    serve(settings, hooks)
-
-
-def _engine_route(
-    engine: str, model: str | None, served_name: str | None, variant: str
-) -> tuple[Route, tuple[Callable[[], Awaitable[None]], Callable[[], Awaitable[None]]]]:
-    """Install the engine, plan its child, and return its route and start/stop hooks."""
-    from engines import install as installing
-    from engines import spec as specs
-    from engines.environment import ServedNameError
-    from engines.home import Home, blazar_home
-    from engines.manager import EngineManager, PlanError, ensure_demo_model, plan
-
-    home = Home(blazar_home())
-    try:
-        spec, installation = installing.ensure_installed(engine, variant, home, progress=_echo)
-        if model is None:
-            _echo("no --model given: serving the built-in demo model")
-            model = str(ensure_demo_model(installation, home))
-        planned = plan(spec, installation, home, model=model, served_name=served_name)
-    except (specs.SpecError, installing.InstallError, PlanError, ServedNameError) as exc:
-        raise click.ClickException(str(exc)) from None
-    manager = EngineManager([planned], announce=_echo)
-    child = manager.children[0]
-    _echo(f"starting {planned.config.name} on port {planned.config.port} (log: {planned.config.log_path})")
-    route = Route(
-        model=planned.config.served_model,
-        upstream=UpstreamAddress(planned.config.host, planned.config.port),
-        gate=child,
-        guards=RequestGuards(
-            min_max_tokens=spec.guards.min_max_tokens, require_input=spec.guards.require_input
-        ),
-        # The engine generates this many at once; more would only queue inside it.
-        max_in_flight=spec.batch_size,
-    )
-    return route, (manager.start, manager.shutdown)
+    reloader = _Reloader(ctx, config_file, catalog, keep, watch=watch_config) if config_file else None
+    serve(settings, registry=registry, reloader=reloader)
 
 
 @main.group()
@@ -467,17 +503,25 @@ def engines_remove(engine: str) -> None:
     click.echo(f"removed {engine}")
 
 
-def serve(
-    settings: Settings,
-    hooks: tuple[Callable[[], Awaitable[None]], Callable[[], Awaitable[None]]] | None = None,
-) -> None:
+def serve(settings: Settings, *, registry: Registry | None = None, reloader: _Reloader | None = None) -> None:
     """Run the gateway until it is stopped."""
     _configure_logging(settings.log_level)
-    registry = Metrics() if settings.metrics else None
-    if registry is not None:
-        children = [(r.model, r.gate) for r in settings.routes if r.gate is not None]
-        registry.watch_engines(lambda: [_engine_sample(model, gate) for model, gate in children])
-    app: Gateway = build_app(
+    metrics = Metrics() if settings.metrics else None
+    app: Gateway
+
+    async def startup() -> None:
+        if registry is not None:
+            await registry.start()
+        if reloader is not None:
+            reloader.start(app.relay)
+
+    async def shutdown() -> None:
+        if reloader is not None:
+            reloader.stop()
+        if registry is not None:
+            await registry.shutdown()
+
+    app = build_app(
         RoutingTable(settings.routes),
         relay_settings=RelaySettings(
             max_body_bytes=settings.max_body_bytes,
@@ -492,15 +536,18 @@ def serve(
             send_stall_s=settings.send_stall_s,
         ),
         connect_timeout_s=settings.connect_timeout_s,
-        on_startup=hooks[0] if hooks else None,
-        on_shutdown=hooks[1] if hooks else None,
+        on_startup=startup,
+        on_shutdown=shutdown,
         api_keys=ApiKeys(settings.api_keys),
-        metrics=registry,
+        metrics=metrics,
         cors=Cors(settings.cors_origins),
         access_log=AccessLog(settings.log_format, settings.forwarded_allow_ips)
         if settings.access_log
         else None,
     )
+    if metrics is not None:
+        relay = app.relay
+        metrics.watch_engines(lambda: _engine_samples(relay.table))
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -518,17 +565,156 @@ def serve(
         timeout_graceful_shutdown=10,
         log_level=settings.log_level,
     )
-    GatewayServer(config, app, settings.drain_timeout_s).run()
+    on_hangup = reloader.reload_soon if reloader is not None else None
+    GatewayServer(config, app, settings.drain_timeout_s, on_hangup=on_hangup).run()
 
 
-def _engine_sample(model: str, gate: object) -> EngineSample:
-    # Gates of engine routes are engines.child.Child objects.
-    return EngineSample(
-        model=model,
-        up=getattr(gate, "pid", None) is not None,
-        ready=bool(getattr(gate, "ready", False)),
-        restarts=int(getattr(gate, "restarts", 0)),
+def _engine_samples(table: RoutingTable) -> list[EngineSample]:
+    # Replica gates of engine routes are engines.child.Child objects.
+    return [
+        EngineSample(
+            model=route.model,
+            replica=str(index),
+            up=getattr(replica.gate, "pid", None) is not None,
+            ready=bool(replica.gate.ready),
+            restarts=int(getattr(replica.gate, "restarts", 0)),
+        )
+        for route in table
+        if route.gate is not None
+        for index, replica in enumerate(route.replicas)
+        if replica.gate is not None
+    ]
+
+
+# -- the configuration file ------------------------------------------------------
+
+# Options that name what to serve: in the file they are [models.NAME] tables.
+_NOT_IN_GATEWAY_TABLE = frozenset(
+    {"config_file", "upstreams", "engine", "model", "served_name", "engine_variant"}
+)
+
+
+def _read_config(ctx: click.Context, value: Path | None) -> FileConfig | None:
+    """The --config callback (eager): read the file, and make its [gateway] table click's defaults."""
+    if value is None or ctx.resilient_parsing:
+        return None
+    try:
+        file = configfile.load(value, lambda key, item: _gateway_option(ctx, key, item))
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    ctx.default_map = {**(ctx.default_map or {}), **file.gateway}
+    return file
+
+
+def _gateway_option(ctx: click.Context, key: str, value: object) -> tuple[str, object]:
+    """One [gateway] entry as (option name, value), checked by the option's own type."""
+    wanted = key.replace("-", "_")
+    for param in ctx.command.params:
+        if not isinstance(param, click.Option) or param.name is None:
+            continue
+        longs = [opt.lstrip("-").replace("-", "_") for opt in param.opts if opt.startswith("--")]
+        if wanted == param.name or wanted in longs:
+            if param.name in _NOT_IN_GATEWAY_TABLE or param.name in ("help", "version"):
+                break
+            if param.multiple and not isinstance(value, list):
+                value = [value]
+            try:
+                param.type_cast_value(ctx, value)
+            except click.BadParameter as exc:
+                raise ValueError(exc.message) from None
+            return param.name, value
+    known = sorted(
+        (
+            p.opts[0].lstrip("-")
+            for p in ctx.command.params
+            if isinstance(p, click.Option)
+            and p.name
+            and p.name not in _NOT_IN_GATEWAY_TABLE
+            and p.name not in ("help", "version")
+        ),
     )
+    hint = difflib.get_close_matches(key, known, n=1)
+    raise ValueError(
+        "not a gateway setting"
+        + (f" (did you mean {hint[0]!r}?)" if hint else "")
+        + (" ; models go in [models.NAME] tables" if wanted in _NOT_IN_GATEWAY_TABLE else "")
+    )
+
+
+class _Reloader:
+    """Reloads the models from the configuration file on SIGHUP or when it changes."""
+
+    _POLL_S = 1.0
+
+    def __init__(
+        self, ctx: click.Context, file: FileConfig, catalog: Catalog, keep: list[str], *, watch: bool
+    ) -> None:
+        self._ctx = ctx
+        self._file = file
+        self._catalog = catalog
+        self._keep = keep
+        self._watch = watch
+        self._relay: Relay | None = None
+        self._lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._stamp = _stamp(file.path)
+
+    def start(self, relay: Relay) -> None:
+        self._relay = relay
+        if self._watch:
+            self._spawn(self._watch_file())
+
+    def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+
+    def reload_soon(self) -> None:
+        """The SIGHUP handler (in the event loop): queue a reload."""
+        self._spawn(self.reload())
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _watch_file(self) -> None:
+        while True:
+            await asyncio.sleep(self._POLL_S)
+            stamp = _stamp(self._file.path)
+            if stamp != self._stamp:
+                self._stamp = stamp
+                await self.reload()
+
+    async def reload(self) -> None:
+        """Apply the file's models now; a file with an error changes nothing."""
+        assert self._relay is not None
+        async with self._lock:
+            path = self._file.path
+            _echo(f"reload: reading {path}")
+            try:
+                file = configfile.load(path, lambda key, item: _gateway_option(self._ctx, key, item))
+                await self._catalog.reload(file, self._keep, self._relay)
+            except ConfigError as exc:
+                _echo(f"reload failed; the running configuration stays: {exc}")
+                return
+            changed = sorted(
+                k
+                for k in {*file.gateway, *self._file.gateway}
+                if file.gateway.get(k) != self._file.gateway.get(k)
+            )
+            if changed:
+                _echo(
+                    f"reload: [gateway] {', '.join(changed)} changed; gateway settings take effect on restart"
+                )
+            self._file = dataclasses.replace(self._file, models=file.models)
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    try:
+        info = path.stat()
+    except OSError:
+        return None
+    return info.st_mtime_ns, info.st_size
 
 
 def _configure_logging(level: str) -> None:

@@ -32,6 +32,7 @@ QUEUE_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 @dataclass(frozen=True, slots=True)
 class EngineSample:
     model: str
+    replica: str
     up: bool
     ready: bool
     restarts: int
@@ -180,15 +181,16 @@ class _EngineCollector(Collector):
         self._sample = sample
 
     def collect(self) -> Iterator[Metric]:
-        up = GaugeMetricFamily("blazar_engine_up", "1 while the child process runs.", labels=["model"])
-        ready = GaugeMetricFamily("blazar_engine_ready", "1 while the child serves.", labels=["model"])
+        labels = ["model", "replica"]
+        up = GaugeMetricFamily("blazar_engine_up", "1 while the child process runs.", labels=labels)
+        ready = GaugeMetricFamily("blazar_engine_ready", "1 while the child serves.", labels=labels)
         restarts = CounterMetricFamily(
-            "blazar_engine_restarts", "Times the child was started again.", labels=["model"]
+            "blazar_engine_restarts", "Times the child was started again.", labels=labels
         )
         for engine in self._sample():
-            up.add_metric([engine.model], 1 if engine.up else 0)
-            ready.add_metric([engine.model], 1 if engine.ready else 0)
-            restarts.add_metric([engine.model], engine.restarts)
+            up.add_metric([engine.model, engine.replica], 1 if engine.up else 0)
+            ready.add_metric([engine.model, engine.replica], 1 if engine.ready else 0)
+            restarts.add_metric([engine.model, engine.replica], engine.restarts)
         yield up
         yield ready
         yield restarts

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from time import perf_counter
 from typing import Any, NamedTuple
 
+import orjson
+
 from proxy.accesslog import AccessLog
 from proxy.admission import Admission
 from proxy.asgi import Message, Receive, Scope, Send, send_json
@@ -39,7 +41,7 @@ from proxy.headers import (
 )
 from proxy.metrics import Metrics, ModelMetrics
 from proxy.payload import RequestGuards, check_request, parse_request
-from proxy.routing import Gate, RoutingTable, UpstreamAddress
+from proxy.routing import Gate, ReplicaGate, Route, RoutingTable, UpstreamAddress
 from proxy.upstream import (
     BodyBroken,
     ClientGone,
@@ -120,30 +122,21 @@ class Relay:
     def __init__(
         self,
         table: RoutingTable,
-        pools: Mapping[UpstreamAddress, Pool],
         settings: RelaySettings,
         metrics: Metrics | None = None,
         access_log: AccessLog | None = None,
+        *,
+        connect_timeout_s: float = 5.0,
     ) -> None:
-        # Everything the hot path needs about a model, computed once.
-        self._routes = {
-            route.model: _RouteEntry(
-                pools[route.upstream],
-                route.upstream.host_header,
-                {path: route.upstream.target(endpoint) for path, endpoint in ENDPOINTS.items()},
-                route.gate,
-                route.guards,
-                Admission(
-                    route.max_in_flight,
-                    max_queued=settings.max_queued,
-                    queue_timeout_s=settings.queue_timeout_s,
-                ),
-                metrics.for_model(route.model) if metrics is not None else None,
-            )
-            for route in table
-        }
+        self._settings = settings
+        self._connect_timeout_s = connect_timeout_s
+        self.pools: dict[UpstreamAddress, Pool] = {}
+        self.table = table
+        self._built: dict[Route, _RouteEntry] = {}
+        self._routes: dict[str, _RouteEntry] = {}
         self._metrics = metrics
         self._access = access_log
+        self.update(table)
         if metrics is not None:
             metrics.watch_admission(self._admission_sample)
         self.request_id_of = RequestIds()
@@ -160,6 +153,51 @@ class Relay:
         self._total_timeout_s = settings.total_timeout_s
         self._send_stall_s = settings.send_stall_s
         self._request_drop = request_drop(CREDENTIAL_HEADERS if settings.strip_credentials else frozenset())
+
+    def update(self, table: RoutingTable) -> None:
+        """Serve ``table`` from now on (a configuration reload).
+
+        A route that is unchanged keeps its entry: its admission queue, its
+        requests in flight and its pooled connections carry on untouched.
+        Requests already past the lookup finish on the entry they found.
+        """
+        built: dict[Route, _RouteEntry] = {}
+        routes: dict[str, _RouteEntry] = {}
+        for route in table:
+            entry = self._built.get(route) or self._entry(route)
+            built[route] = entry
+            routes[route.model] = entry
+            for alias in route.aliases:
+                routes[alias] = entry._replace(rename=route.model)
+        wanted = set(table.upstreams())
+        for address in list(self.pools):
+            if address not in wanted:
+                # Requests still on it finish; their connections are closed on release.
+                self.pools.pop(address).close()
+        self.table, self._built, self._routes = table, built, routes
+
+    def _entry(self, route: Route) -> _RouteEntry:
+        replicas = []
+        for backend in route.backends:
+            pool = self.pools.get(backend.upstream)
+            if pool is None:
+                pool = self.pools[backend.upstream] = Pool(
+                    backend.upstream, connect_timeout_s=self._connect_timeout_s
+                )
+            targets = {path: backend.upstream.target(endpoint) for path, endpoint in ENDPOINTS.items()}
+            replicas.append(_Replica(pool, backend.upstream.host_header, targets, backend.gate))
+        return _RouteEntry(
+            tuple(replicas),
+            route.gate,
+            route.guards,
+            Admission(
+                route.max_in_flight,
+                max_queued=self._settings.max_queued,
+                queue_timeout_s=self._settings.queue_timeout_s,
+            ),
+            self._metrics.for_model(route.model) if self._metrics is not None else None,
+            None,
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = perf_counter()
@@ -189,19 +227,13 @@ class Relay:
                     param="model",
                     code="model_not_found",
                 )
-            pool, host_header, targets, gate, guards, admission, stats = entry
+            replicas, gate, guards, admission, stats, rename = entry
             check_request(doc, ENDPOINTS[scope["path"]], guards)
-            if (
-                gate is not None
-                and not gate.ready
-                and not (self._load_wait_s and await gate.wait_ready(self._load_wait_s))
-            ):
-                raise HTTPError(
-                    503,
-                    f"model `{model}` is loading: its engine is starting or restarting; retry shortly",
-                    code="model_loading",
-                    headers=((b"retry-after", _RETRY_AFTER_S),),
-                )
+            if gate is not None and not gate.ready:
+                # Starting the model, or waiting for it, is not the gateway's own time.
+                if not await gate.wait_ready(self._load_wait_s):
+                    raise _loading(gate.not_ready_reason())
+                started = perf_counter()
             if not admission.try_enter():
                 queued_at = perf_counter()
                 await _wait_for_slot(admission, model, receive)
@@ -209,6 +241,15 @@ class Relay:
                     stats.queue_time.observe(perf_counter() - queued_at)
                 # Waiting for a slot is not the gateway's own time either.
                 started = perf_counter()
+            replica = replicas[0] if len(replicas) == 1 else _least_busy(replicas)
+            if replica is None:
+                admission.leave()
+                assert gate is not None
+                raise _loading(gate.not_ready_reason())
+            if rename is not None:
+                # An alias: the upstream knows the model by its own name only.
+                doc["model"] = rename
+                body = orjson.dumps(doc)
         except HTTPError as exc:
             headers = [(b"x-request-id", request_id), server_timing(started), *exc.headers]
             await send_json(send, exc.status, exc.body(), headers)
@@ -231,17 +272,23 @@ class Relay:
                 self._metrics.client_disconnects += 1
             return
         # From here on this request holds a slot; it is given back below, on every path.
+        if gate is not None:
+            gate.enter()
+        replica.in_flight += 1
+        replica.served += 1
         try:
             headers = forward_request_headers(scope["headers"], self._request_drop)
             headers.append((b"x-request-id", request_id))
-            target = targets[scope["path"]]
+            target = replica.targets[scope["path"]]
             if scope["query_string"]:
                 target += b"?" + scope["query_string"]
-            head = request_head(b"POST", target, host_header, headers, len(body))
+            head = request_head(b"POST", target, replica.host_header, headers, len(body))
             outcome = _Outcome()
             outcome.heartbeat = bool(self._heartbeat_s) and doc.get("stream") is True
             try:
-                await self._exchange(pool, head, body, receive, send, request_id, started, outcome, scope)
+                await self._exchange(
+                    replica.pool, head, body, receive, send, request_id, started, outcome, scope
+                )
             except asyncio.CancelledError:
                 if not outcome.stalled:
                     raise
@@ -253,6 +300,9 @@ class Relay:
                 outcome.status, outcome.error = 499, "client_stalled"
         finally:
             admission.leave()
+            replica.in_flight -= 1
+            if gate is not None:
+                gate.leave()
         if not outcome.status:
             outcome.status = 499  # the client left before the response began
         if stats is not None:
@@ -613,7 +663,7 @@ class Relay:
         return normalize_error(conn.status, b"".join(chunks))
 
     def _admission_sample(self) -> list[tuple[str, int, int]]:
-        return [(model, e.admission.in_flight, e.admission.queued) for model, e in self._routes.items()]
+        return [(r.model, e.admission.in_flight, e.admission.queued) for r, e in self._built.items()]
 
     def abort_all(self, reason: str) -> int:
         """End everything still running or waiting (a drain that ran out of time); return how many."""
@@ -646,13 +696,44 @@ def _timing(own_s: float, upstream_s: float) -> tuple[bytes, bytes]:
 class _RouteEntry(NamedTuple):
     """Everything the hot path needs about a model, resolved once (unpacked per request)."""
 
-    pool: Pool
-    host_header: bytes
-    targets: dict[str, bytes]
+    replicas: tuple[_Replica, ...]
     gate: Gate | None
     guards: RequestGuards
     admission: Admission
     stats: ModelMetrics | None
+    # For an alias: the model's own name, put in the body sent upstream.
+    rename: str | None
+
+
+class _Replica:
+    """One upstream of a model, with its pool and the requests it has in flight."""
+
+    __slots__ = ("gate", "host_header", "in_flight", "pool", "served", "targets")
+
+    def __init__(
+        self, pool: Pool, host_header: bytes, targets: dict[str, bytes], gate: ReplicaGate | None
+    ) -> None:
+        self.pool = pool
+        self.host_header = host_header
+        self.targets = targets
+        self.gate = gate
+        self.in_flight = 0
+        self.served = 0
+
+
+def _least_busy(replicas: tuple[_Replica, ...]) -> _Replica | None:
+    """The ready replica with the fewest requests in flight; ties go to the one that served fewest."""
+    best: _Replica | None = None
+    for replica in replicas:
+        if replica.gate is not None and not replica.gate.ready:
+            continue  # out of rotation until it is ready again
+        if best is None or (replica.in_flight, replica.served) < (best.in_flight, best.served):
+            best = replica
+    return best
+
+
+def _loading(reason: str) -> HTTPError:
+    return HTTPError(503, reason, code="model_loading", headers=((b"retry-after", _RETRY_AFTER_S),))
 
 
 class _Outcome:

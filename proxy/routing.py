@@ -45,23 +45,65 @@ class UpstreamAddress:
         return self.prefix.encode() + b"/v1" + endpoint
 
 
-class Gate(Protocol):
-    """Whether an upstream can take requests now (an engine child that is ready)."""
+class ReplicaGate(Protocol):
+    """Whether one upstream can take requests now (an engine child that is ready)."""
 
     @property
     def ready(self) -> bool: ...
 
+
+class Gate(Protocol):
+    """A model served by engine children: whether it can take requests, and its usage.
+
+    ``wait_ready`` may start the model (a lazy start) or wait for a restart;
+    ``enter`` and ``leave`` bracket each relayed request, so that a model in
+    use is never unloaded under it.
+    """
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def state(self) -> str:
+        """``loaded``, ``loading`` or ``unloaded``, for /v1/models."""
+        ...
+
     async def wait_ready(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for readiness; whether it came."""
+        """Wait for readiness (``timeout_s`` for a restart); whether it came."""
+        ...
+
+    def not_ready_reason(self) -> str: ...
+
+    def enter(self) -> None: ...
+
+    def leave(self) -> None: ...
+
+    async def load(self) -> str | None:
+        """Load the model and wait until it serves; None, or why it could not."""
+        ...
+
+    async def unload(self) -> None:
+        """Stop the model's children once its requests in flight have ended."""
         ...
 
 
 @dataclass(frozen=True, slots=True)
+class Replica:
+    """One of the upstreams that serve a model; ``gate`` None means always tried."""
+
+    upstream: UpstreamAddress
+    gate: ReplicaGate | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Route:
-    """A model name as clients see it, and the upstream that serves it.
+    """A model name as clients see it, and the upstreams that serve it.
 
     ``gate`` is None for static upstreams, which are always tried; engine
-    children gate their routes while they start or restart.
+    children gate their routes while they start or restart. A model served
+    by several children lists them in ``replicas`` (``upstream`` is then the
+    first one's address); a request goes to the least busy ready one.
+    Requests naming one of ``aliases`` are sent on with ``model`` renamed.
     """
 
     model: str
@@ -70,6 +112,12 @@ class Route:
     guards: RequestGuards = DEFAULT_GUARDS
     # Requests in flight at once; more wait in a queue. None: no limit.
     max_in_flight: int | None = None
+    aliases: tuple[str, ...] = ()
+    replicas: tuple[Replica, ...] = ()
+
+    @property
+    def backends(self) -> tuple[Replica, ...]:
+        return self.replicas or (Replica(self.upstream),)
 
 
 class RoutingTable:
@@ -77,14 +125,19 @@ class RoutingTable:
 
     def __init__(self, routes: Iterable[Route]) -> None:
         table: dict[str, Route] = {}
+        names: dict[str, Route] = {}
         for route in routes:
-            if route.model in table:
-                raise UpstreamSpecError(f"model {route.model!r} is given twice")
+            for name in (route.model, *route.aliases):
+                if name in names:
+                    raise UpstreamSpecError(f"model name {name!r} is given twice")
+                names[name] = route
             table[route.model] = route
         self._routes: Mapping[str, Route] = MappingProxyType(table)
+        self._names: Mapping[str, Route] = MappingProxyType(names)
 
     def get(self, model: str) -> Route | None:
-        return self._routes.get(model)
+        """The route for a model name or one of its aliases."""
+        return self._names.get(model)
 
     def __iter__(self):  # type: ignore[no-untyped-def]
         return iter(self._routes.values())
@@ -94,7 +147,7 @@ class RoutingTable:
 
     def upstreams(self) -> list[UpstreamAddress]:
         """Each distinct upstream once, in the order first named."""
-        return list(dict.fromkeys(r.upstream for r in self._routes.values()))
+        return list(dict.fromkeys(b.upstream for r in self._routes.values() for b in r.backends))
 
 
 def parse_upstream_url(url: str) -> UpstreamAddress:

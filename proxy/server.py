@@ -18,7 +18,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import socket
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
@@ -32,16 +34,26 @@ _AFTER_ABORT_S = 5.0
 
 
 class GatewayServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, gateway: Gateway, drain_timeout_s: float) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        gateway: Gateway,
+        drain_timeout_s: float,
+        on_hangup: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__(config)
         self.gateway = gateway
         self.drain_timeout_s = drain_timeout_s
+        self.on_hangup = on_hangup
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_started = False
         self._drain_task: asyncio.Future[None] | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
+        if self.on_hangup is not None:
+            # SIGHUP reloads the configuration (nginx's meaning), in the loop.
+            self._loop.add_signal_handler(signal.SIGHUP, self.on_hangup)
         await super().startup(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:

@@ -462,7 +462,7 @@ class Pool:
 
     def release(self, conn: Connection) -> None:
         """Take back a connection whose request has ended."""
-        if conn.reusable and len(self._idle) < self.max_idle:
+        if conn.reusable and len(self._idle) < self.max_idle and not self._closed:
             self._park(conn)
             return
         ended_cleanly = conn.complete and not conn.keep_alive

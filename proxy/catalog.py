@@ -1,0 +1,241 @@
+"""The catalog: model settings turned into routes, and configuration reloads applied.
+
+Part of the composition root (with ``cli``): the one place besides it that
+meets both ``engines`` (children, the registry) and ``proxy`` (routes, the
+relay). An engine model becomes a ``ServedModel`` with one child per replica,
+each on its own port; a static upstream becomes a plain route.
+
+A reload reads the file again and compares each model's settings with the
+running ones. Unchanged models keep their route object, so the relay keeps
+their queues, pools and requests in flight; changed and new ones are built
+(installing engines off the event loop); changed and removed ones are
+retired once their requests in flight end. A file with an error changes
+nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+from proxy.configfile import ConfigError, FileConfig, ModelConfig, check_names
+from proxy.payload import RequestGuards
+from proxy.routing import Replica, Route, RoutingTable, UpstreamAddress, UpstreamSpecError, parse_upstream_url
+
+if TYPE_CHECKING:
+    from engines.home import Home
+    from engines.manager import PlannedChild
+    from engines.registry import Registry
+    from engines.served import ServedModel
+    from engines.spec import EngineSpec
+    from proxy.relay import Relay
+
+log = logging.getLogger("blazar.catalog")
+
+
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    """An engine model planned (installed, ports picked) but not yet in the event loop."""
+
+    config: ModelConfig
+    name: str
+    spec: EngineSpec
+    planned: tuple[PlannedChild, ...]
+
+
+class Catalog:
+    """The models this gateway serves, by their settings."""
+
+    def __init__(
+        self,
+        *,
+        home: Home | None,
+        registry: Registry | None,
+        max_in_flight: int | None = None,
+        announce: Callable[[str], None] = log.info,
+    ) -> None:
+        self.home = home
+        self.registry = registry
+        self.max_in_flight = max_in_flight
+        self.announce = announce
+        # Model name → (its settings, its route), in the order configured.
+        self.entries: dict[str, tuple[ModelConfig, Route]] = {}
+
+    def table(self) -> RoutingTable:
+        return RoutingTable(route for _, route in self.entries.values())
+
+    # -- building -------------------------------------------------------------
+
+    def prepare(self, config: ModelConfig) -> _Prepared | Route:
+        """Everything that may block (install, demo model, planning); no event loop needed."""
+        if config.upstream is not None:
+            assert config.name is not None
+            route = Route(
+                model=config.name, upstream=parse_upstream_url(config.upstream), aliases=config.aliases
+            )
+            return dataclasses.replace(route, max_in_flight=config.max_in_flight or self.max_in_flight)
+        return self._plan_engine(config)
+
+    def _plan_engine(self, config: ModelConfig) -> _Prepared:
+        from engines import install as installing
+        from engines.manager import ensure_demo_model, free_port, plan
+
+        assert self.home is not None and config.engine is not None
+        engine = config.engine
+        if engine == "auto":
+            from engines.formats import pick_engine  # type: ignore[import-untyped,unused-ignore]
+
+            assert config.model is not None
+            engine = pick_engine(Path(config.model).expanduser())
+            self.announce(f"model {config.name or config.model!r}: engine auto picked {engine}")
+        spec, installation = installing.ensure_installed(
+            engine, config.variant, self.home, progress=self.announce
+        )
+        model = config.model
+        if model is None:
+            self.announce(f"no model given for {engine}: serving the built-in demo model")
+            model = str(ensure_demo_model(installation, self.home))
+        planned = []
+        for index in range(config.replicas):
+            one = plan(spec, installation, self.home, model=model, served_name=config.name, port=free_port())
+            child = one.config
+            name = child.name if config.replicas == 1 else f"{child.name}-{index}"
+            child = dataclasses.replace(
+                child,
+                name=name,
+                argv=(*child.argv, *config.engine_args),
+                log_path=child.log_path.with_name(f"{name}.log"),
+            )
+            planned.append(dataclasses.replace(one, config=child))
+        return _Prepared(config, planned[0].config.served_model, spec, tuple(planned))
+
+    def assemble(self, prepared: _Prepared | Route) -> Route:
+        """Make the children and the route, in the event loop's thread."""
+        if isinstance(prepared, Route):
+            return prepared
+        from engines.child import Child
+        from engines.served import Lifetime, ServedModel
+
+        config, spec = prepared.config, prepared.spec
+        first = prepared.planned[0]
+        children = [Child(p.config, on_ready=self._on_ready(p)) for p in prepared.planned]
+        served = ServedModel(
+            prepared.name,
+            children,
+            Lifetime(always_loaded=config.always_loaded, ttl_s=config.ttl_s),
+            description=f"{first.engine} ({first.variant}), {len(children)} replica(s)",
+        )
+        batch = spec.batch_size * len(children)
+        return Route(
+            model=prepared.name,
+            upstream=UpstreamAddress(first.config.host, first.config.port),
+            gate=served,
+            guards=RequestGuards(
+                min_max_tokens=spec.guards.min_max_tokens, require_input=spec.guards.require_input
+            ),
+            # The engines generate this many at once; more would only queue inside them.
+            max_in_flight=config.max_in_flight or self.max_in_flight or batch,
+            aliases=config.aliases,
+            replicas=tuple(
+                Replica(UpstreamAddress(p.config.host, p.config.port), child)
+                for p, child in zip(prepared.planned, children, strict=True)
+            ),
+        )
+
+    def _on_ready(self, planned: PlannedChild) -> Callable[[Any], None]:
+        def announce(child: Any) -> None:
+            self.announce(
+                f"engine {planned.engine} ({planned.variant}) serving {child.config.served_model!r}: "
+                f"venv {planned.venv}, CUDA_HOME {planned.cuda_home or '-'}, pid {child.pid}, "
+                f"port {child.config.port}, ready in {child.ready_in_s:.1f} s"
+            )
+
+        return announce
+
+    def build(self, configs: Sequence[ModelConfig]) -> None:
+        """At startup, before the event loop: every model, or a ``ConfigError``."""
+        for config in configs:
+            route = self.assemble(self._prepare_checked(config))
+            if route.model in self.entries:
+                raise ConfigError(f"model {route.model!r} is configured twice")
+            self.entries[route.model] = (config, route)
+        try:
+            self.table()
+        except UpstreamSpecError as exc:
+            raise ConfigError(str(exc)) from None
+
+    def _prepare_checked(self, config: ModelConfig) -> _Prepared | Route:
+        from engines import install as installing
+        from engines import spec as specs
+        from engines.environment import ServedNameError
+        from engines.manager import PlanError
+
+        where = f"model {config.name!r}" if config.name else "the --engine model"
+        try:
+            return self.prepare(config)
+        except (
+            specs.SpecError,
+            installing.InstallError,
+            PlanError,
+            ServedNameError,
+            UpstreamSpecError,
+        ) as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        except ValueError as exc:  # engines.formats: not a model it recognises
+            raise ConfigError(f"{where}: {exc}") from None
+
+    def served_models(self) -> list[Any]:
+        return [route.gate for _, route in self.entries.values() if route.gate is not None]
+
+    # -- reloading ------------------------------------------------------------
+
+    async def reload(self, file: FileConfig, keep: Sequence[str], relay: Relay) -> None:
+        """Apply the file's models; ``keep`` names models from the command line, left alone.
+
+        Raises ``ConfigError`` and changes nothing when a model cannot be built.
+        """
+        check_names(file.models, str(file.path))
+        wanted = {c.name: c for c in file.models if c.name is not None}
+        clash = set(wanted) & set(keep)
+        if clash:
+            raise ConfigError(f"{file.path}: model {sorted(clash)[0]!r} is also given on the command line")
+        changed = [c for name, c in wanted.items() if name not in self.entries or self.entries[name][0] != c]
+        removed = [name for name in self.entries if name not in keep and name not in wanted]
+        replaced = [c.name for c in changed if c.name is not None and c.name in self.entries]
+        if not changed and not removed:
+            self.announce(f"reload: {file.path}: no model changed")
+            return
+        # Installing and planning may take a while: off the event loop.
+        prepared = [await asyncio.to_thread(self._prepare_checked, c) for c in changed]
+        entries = dict(self.entries)
+        for name in removed:
+            del entries[name]
+        new_routes = []
+        for config, item in zip(changed, prepared, strict=True):
+            route = self.assemble(item)
+            entries[route.model] = (config, route)
+            new_routes.append(route)
+        try:
+            table = RoutingTable(route for _, route in entries.values())
+        except UpstreamSpecError as exc:
+            raise ConfigError(f"{file.path}: {exc}") from None
+        old = [self.entries[name][1] for name in (*removed, *replaced)]
+        self.entries = entries
+        relay.update(table)
+        if self.registry is not None:
+            await self.registry.replace(
+                added=[cast("ServedModel", r.gate) for r in new_routes if r.gate is not None],
+                removed=[r.model for r in old if r.gate is not None],
+            )
+        started = [c.name for c in changed if c.name not in replaced]
+        report = [
+            f"started {', '.join(map(str, started))}" if started else "",
+            f"restarted {', '.join(replaced)}" if replaced else "",
+            f"removed {', '.join(removed)}" if removed else "",
+        ]
+        self.announce("reload: " + "; ".join(part for part in report if part))

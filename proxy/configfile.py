@@ -1,0 +1,221 @@
+"""The configuration file (``--config blazar.toml``): gateway settings and the models.
+
+Read and checked whole before anything starts: an error names the file, the
+key and the reason, and the gateway does not start (on a reload, the running
+configuration stays). The ``[gateway]`` table holds the command-line options
+by their long names; the command line and the environment win over it
+(click's ``default_map`` gives exactly that order). Each ``[models.NAME]``
+table is one model::
+
+    [gateway]
+    port = 8000
+    max-loaded = 2
+
+    [models.qwen]
+    engine = "auto"              # or "mlx-0.32.0", "llamacpp-…"
+    model = "~/models/qwen-mlx"  # a directory, a .gguf file, or a hub repo
+    aliases = ["gpt-4o-mini"]
+    replicas = 2
+    engine-args = ["--max-tokens", "1024"]
+    ttl = 600                    # seconds idle before unloading; 0: never
+    always-loaded = false
+
+    [models.remote]
+    upstream = "http://10.0.0.5:8000/v1"
+"""
+
+from __future__ import annotations
+
+import difflib
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from proxy.routing import UpstreamSpecError, parse_upstream_url
+
+VARIANTS = ("auto", "cpu", "cuda12", "cuda13", "metal")
+
+
+class ConfigError(ValueError):
+    """The configuration cannot be used; the message names the file, the key and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """One model's settings, from the file or the command line.
+
+    Compared as a whole on a reload: a model whose ``ModelConfig`` is equal
+    to the running one is left alone.
+    """
+
+    # None only for the command line's --engine model: named after its directory.
+    name: str | None
+    engine: str | None = None
+    model: str | None = None
+    upstream: str | None = None
+    aliases: tuple[str, ...] = ()
+    replicas: int = 1
+    engine_args: tuple[str, ...] = ()
+    ttl_s: float = 0.0
+    always_loaded: bool = False
+    max_in_flight: int | None = None
+    variant: str = "auto"
+
+
+@dataclass(frozen=True, slots=True)
+class FileConfig:
+    path: Path
+    # Option name → value, for click's default_map.
+    gateway: Mapping[str, Any] = field(default_factory=dict)
+    models: tuple[ModelConfig, ...] = ()
+
+
+# Model keys: the file's spelling → (field, check).
+def _string(where: str, value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{where}: expected a non-empty string, got {value!r}")
+    return value.strip()
+
+
+def _strings(where: str, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ConfigError(f"{where}: expected a list of non-empty strings, got {value!r}")
+    return tuple(value)
+
+
+def _count(where: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{where}: expected a whole number of at least 1, got {value!r}")
+    return value
+
+
+def _seconds(where: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise ConfigError(f"{where}: expected seconds (a number, 0 or more), got {value!r}")
+    return float(value)
+
+
+def _flag(where: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    return value
+
+
+def _variant(where: str, value: Any) -> str:
+    if value not in VARIANTS:
+        raise ConfigError(f"{where}: expected one of {', '.join(VARIANTS)}, got {value!r}")
+    return str(value)
+
+
+_MODEL_KEYS: Mapping[str, tuple[str, Callable[[str, Any], Any]]] = {
+    "engine": ("engine", _string),
+    "model": ("model", _string),
+    "upstream": ("upstream", _string),
+    "aliases": ("aliases", _strings),
+    "replicas": ("replicas", _count),
+    "engine_args": ("engine_args", _strings),
+    "ttl": ("ttl_s", _seconds),
+    "always_loaded": ("always_loaded", _flag),
+    "max_in_flight": ("max_in_flight", _count),
+    "variant": ("variant", _variant),
+}
+
+
+def load(path: Path, check_gateway: Callable[[str, Any], tuple[str, Any]]) -> FileConfig:
+    """Read and check ``path``.
+
+    ``check_gateway(key, value)`` turns one ``[gateway]`` entry into
+    ``(option name, value)`` or raises ``ValueError`` saying why not (the
+    command line knows its options; this module does not).
+    """
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read it: {exc.strerror or exc}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    unknown = set(data) - {"gateway", "models"}
+    if unknown:
+        raise ConfigError(
+            f"{path}: unknown table {sorted(unknown)[0]!r}; the file has [gateway] and [models.NAME]"
+        )
+    gateway_table = data.get("gateway", {})
+    if not isinstance(gateway_table, dict):
+        raise ConfigError(f"{path}: gateway: expected a table [gateway]")
+    gateway: dict[str, Any] = {}
+    for key, value in gateway_table.items():
+        try:
+            name, converted = check_gateway(key, value)
+        except ValueError as exc:
+            raise ConfigError(f"{path}: [gateway] {key}: {exc}") from None
+        gateway[name] = converted
+    models_table = data.get("models", {})
+    if not isinstance(models_table, dict):
+        raise ConfigError(f"{path}: models: expected tables [models.NAME]")
+    models = tuple(_model(path, name, table) for name, table in models_table.items())
+    check_names(models, str(path))
+    return FileConfig(path=path, gateway=gateway, models=models)
+
+
+def _model(path: Path, name: str, table: Any) -> ModelConfig:
+    where = f"{path}: [models.{_quoted(name)}]"
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where}: expected a table of settings, got {table!r}")
+    if not name.strip() or name != name.strip():
+        raise ConfigError(f"{where}: a model name must be non-empty, without surrounding spaces")
+    values: dict[str, Any] = {"name": name}
+    for key, value in table.items():
+        spec = _MODEL_KEYS.get(key.replace("-", "_"))
+        if spec is None:
+            raise ConfigError(f"{where} {key}: unknown key{_did_you_mean(key, _MODEL_KEYS)}")
+        attr, check = spec
+        values[attr] = check(f"{where} {key}", value)
+    config = ModelConfig(**values)
+    if (config.engine is None) == (config.upstream is None):
+        raise ConfigError(f"{where}: give either engine (with model) or upstream, not both or neither")
+    if config.upstream is not None:
+        try:
+            parse_upstream_url(config.upstream)
+        except UpstreamSpecError as exc:
+            raise ConfigError(f"{where} upstream: {exc}") from None
+        for key in ("model", "engine_args", "ttl", "always_loaded", "variant"):
+            attr = _MODEL_KEYS[key][0]
+            if attr in values:
+                raise ConfigError(f"{where} {key}: only for engine models, not for an upstream")
+        if config.replicas != 1:
+            raise ConfigError(
+                f"{where} replicas: an upstream is one server; put several behind a load balancer"
+            )
+    elif config.engine == "auto" and config.model is None:
+        raise ConfigError(f'{where} engine: "auto" picks the engine from the model, so model is needed')
+    if config.always_loaded and config.ttl_s:
+        raise ConfigError(f"{where} ttl: an always-loaded model is never unloaded; drop one of the two")
+    return config
+
+
+def check_names(models: tuple[ModelConfig, ...], where: str) -> None:
+    """No name or alias may serve two models."""
+    seen: dict[str, str] = {}
+    for config in models:
+        if config.name is None:
+            continue
+        for name in (config.name, *config.aliases):
+            if name in seen:
+                raise ConfigError(
+                    f"{where}: model name {name!r} is used by both {seen[name]!r} and {config.name!r}"
+                )
+            seen[name] = config.name
+
+
+def _quoted(name: str) -> str:
+    return name if name.replace("-", "").replace("_", "").isalnum() else f'"{name}"'
+
+
+def _did_you_mean(key: str, known: Mapping[str, object]) -> str:
+    close = difflib.get_close_matches(key.replace("-", "_"), list(known), n=1)
+    choices = ", ".join(k.replace("_", "-") for k in known)
+    return f" (did you mean {close[0].replace('_', '-')!r}?)" if close else f" (known: {choices})"
