@@ -131,6 +131,14 @@ class Registry:
         await asyncio.shield(model.loading)
 
     async def _load(self, model: ServedModel) -> None:
+        try:
+            await self._load_once(model)
+        except LoadFailed as exc:
+            # Kept for the 503 of the requests that waited for this load.
+            model.load_error = str(exc)
+            raise
+
+    async def _load_once(self, model: ServedModel) -> None:
         if self._closed:
             raise LoadFailed("the gateway is shutting down")
         async with self._lock:
@@ -144,11 +152,11 @@ class Registry:
         try:
             await asyncio.gather(*(child.ensure_ready() for child in model.children))
         except ChildFailed as exc:
-            model.load_error = f"model `{model.name}` failed to load: {exc}"
-            self._announce(model.load_error)
+            reason = f"model `{model.name}` failed to load: {exc}"
+            self._announce(reason)
             async with self._lock:
                 await self._stop(model)
-            raise LoadFailed(model.load_error) from None
+            raise LoadFailed(reason) from None
         self._announce(f"model {model.name!r} loaded in {time.monotonic() - started:.1f} s")
 
     async def _make_room(self, model: ServedModel) -> None:

@@ -578,6 +578,7 @@ def _engine_samples(table: RoutingTable) -> list[EngineSample]:
             up=getattr(replica.gate, "pid", None) is not None,
             ready=bool(replica.gate.ready),
             restarts=int(getattr(replica.gate, "restarts", 0)),
+            starts=int(getattr(replica.gate, "starts", 0)),
         )
         for route in table
         if route.gate is not None

@@ -36,6 +36,7 @@ class EngineSample:
     up: bool
     ready: bool
     restarts: int
+    starts: int = 0
 
 
 class Buckets:
@@ -185,12 +186,17 @@ class _EngineCollector(Collector):
         up = GaugeMetricFamily("blazar_engine_up", "1 while the child process runs.", labels=labels)
         ready = GaugeMetricFamily("blazar_engine_ready", "1 while the child serves.", labels=labels)
         restarts = CounterMetricFamily(
-            "blazar_engine_restarts", "Times the child was started again.", labels=labels
+            "blazar_engine_restarts", "Times the child was started again after a failure.", labels=labels
+        )
+        starts = CounterMetricFamily(
+            "blazar_engine_starts", "Times the child process was spawned (loads and restarts).", labels=labels
         )
         for engine in self._sample():
             up.add_metric([engine.model, engine.replica], 1 if engine.up else 0)
             ready.add_metric([engine.model, engine.replica], 1 if engine.ready else 0)
             restarts.add_metric([engine.model, engine.replica], engine.restarts)
+            starts.add_metric([engine.model, engine.replica], engine.starts)
         yield up
         yield ready
         yield restarts
+        yield starts
