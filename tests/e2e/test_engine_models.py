@@ -1,0 +1,257 @@
+"""Many engine models behind one gateway, with the real mlx engine on the CPU.
+
+A config file names several models served by mlx-0.32.0 children (the demo
+model, generated locally, under several names). These tests show lazy
+starts with single flight, least-recently-used eviction under --max-loaded
+that spares models in use, replicas sharing the load, aliases, idle
+unloading, the admin endpoints and /v1/models' states, all with real child
+processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import ROOT, free_port
+from tests.e2e.test_engine_mlx import ENGINE, _env, engine_home
+from tests.e2e.test_engine_mlx import engine_installed as engine_installed
+
+_READY_TIMEOUT_S = 180.0
+_CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def demo_model(engine_installed: None) -> Path:
+    """The tiny demo model, generated with the engine's own Python (once per home)."""
+    home = engine_home()
+    target = home / "models" / "blazar-demo-qwen2-tiny"
+    python = home / "engines" / ENGINE / "venv" / "bin" / "python"
+    subprocess.run(
+        [str(python), str(ROOT / "engines" / "demo_model.py"), "--out", str(target), "--preset", "tiny"],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    return target
+
+
+class ConfigGateway:
+    """A gateway started with --config, its log, and helpers to ask it things."""
+
+    def __init__(self, config: str, tmp_path: Path, *args: str) -> None:
+        self.port = free_port()
+        self.config_path = tmp_path / "blazar.toml"
+        self.config_path.write_text(config)
+        self.log_path = tmp_path / f"gateway-{self.port}.log"
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "proxy",
+                    "--config",
+                    str(self.config_path),
+                    "--port",
+                    str(self.port),
+                    *args,
+                ],
+                cwd=ROOT,
+                env=_env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        self.http = httpx.Client(base_url=self.url, trust_env=False, timeout=120)
+        deadline = time.monotonic() + _READY_TIMEOUT_S
+        while True:
+            try:
+                if self.http.get("/livez").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"gateway did not start: {self.log()}")
+            time.sleep(0.1)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def states(self) -> dict[str, str]:
+        return {m["id"]: m["state"] for m in self.http.get("/v1/models").json()["data"]}
+
+    def metric(self, name: str, **labels: str) -> float:
+        text = self.http.get("/metrics").text
+        wanted = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        match = re.search(rf"^{re.escape(name)}{{{re.escape(wanted)}}} (\S+)$", text, re.MULTILINE)
+        assert match, f"{name}{{{wanted}}} not in /metrics"
+        return float(match.group(1))
+
+    def chat(self, model: str, max_tokens: int = 4) -> httpx.Response:
+        body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens}
+        return self.http.post(_CHAT, json=body)
+
+    def wait_state(self, model: str, state: str, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.states()[model] != state:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{model} is {self.states()[model]}, not {state}: {self.log()}")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        self.http.close()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _model_table(name: str, model: Path, **extra: object) -> str:
+    lines = [f"[models.{name}]", f'engine = "{ENGINE}"', 'variant = "cpu"', f'model = "{model}"']
+    for key, value in extra.items():
+        rendered = str(value).lower() if isinstance(value, bool) else repr(value).replace("'", '"')
+        lines.append(f"{key.replace('_', '-')} = {rendered}")
+    return "\n".join(lines) + "\n"
+
+
+def _requests_in(log: Path) -> int:
+    """POSTs to chat completions that an mlx child logged (readiness probes included)."""
+    if not log.exists():
+        return 0
+    return log.read_text(errors="replace").count('"POST /v1/chat/completions HTTP/1.1" 200')
+
+
+@pytest.fixture
+def gateway_factory(tmp_path: Path) -> Iterator[list[ConfigGateway]]:
+    started: list[ConfigGateway] = []
+    yield started
+    for gateway in started:
+        gateway.stop()
+
+
+async def _concurrent_chats(url: str, model: str, count: int) -> list[int]:
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    limits = httpx.Limits(max_connections=count)
+    async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=180, limits=limits) as client:
+        responses = await asyncio.gather(*(client.post(_CHAT, json=body) for _ in range(count)))
+    return [r.status_code for r in responses]
+
+
+def test_lazy_single_flight_lru_eviction_replicas_and_aliases(
+    demo_model: Path, tmp_path: Path, gateway_factory: list[ConfigGateway]
+) -> None:
+    """Cold models start on first use, once for 50 requests; --max-loaded 1 swaps them, never under one."""
+    config = "[gateway]\nmax-loaded = 1\n\n" + _model_table("a", demo_model, replicas=2)
+    config += _model_table("b", demo_model, aliases=["gpt-4o-mini"])
+    gateway = ConfigGateway(config, tmp_path)
+    gateway_factory.append(gateway)
+    logs = engine_home() / "logs"
+    before = {i: _requests_in(logs / f"{ENGINE}--a-{i}.log") for i in (0, 1)}
+
+    # Nothing runs until asked; the gateway is ready all the same (a request would start a model).
+    assert gateway.states() == {"a": "unloaded", "b": "unloaded"}
+    assert gateway.http.get("/readyz").status_code == 200
+
+    # 50 concurrent first requests for b: one child start, all answered.
+    statuses = asyncio.run(_concurrent_chats(gateway.url, "b", 50))
+    assert statuses == [200] * 50
+    assert gateway.metric("blazar_engine_starts_total", model="b", replica="0") == 1.0
+    assert gateway.states() == {"a": "unloaded", "b": "loaded"}
+
+    # a needs b's slot: b is idle, so it is unloaded; a's two replicas share the load.
+    statuses = asyncio.run(_concurrent_chats(gateway.url, "a", 16))
+    assert statuses == [200] * 16
+    assert gateway.states() == {"a": "loaded", "b": "unloaded"}
+    served = {i: _requests_in(logs / f"{ENGINE}--a-{i}.log") - before[i] for i in (0, 1)}
+    # Each replica answered its readiness probe plus some of the 16.
+    assert served[0] > 2 and served[1] > 2, served
+
+    # An alias loads b (a is idle) and is answered by b's child.
+    response = gateway.chat("gpt-4o-mini")
+    assert response.status_code == 200, response.text
+    assert gateway.states() == {"a": "unloaded", "b": "loaded"}
+
+    # While a long stream on b runs, a cannot take b's slot: 503 with the reason, and the stream finishes.
+    events: list[str] = []
+
+    def stream_on_b() -> None:
+        body = {
+            "model": "b",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 3000,
+            "stream": True,
+        }
+        with (
+            httpx.Client(trust_env=False, timeout=120) as client,
+            client.stream("POST", f"{gateway.url}{_CHAT}", json=body) as response,
+        ):
+            for line in response.iter_lines():
+                if line.startswith("data:"):
+                    # One at a time, as they arrive: the main thread watches the count.
+                    events.append(line)  # noqa: PERF401
+
+    streaming = threading.Thread(target=stream_on_b)
+    streaming.start()
+    deadline = time.monotonic() + 30
+    while len(events) < 5 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(events) >= 5, "the stream on b did not start"
+    refused = gateway.chat("a")
+    still_streaming = streaming.is_alive()
+    streaming.join(120)
+    assert refused.status_code == 503, refused.text
+    assert refused.headers["retry-after"]
+    assert "--max-loaded" in refused.json()["error"]["message"]
+    assert still_streaming, "the stream ended before a was asked for; the test proved nothing"
+    assert events[-1] == "data: [DONE]"
+    assert gateway.states()["b"] == "loaded"
+
+    # The admin endpoints: unload b, load a (which now fits).
+    response = gateway.http.post("/admin/models/b/unload")
+    assert response.status_code == 200 and response.json()["state"] == "unloaded"
+    response = gateway.http.post("/admin/models/a/load")
+    assert response.status_code == 200 and response.json()["state"] == "loaded", response.text
+    assert gateway.states() == {"a": "loaded", "b": "unloaded"}
+    response = gateway.http.post("/admin/models/nope/load")
+    assert response.status_code == 404 and response.json()["error"]["code"] == "model_not_found"
+
+
+def test_idle_model_is_unloaded_after_its_ttl_and_loads_again(
+    demo_model: Path, tmp_path: Path, gateway_factory: list[ConfigGateway]
+) -> None:
+    """A model with ttl = 2 is unloaded after 2 s without requests; the next request starts it again."""
+    gateway = ConfigGateway(_model_table("idle", demo_model, ttl=2), tmp_path)
+    gateway_factory.append(gateway)
+    assert gateway.chat("idle").status_code == 200
+    assert gateway.states()["idle"] == "loaded"
+    gateway.wait_state("idle", "unloaded", timeout_s=30)
+    assert "idle for 2 s" in gateway.log()
+    assert gateway.chat("idle").status_code == 200
+    assert gateway.metric("blazar_engine_starts_total", model="idle", replica="0") == 2.0
+
+
+def test_always_loaded_model_starts_with_the_gateway(
+    demo_model: Path, tmp_path: Path, gateway_factory: list[ConfigGateway]
+) -> None:
+    """always-loaded = true starts the child at startup, and /v1/models shows it loading, then loaded."""
+    gateway = ConfigGateway(_model_table("eager", demo_model, always_loaded=True), tmp_path)
+    gateway_factory.append(gateway)
+    assert gateway.states()["eager"] in ("loading", "loaded")
+    gateway.wait_state("eager", "loaded", timeout_s=_READY_TIMEOUT_S)
+    assert gateway.metric("blazar_engine_starts_total", model="eager", replica="0") == 1.0
