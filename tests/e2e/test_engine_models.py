@@ -11,7 +11,9 @@ processes.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -23,7 +25,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import ROOT, free_port
-from tests.e2e.test_engine_mlx import ENGINE, _env, engine_home
+from tests.e2e.test_engine_mlx import ENGINE, _env, _pid_alive, engine_home
 from tests.e2e.test_engine_mlx import engine_installed as engine_installed
 
 _READY_TIMEOUT_S = 180.0
@@ -255,3 +257,142 @@ def test_always_loaded_model_starts_with_the_gateway(
     assert gateway.states()["eager"] in ("loading", "loaded")
     gateway.wait_state("eager", "loaded", timeout_s=_READY_TIMEOUT_S)
     assert gateway.metric("blazar_engine_starts_total", model="eager", replica="0") == 1.0
+
+
+def _replica_pids(gateway: ConfigGateway, model: str, replicas: int) -> dict[int, int]:
+    """Replica index → pid of its running child, from the child logs' ports and the gateway's ready lines."""
+    logs = engine_home() / "logs"
+    pids: dict[int, int] = {}
+    for index in range(replicas):
+        name = f"{ENGINE}--{model}" + (f"-{index}" if replicas > 1 else "")
+        text = (logs / f"{name}.log").read_text(errors="replace")
+        port = re.findall(r"Starting httpd at 127\.0\.0\.1 on port (\d+)", text)[-1]
+        found = re.findall(rf"serving '{model}':.*pid (\d+), port {port}, ready", gateway.log())
+        pids[index] = int(found[-1])
+    return pids
+
+
+def test_failed_replica_leaves_rotation_and_its_request_is_not_retried(
+    demo_model: Path, tmp_path: Path, gateway_factory: list[ConfigGateway]
+) -> None:
+    """Killing the replica under a stream ends it with an error event, unretried; the other one serves."""
+    gateway = ConfigGateway(_model_table("pair", demo_model, replicas=2, always_loaded=True), tmp_path)
+    gateway_factory.append(gateway)
+    gateway.wait_state("pair", "loaded", timeout_s=_READY_TIMEOUT_S)
+    deadline = time.monotonic() + _READY_TIMEOUT_S
+    while not all(gateway.metric("blazar_engine_ready", model="pair", replica=str(i)) for i in (0, 1)):
+        assert time.monotonic() < deadline, gateway.log()
+        time.sleep(0.1)
+    logs = engine_home() / "logs"
+    before = {i: _requests_in(logs / f"{ENGINE}--pair-{i}.log") for i in (0, 1)}
+
+    events: list[str] = []
+
+    def stream() -> None:
+        body = {
+            "model": "pair",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 5000,
+            "stream": True,
+        }
+        with (
+            httpx.Client(trust_env=False, timeout=120) as client,
+            client.stream("POST", f"{gateway.url}{_CHAT}", json=body) as response,
+        ):
+            for line in response.iter_lines():
+                if line.startswith("data:"):
+                    events.append(line)  # noqa: PERF401 - watched as they arrive
+
+    streaming = threading.Thread(target=stream)
+    streaming.start()
+    deadline = time.monotonic() + 30
+    while len(events) < 5 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(events) >= 5, "the stream did not start"
+    during = {i: _requests_in(logs / f"{ENGINE}--pair-{i}.log") - before[i] for i in (0, 1)}
+    assert sorted(during.values()) == [0, 1], during
+    victim = 0 if during[0] else 1
+    other = 1 - victim
+    os.kill(_replica_pids(gateway, "pair", 2)[victim], signal.SIGKILL)
+    streaming.join(60)
+    assert not streaming.is_alive()
+    assert events[-1] != "data: [DONE]" and '"error"' in events[-1], events[-3:]
+    # The stream was not sent again to the other replica.
+    assert _requests_in(logs / f"{ENGINE}--pair-{other}.log") == before[other]
+
+    # Out of rotation until ready again: every request meanwhile goes to the other replica.
+    deadline = time.monotonic() + 30
+    while gateway.metric("blazar_engine_ready", model="pair", replica=str(victim)):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    statuses = asyncio.run(_concurrent_chats(gateway.url, "pair", 8))
+    assert statuses == [200] * 8
+    # And back in rotation once its restart is ready.
+    deadline = time.monotonic() + _READY_TIMEOUT_S
+    while not gateway.metric("blazar_engine_ready", model="pair", replica=str(victim)):
+        assert time.monotonic() < deadline, gateway.log()
+        time.sleep(0.1)
+    assert gateway.metric("blazar_engine_restarts_total", model="pair", replica=str(victim)) == 1.0
+    served_before = _requests_in(logs / f"{ENGINE}--pair-{victim}.log")
+    statuses = asyncio.run(_concurrent_chats(gateway.url, "pair", 8))
+    assert statuses == [200] * 8
+    assert _requests_in(logs / f"{ENGINE}--pair-{victim}.log") > served_before
+
+
+def test_reload_restarts_only_the_changed_model(
+    demo_model: Path, tmp_path: Path, gateway_factory: list[ConfigGateway]
+) -> None:
+    """SIGHUP after changing y's engine args restarts y alone; a stream in flight on x runs on untouched."""
+    config = _model_table("x", demo_model, always_loaded=True) + _model_table(
+        "y", demo_model, always_loaded=True
+    )
+    gateway = ConfigGateway(config, tmp_path)
+    gateway_factory.append(gateway)
+    gateway.wait_state("x", "loaded", timeout_s=_READY_TIMEOUT_S)
+    gateway.wait_state("y", "loaded", timeout_s=_READY_TIMEOUT_S)
+    old_y = _replica_pids(gateway, "y", 1)[0]
+    events: list[str] = []
+
+    def stream_on_x() -> None:
+        body = {
+            "model": "x",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 3000,
+            "stream": True,
+        }
+        with (
+            httpx.Client(trust_env=False, timeout=120) as client,
+            client.stream("POST", f"{gateway.url}{_CHAT}", json=body) as response,
+        ):
+            for line in response.iter_lines():
+                if line.startswith("data:"):
+                    events.append(line)  # noqa: PERF401 - watched as they arrive
+
+    streaming = threading.Thread(target=stream_on_x)
+    streaming.start()
+    deadline = time.monotonic() + 30
+    while len(events) < 5 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(events) >= 5, "the stream on x did not start"
+    gateway.config_path.write_text(
+        _model_table("x", demo_model, always_loaded=True)
+        + _model_table("y", demo_model, always_loaded=True, engine_args=["--max-tokens", "64"])
+    )
+    gateway.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 30
+    while "reload: restarted y" not in gateway.log():
+        assert time.monotonic() < deadline, gateway.log()
+        time.sleep(0.05)
+    assert streaming.is_alive(), "x's stream ended before the reload; the test proved nothing"
+    streaming.join(120)
+    assert events[-1] == "data: [DONE]"
+    gateway.wait_state("y", "loaded", timeout_s=_READY_TIMEOUT_S)
+    assert gateway.chat("y").status_code == 200
+    assert gateway.metric("blazar_engine_starts_total", model="x", replica="0") == 1.0
+    new_y = _replica_pids(gateway, "y", 1)[0]
+    assert new_y != old_y
+    deadline = time.monotonic() + 30
+    while _pid_alive(old_y):
+        assert time.monotonic() < deadline, "the replaced child was not stopped"
+        time.sleep(0.05)
+    assert "--max-tokens 64" in Path(f"/proc/{new_y}/cmdline").read_bytes().replace(b"\0", b" ").decode()
