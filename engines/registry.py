@@ -69,14 +69,20 @@ class Registry:
 
     async def start(self) -> None:
         """Start the always-loaded models (in the background) and the idle sweeper."""
-        for model in self.models.values():
-            if model.lifetime.always_loaded:
-                self._background(self._start_eagerly(model))
+        always = [m for m in self.models.values() if m.lifetime.always_loaded]
+        if self.max_loaded and len(always) >= self.max_loaded and len(always) < len(self.models):
+            self._announce(
+                f"{len(always)} always-loaded models fill --max-loaded {self.max_loaded}: "
+                "the other models can never be loaded"
+            )
+        for model in always:
+            # Wanted at once, before any request can see the model as unloaded.
+            model.wanted = True
+            self._background(self._start_eagerly(model))
         self._sweeper = asyncio.ensure_future(self._sweep())
 
     async def _start_eagerly(self, model: ServedModel) -> None:
-        async with self._lock:
-            model.wanted = True
+        model.wanted = True
         await asyncio.gather(*(self._start_child(model, child) for child in model.children))
 
     async def _start_child(self, model: ServedModel, child: Child) -> None:
