@@ -175,7 +175,7 @@ class Catalog:
         from engines.environment import ServedNameError
         from engines.manager import PlanError
 
-        where = f"model {config.name!r}" if config.name else "the --engine model"
+        where = config.source or (f"model {config.name!r}" if config.name else "the --engine model")
         try:
             return self.prepare(config)
         except (

@@ -393,12 +393,17 @@ def main(
             parse_upstream_url(url)
         except UpstreamSpecError as exc:
             raise click.BadParameter(str(exc), param_hint="--upstream") from None
-        configs.append(ModelConfig(name=name.strip(), upstream=url.strip()))
+        configs.append(ModelConfig(name=name.strip(), upstream=url.strip(), source=f"--upstream {spec}"))
     if engine:
         # The one-line start: its model starts with the gateway.
         configs.append(
             ModelConfig(
-                name=served_name, engine=engine, model=model, variant=engine_variant, always_loaded=True
+                name=served_name,
+                engine=engine,
+                model=model,
+                variant=engine_variant,
+                always_loaded=True,
+                source=f"--engine {engine}",
             )
         )
     from_command_line = len(configs)

@@ -62,6 +62,8 @@ class ModelConfig:
     always_loaded: bool = False
     max_in_flight: int | None = None
     variant: str = "auto"
+    # Where it was given, for error messages; not a setting (a reload ignores it).
+    source: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +169,7 @@ def _model(path: Path, name: str, table: Any) -> ModelConfig:
         raise ConfigError(f"{where}: expected a table of settings, got {table!r}")
     if not name.strip() or name != name.strip():
         raise ConfigError(f"{where}: a model name must be non-empty, without surrounding spaces")
-    values: dict[str, Any] = {"name": name}
+    values: dict[str, Any] = {"name": name, "source": where}
     for key, value in table.items():
         spec = _MODEL_KEYS.get(key.replace("-", "_"))
         if spec is None:
