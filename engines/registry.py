@@ -55,6 +55,10 @@ class Registry:
         for model in models:
             self._adopt(model)
 
+    def add(self, model: ServedModel) -> None:
+        """Take a model in before ``start`` (at startup)."""
+        self._adopt(model)
+
     def _adopt(self, model: ServedModel) -> None:
         if model.name in self.models:
             raise ValueError(f"model {model.name!r} is given twice")

@@ -159,15 +159,15 @@ class Catalog:
 
     def build(self, configs: Sequence[ModelConfig]) -> None:
         """At startup, before the event loop: every model, or a ``ConfigError``."""
+        sources: dict[str, str] = {}
         for config in configs:
             route = self.assemble(self._prepare_checked(config))
-            if route.model in self.entries:
-                raise ConfigError(f"model {route.model!r} is configured twice")
+            source = config.source or f"model {route.model!r}"
+            for name in (route.model, *route.aliases):
+                if name in sources:
+                    raise ConfigError(f"{source}: model name {name!r} is already used by {sources[name]}")
+                sources[name] = source
             self.entries[route.model] = (config, route)
-        try:
-            self.table()
-        except UpstreamSpecError as exc:
-            raise ConfigError(str(exc)) from None
 
     def _prepare_checked(self, config: ModelConfig) -> _Prepared | Route:
         from engines import install as installing

@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     from engines.registry import Registry
     from proxy.relay import Relay
 
+log = logging.getLogger("blazar.cli")
+
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 _VARIANTS = ("auto", "cpu", "cuda12", "cuda13", "metal")
 
@@ -408,26 +410,23 @@ def main(
         )
     from_command_line = len(configs)
     configs.extend(file_models)
-    catalog = Catalog(home=None, registry=None, max_in_flight=max_in_flight, announce=_echo)
-    if any(c.engine is not None for c in configs):
-        from engines.home import Home, blazar_home
+    from engines.home import Home, blazar_home
+    from engines.registry import Registry
 
-        catalog.home = Home(blazar_home())
+    # Always there, even for static upstreams only: a reload may add an engine model.
+    registry = Registry(max_loaded=max_loaded, announce=_echo, retire_timeout_s=drain_timeout_s)
+    catalog = Catalog(
+        home=Home(blazar_home()), registry=registry, max_in_flight=max_in_flight, announce=_echo
+    )
     try:
         catalog.build(configs)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
     keep = list(catalog.entries)[:from_command_line]
-    registry = None
-    if catalog.served_models():
-        from engines.registry import Registry
-
-        registry = Registry(
-            catalog.served_models(), max_loaded=max_loaded, announce=_echo, retire_timeout_s=drain_timeout_s
-        )
-        catalog.registry = registry
-    elif max_loaded:
-        _echo("--max-loaded has no effect: no engine models are configured")
+    for served in catalog.served_models():
+        registry.add(served)
+    if max_loaded and not catalog.served_models():
+        _echo("--max-loaded applies to engine models; none are configured yet")
     settings = Settings(
         routes=tuple(route for _, route in catalog.entries.values()),
         host=host,
@@ -640,10 +639,11 @@ def _gateway_option(ctx: click.Context, key: str, value: object) -> tuple[str, o
         ),
     )
     hint = difflib.get_close_matches(key, known, n=1)
+    serving = {"config", "upstream", "upstreams", "engine", "model", "served_name", "engine_variant"}
     raise ValueError(
         "not a gateway setting"
-        + (f" (did you mean {hint[0]!r}?)" if hint else "")
-        + (" ; models go in [models.NAME] tables" if wanted in _NOT_IN_GATEWAY_TABLE else "")
+        + ("; models go in [models.NAME] tables" if wanted in serving else "")
+        + (f" (did you mean {hint[0]!r}?)" if hint and wanted not in serving else "")
     )
 
 
@@ -702,6 +702,11 @@ class _Reloader:
                 await self._catalog.reload(file, self._keep, self._relay)
             except ConfigError as exc:
                 _echo(f"reload failed; the running configuration stays: {exc}")
+                return
+            except Exception:
+                # A bug, not a bad file: say so, keep serving what runs.
+                log.exception("reload failed; the running configuration stays")
+                _echo("reload failed on an internal error (traceback above); the running configuration stays")
                 return
             changed = sorted(
                 k

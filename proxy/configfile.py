@@ -96,7 +96,8 @@ def _count(where: str, value: Any) -> int:
 
 
 def _seconds(where: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+    # "not >= 0" also refuses NaN, which compares false with everything.
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
         raise ConfigError(f"{where}: expected seconds (a number, 0 or more), got {value!r}")
     return float(value)
 
@@ -184,9 +185,8 @@ def _model(path: Path, name: str, table: Any) -> ModelConfig:
             parse_upstream_url(config.upstream)
         except UpstreamSpecError as exc:
             raise ConfigError(f"{where} upstream: {exc}") from None
-        for key in ("model", "engine_args", "ttl", "always_loaded", "variant"):
-            attr = _MODEL_KEYS[key][0]
-            if attr in values:
+        for key in table:
+            if key.replace("-", "_") in ("model", "engine_args", "ttl", "always_loaded", "variant"):
                 raise ConfigError(f"{where} {key}: only for engine models, not for an upstream")
         if config.replicas != 1:
             raise ConfigError(
