@@ -204,6 +204,9 @@ class Catalog:
         clash = set(wanted) & set(keep)
         if clash:
             raise ConfigError(f"{file.path}: model {sorted(clash)[0]!r} is also given on the command line")
+        if not wanted and not keep:
+            # An editor that truncates before writing would otherwise stop every model.
+            raise ConfigError(f"{file.path}: names no models, and nothing else would be served; not applied")
         changed = [c for name, c in wanted.items() if name not in self.entries or self.entries[name][0] != c]
         removed = [name for name in self.entries if name not in keep and name not in wanted]
         replaced = [c.name for c in changed if c.name is not None and c.name in self.entries]

@@ -571,6 +571,8 @@ def test_bad_reload_keeps_the_running_configuration(
         (moved_a + '[models.b]\nengine = "auto"\n', "model is needed"),
         ("[gateway]\nprot = 1\n\n" + moved_a + model_table("b", fakes[1]), "[gateway] prot"),
         ('[gateway]\nport = "abc"\n\n' + good, "[gateway] port"),
+        # An editor that truncates before it writes: not applied, or every model would stop.
+        ("", "names no models"),
     ]
     for text, why in bad_files:
         write_config(path, text)
