@@ -44,6 +44,9 @@ _FAULT_TESTS = {
     "test_sigkill_of_gateway_leaves_no_orphan",
     "test_sigterm_lets_a_real_stream_finish_then_reaps_the_child",
     "test_load_wait_holds_requests_until_the_child_is_back",
+    "test_a_draining_gateways_503_is_retried_and_its_check_takes_it_out",
+    "test_a_gateway_that_died_is_retried_on_the_other",
+    "test_sigterm_under_load_loses_nothing_and_the_gateway_rejoins",
 }
 
 
