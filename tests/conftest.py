@@ -44,6 +44,16 @@ _FAULT_TESTS = {
     "test_sigkill_of_gateway_leaves_no_orphan",
     "test_sigterm_lets_a_real_stream_finish_then_reaps_the_child",
     "test_load_wait_holds_requests_until_the_child_is_back",
+    "test_a_draining_gateways_503_is_retried_and_its_check_takes_it_out",
+    "test_a_gateway_that_died_is_retried_on_the_other",
+    "test_sigterm_under_load_loses_nothing_and_the_gateway_rejoins",
+    "test_upstream_error_status_through_a_is_bs_error",
+    "test_stream_that_breaks_behind_b_is_one_error_event_at_a",
+    "test_error_after_bs_heartbeats_is_one_error_event_at_a",
+    "test_bs_refused_upstream_reaches_the_client_as_bs_503_with_retry_after",
+    "test_draining_b_reaches_the_client_as_503_draining_with_retry_after",
+    "test_client_leaving_a_mid_stream_closes_b_and_the_engine",
+    "test_client_leaving_a_during_prefill_closes_b_and_the_engine",
 }
 
 

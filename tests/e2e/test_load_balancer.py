@@ -2,7 +2,7 @@
 
 Load spreads over both; a gateway that drains under load loses nothing (its
 streams finish, its 503 `draining` is retried on the other); it restarts and
-rejoins. (HAProxy's config, deploy/haproxy.cfg, is not run here yet.)
+rejoins. HAProxy's config, deploy/haproxy.cfg, is run by test_haproxy.py.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ import httpx
 import pytest
 
 from perf.surfaces import nginx_binary
-from tests.e2e.conftest import ROOT, FakeEngine, Running, StartGateway, free_port
-
-CHAT = "/v1/chat/completions"
+from tests.e2e.balancers import chat, counted, start_pair, wait_listening
+from tests.e2e.conftest import ROOT, FakeEngine, StartGateway, free_port
 
 
 def render_nginx(work: Path, listen: int, backends: list[int]) -> Path:
@@ -51,28 +50,10 @@ def nginx_front(tmp_path: Path) -> Iterator[tuple[int, list[int], Path]]:
     listen, backends = free_port(), [free_port(), free_port()]
     conf = render_nginx(tmp_path, listen, backends)
     proc = subprocess.Popen([binary, "-p", str(tmp_path), "-c", str(conf)], stderr=subprocess.DEVNULL)
-    time.sleep(0.3)
+    wait_listening(listen)
     yield listen, backends, tmp_path
     proc.terminate()
     proc.wait(5)
-
-
-def start_pair(start_gateway: StartGateway, fake: FakeEngine, ports: list[int]) -> list[Running]:
-    return [start_gateway({"fake": fake.url}, "--drain-timeout", "10", "--port", str(port)) for port in ports]
-
-
-def counted(gateway: Running, http: httpx.Client) -> float:
-    text = http.get(gateway.url + "/metrics").text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("blazar_requests_total{")
-    )
-
-
-def chat(http: httpx.Client, url: str, **fields: object) -> httpx.Response:
-    body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields}
-    return http.post(url + CHAT, json=body, headers={"x-fake": "chunks=20; chunk-delay=0.05"})
 
 
 def test_load_spreads_and_a_drained_gateway_loses_nothing(
