@@ -1,16 +1,19 @@
 """Which served models run: lazy starts, idle unloading, least-recently-used eviction.
 
-One registry per gateway process. Every start and stop of a model goes
-through it, one at a time (a lock), so the count of loaded models is never
-read and then acted on by two tasks at once:
+One registry per gateway process. Every decision to start or stop a model is
+taken under one lock, so the count of loaded models is never read and then
+acted on by two tasks at once:
 
 - ``load`` is single-flight per model: the first request for an unloaded
   model starts its children; every request that arrives meanwhile awaits the
-  same task.
+  same task. The load is done when one replica is ready; a replica that
+  fails keeps retrying on its own, out of rotation.
 - Before a load would pass ``max_loaded``, the least recently used loaded
-  model that is not always-loaded and has no request in flight is unloaded.
+  model that is not always-loaded and has no request in flight is stopped.
   If there is none, the load fails with a clear reason (the client gets 503
   with Retry-After) rather than stopping a model that is serving.
+- Stopping starts by clearing ``wanted``, synchronously: from then on the
+  model is not ready, so no request can be let in under a stopping child.
 - A sweeper unloads models idle for longer than their TTL.
 - ``replace`` swaps models on a config reload: the new ones are added, and
   the replaced ones are stopped once their requests in flight have finished.
@@ -31,6 +34,8 @@ from engines.served import LoadFailed, ServedModel
 log = logging.getLogger("blazar.engines")
 
 _SWEEP_MAX_S = 1.0
+# A child's stop is SIGTERM, its grace, SIGKILL and a reap; past this, something is wrong.
+_STOP_MARGIN_S = 10.0
 
 
 class Registry:
@@ -42,24 +47,22 @@ class Registry:
         *,
         max_loaded: int = 0,
         announce: Callable[[str], None] = log.info,
-        retire_timeout_s: float = 30.0,
+        unload_wait_s: float = 30.0,
     ) -> None:
         self.models: dict[str, ServedModel] = {}
         self.max_loaded = max_loaded
         self._announce = announce
-        self._retire_timeout_s = retire_timeout_s
+        self._unload_wait_s = unload_wait_s
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._retiring: set[ServedModel] = set()
         self._sweeper: asyncio.Task[None] | None = None
         self._closed = False
         for model in models:
-            self._adopt(model)
+            self.add(model)
 
     def add(self, model: ServedModel) -> None:
-        """Take a model in before ``start`` (at startup)."""
-        self._adopt(model)
-
-    def _adopt(self, model: ServedModel) -> None:
+        """Take a model in (at startup, or from ``replace``)."""
         if model.name in self.models:
             raise ValueError(f"model {model.name!r} is given twice")
         model.registry = self
@@ -68,6 +71,10 @@ class Registry:
     def loaded(self) -> list[ServedModel]:
         """Models whose children are wanted running (ready or starting)."""
         return [m for m in self.models.values() if m.wanted]
+
+    def _running_count(self) -> int:
+        # Retiring models still hold their memory until their last request ends.
+        return len(self.loaded()) + sum(1 for m in self._retiring if m.running)
 
     # -- lifecycle of the whole registry --------------------------------------
 
@@ -80,16 +87,17 @@ class Registry:
                 "the other models can never be loaded"
             )
         for model in always:
-            # Wanted at once, before any request can see the model as unloaded.
-            model.wanted = True
-            self._background(self._start_eagerly(model))
+            self._start_eagerly(model)
         self._sweeper = asyncio.ensure_future(self._sweep())
 
-    async def _start_eagerly(self, model: ServedModel) -> None:
+    def _start_eagerly(self, model: ServedModel) -> None:
+        # Wanted at once, before any request can see the model as unloaded.
         model.wanted = True
-        await asyncio.gather(*(self._start_child(model, child) for child in model.children))
+        model.last_used = time.monotonic()
+        for child in model.children:
+            self._background(self._start_child(child))
 
-    async def _start_child(self, model: ServedModel, child: Child) -> None:
+    async def _start_child(self, child: Child) -> None:
         try:
             await child.ensure_ready()
         except ChildFailed as exc:
@@ -99,16 +107,18 @@ class Registry:
             )
 
     async def shutdown(self) -> None:
-        """Stop every model's children and reap them."""
+        """Stop every model's children, retiring ones included, and reap them."""
         self._closed = True
         if self._sweeper is not None:
             self._sweeper.cancel()
         for task in list(self._tasks):
             task.cancel()
-        children = [c for m in self.models.values() for c in m.children]
-        for model in self.models.values():
+        models = [*self.models.values(), *self._retiring]
+        for model in models:
+            model.wanted = False
             if model.loading is not None:
                 model.loading.cancel()
+        children = [c for m in models for c in m.children]
         await asyncio.gather(*(child.shutdown() for child in children), return_exceptions=True)
 
     async def wait_ready(self, timeout_s: float | None = None) -> None:
@@ -123,7 +133,7 @@ class Registry:
                 )
             )
 
-    # -- load and unload ------------------------------------------------------
+    # -- load -----------------------------------------------------------------
 
     async def load(self, model: ServedModel) -> None:
         """Make ``model`` loaded; one start however many callers ask at once.
@@ -131,14 +141,24 @@ class Registry:
         Raises ``LoadFailed`` with the reason when it cannot be loaded.
         """
         if model.loading is None:
-            if model.wanted and model.ready:
+            if model.ready:
                 return
             model.load_error = None
             model.loading = asyncio.ensure_future(self._load(model))
             model.loading.add_done_callback(lambda _: setattr(model, "loading", None))
-        # Shielded: one waiter giving up (its client left) must not cancel
-        # the start that the others wait for.
-        await asyncio.shield(model.loading)
+        try:
+            # Shielded: one waiter giving up (its client left) must not cancel
+            # the start that the others wait for.
+            await asyncio.shield(model.loading)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # this waiter itself is being cancelled
+            model.load_error = (
+                f"model `{model.name}` stopped loading: the gateway is shutting down or its "
+                "configuration was reloaded; retry"
+            )
+            raise LoadFailed(model.load_error) from None
 
     async def _load(self, model: ServedModel) -> None:
         try:
@@ -153,34 +173,68 @@ class Registry:
             raise LoadFailed("the gateway is shutting down")
         async with self._lock:
             if self.models.get(model.name) is not model:
-                raise LoadFailed(f"model `{model.name}` was removed by a configuration reload")
-            if not model.wanted:
-                await self._make_room(model)
+                raise LoadFailed(f"model `{model.name}` was removed by a configuration reload; retry")
+            was_wanted = model.wanted
+            if not was_wanted:
+                victims = self._make_room(model)
                 model.wanted = True
+                for victim in victims:
+                    await self._stop(victim)
         started = time.monotonic()
-        self._announce(f"loading model {model.name!r} ({model.description or 'engine'})")
-        try:
-            await asyncio.gather(*(child.ensure_ready() for child in model.children))
-        except ChildFailed as exc:
-            reason = f"model `{model.name}` failed to load: {exc}"
-            self._announce(reason)
-            async with self._lock:
-                await self._stop(model)
-            raise LoadFailed(reason) from None
-        self._announce(f"model {model.name!r} loaded in {time.monotonic() - started:.1f} s")
-
-    async def _make_room(self, model: ServedModel) -> None:
-        """Under the lock: unload least recently used models until ``model`` fits."""
-        if not self.max_loaded:
+        if not was_wanted:
+            self._announce(f"loading model {model.name!r} ({model.description or 'engine'})")
+        failure = await self._first_ready(model)
+        if failure is None:
+            model.last_used = time.monotonic()
+            if not was_wanted:
+                self._announce(f"model {model.name!r} loaded in {time.monotonic() - started:.1f} s")
             return
-        while len(self.loaded()) >= self.max_loaded:
+        reason = f"model `{model.name}` failed to load: {failure}"
+        self._announce(reason)
+        if not was_wanted and not model.lifetime.always_loaded:
+            # A lazy model is not left crash-looping in the background; the
+            # next request tries again. One that was already wanted keeps its
+            # children's own restarts with backoff.
+            async with self._lock:
+                if not model.busy and not model.ready:
+                    await self._stop(model)
+        raise LoadFailed(reason)
+
+    async def _first_ready(self, model: ServedModel) -> str | None:
+        """Start every replica; None once one is ready, else the last failure."""
+        starts = {asyncio.ensure_future(child.ensure_ready()) for child in model.children}
+        failure = "no replica became ready"
+        try:
+            while starts:
+                done, starts = await asyncio.wait(starts, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    exc = task.exception()
+                    if exc is None:
+                        return None
+                    failure = str(exc)
+            return failure
+        finally:
+            # The others keep starting under their children's owners; only the waits end.
+            for task in starts:
+                task.cancel()
+
+    def _make_room(self, model: ServedModel) -> list[ServedModel]:
+        """Under the lock, with no await: pick the models to stop so that ``model`` fits.
+
+        Their ``wanted`` is cleared here, in the same step as the choice, so
+        that no request can enter them between choosing and stopping.
+        """
+        victims: list[ServedModel] = []
+        if not self.max_loaded:
+            return victims
+        while self._running_count() >= self.max_loaded:
             candidates = [
                 m
                 for m in self.loaded()
                 if m is not model and not m.lifetime.always_loaded and not m.busy and m.loading is None
             ]
             if not candidates:
-                names = ", ".join(sorted(m.name for m in self.loaded()))
+                names = ", ".join(sorted(m.name for m in self.loaded())) or "models being replaced"
                 raise LoadFailed(
                     f"model `{model.name}` cannot be loaded now: {self.max_loaded} models are loaded "
                     f"(--max-loaded) and none can be unloaded ({names}: in use or always loaded); "
@@ -188,20 +242,47 @@ class Registry:
                 )
             victim = min(candidates, key=lambda m: m.last_used)
             self._announce(f"unloading model {victim.name!r} (least recently used) to load {model.name!r}")
-            await self._stop(victim)
+            victim.wanted = False
+            victims.append(victim)
+        return victims
 
-    async def unload(self, model: ServedModel, *, wait_s: float = 30.0) -> None:
-        """Stop ``model``'s children, after its requests in flight end (up to ``wait_s``)."""
+    # -- unload ---------------------------------------------------------------
+
+    async def unload(self, model: ServedModel) -> str | None:
+        """Stop ``model``'s children once its requests in flight end; None, or why not.
+
+        New requests stop entering at once. If some are still running after
+        the unload wait (``--drain-timeout``), the model is left loaded and
+        the reason is returned: unloading never cuts a request.
+        """
         if model.loading is not None:
-            with contextlib.suppress(LoadFailed):
+            with contextlib.suppress(LoadFailed, asyncio.CancelledError):
                 await asyncio.shield(model.loading)
-        await model.wait_idle(wait_s)
         async with self._lock:
+            if not model.wanted:
+                return None
+            model.wanted = False
+        if not await model.wait_idle(self._unload_wait_s):
+            async with self._lock:
+                model.wanted = True
+            return (
+                f"model `{model.name}` still has {model.in_flight} requests in flight after "
+                f"{self._unload_wait_s:g} s; it stays loaded"
+            )
+        async with self._lock:
+            if model.wanted:
+                return f"model `{model.name}` was asked for again while it was unloading; it stays loaded"
             await self._stop(model)
+        self._announce(f"model {model.name!r} unloaded")
+        return None
 
     async def _stop(self, model: ServedModel) -> None:
         model.wanted = False
-        await asyncio.gather(*(child.stop() for child in model.children))
+        try:
+            async with asyncio.timeout(max(c.config.stop_grace_s for c in model.children) + _STOP_MARGIN_S):
+                await asyncio.gather(*(child.stop() for child in model.children))
+        except TimeoutError:
+            log.error("model %s: its children did not stop in time", model.name)
 
     # -- idle unloading -------------------------------------------------------
 
@@ -209,22 +290,24 @@ class Registry:
         while True:
             ttls = [m.lifetime.ttl_s for m in self.models.values() if m.lifetime.ttl_s > 0]
             await asyncio.sleep(min([_SWEEP_MAX_S, *(t / 4 for t in ttls)]))
-            now = time.monotonic()
-            for model in list(self.models.values()):
-                ttl_s = model.lifetime.ttl_s
-                if (
-                    ttl_s > 0
-                    and model.wanted
-                    and not model.lifetime.always_loaded
-                    and not model.busy
-                    and model.loading is None
-                    and now - model.last_used >= ttl_s
-                ):
-                    async with self._lock:
-                        # Checked again under the lock: a request may have come in.
-                        if model.wanted and not model.busy and time.monotonic() - model.last_used >= ttl_s:
-                            self._announce(f"unloading model {model.name!r}: idle for {ttl_s:g} s")
-                            await self._stop(model)
+            try:
+                await self._sweep_once()
+            except Exception:
+                log.exception("idle sweep failed; trying again")
+
+    async def _sweep_once(self) -> None:
+        for model in list(self.models.values()):
+            ttl_s = model.lifetime.ttl_s
+            if not (
+                ttl_s > 0 and model.wanted and not model.lifetime.always_loaded and model.loading is None
+            ):
+                continue
+            async with self._lock:
+                # Checked under the lock, and stopped in the same step: a
+                # request may have come in while the lock was awaited.
+                if model.wanted and not model.busy and time.monotonic() - model.last_used >= ttl_s:
+                    self._announce(f"unloading model {model.name!r}: idle for {ttl_s:g} s")
+                    await self._stop(model)
 
     # -- configuration reload -------------------------------------------------
 
@@ -236,17 +319,27 @@ class Registry:
         """
         retiring = [self.models.pop(name) for name in removed if name in self.models]
         for model in added:
-            self._adopt(model)
+            self.add(model)
             if model.lifetime.always_loaded:
-                self._background(self._start_eagerly(model))
+                self._start_eagerly(model)
         for model in retiring:
+            self._retiring.add(model)
             self._background(self._retire(model))
 
+    def retune(self, model: ServedModel) -> None:
+        """A running model's lifetime changed on a reload: start it if it is now always-loaded."""
+        if model.lifetime.always_loaded and not model.wanted:
+            self._start_eagerly(model)
+
     async def _retire(self, model: ServedModel) -> None:
-        await model.wait_idle(self._retire_timeout_s)
+        # Nothing new can reach it (it is out of the routing table); its
+        # requests in flight end by their own timeouts.
+        model.wanted = False
+        await model.wait_idle(None)
         if model.loading is not None:
             model.loading.cancel()
         await asyncio.gather(*(child.shutdown() for child in model.children), return_exceptions=True)
+        self._retiring.discard(model)
         self._announce(f"model {model.name!r} retired")
 
     def _background(self, coro: Coroutine[Any, Any, None]) -> None:

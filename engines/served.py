@@ -26,6 +26,9 @@ if TYPE_CHECKING:
     from engines.registry import Registry
 
 
+_DOWN = (ChildState.STOPPED, ChildState.SHUTDOWN)
+
+
 class LoadFailed(RuntimeError):
     """A model could not be loaded; the message says why, for the client."""
 
@@ -75,6 +78,10 @@ class ServedModel:
 
     @property
     def ready(self) -> bool:
+        # Not once the registry has decided to stop it: a request let in
+        # between that decision and the child's move to STOPPING would be cut.
+        if not self.wanted:
+            return False
         # Read per request: a plain loop costs less than any() over a generator.
         for child in self.children:  # noqa: SIM110
             if child.state is ChildState.READY:
@@ -91,12 +98,14 @@ class ServedModel:
         if not self.in_flight and self._idle is not None:
             self._idle.set()
 
-    async def wait_idle(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for no request to be in flight; whether none is."""
+    async def wait_idle(self, timeout_s: float | None) -> bool:
+        """Wait up to ``timeout_s`` (None: no limit) for no request in flight; whether none is."""
         try:
             async with asyncio.timeout(timeout_s):
                 while self.in_flight:
-                    self._idle = asyncio.Event()
+                    # One event per busy spell, shared by every waiter.
+                    if self._idle is None or self._idle.is_set():
+                        self._idle = asyncio.Event()
                     await self._idle.wait()
         except TimeoutError:
             return False
@@ -147,20 +156,34 @@ class ServedModel:
             return str(exc)
         return None
 
-    async def unload(self) -> None:
-        if self.registry is not None:
-            await self.registry.unload(self)
+    async def unload(self) -> str | None:
+        if self.registry is None:
+            return f"model `{self.name}` has no registry to unload it"
+        return await self.registry.unload(self)
 
     # -- for /v1/models and the registry --------------------------------------
 
     @property
     def state(self) -> str:
-        """``loaded`` (a replica serves), ``loading`` (one is starting), or ``unloaded``."""
+        """``loaded`` (a replica serves), ``loading`` (one is starting), ``unloading`` or ``unloaded``.
+
+        ``unloading``: being stopped (idle, evicted, unloaded by hand, or
+        replaced), with its children still up while its last requests finish.
+        """
         if self.ready:
             return "loaded"
         if self.wanted or self.loading is not None:
             return "loading"
+        if self.running:
+            return "unloading"
         return "unloaded"
+
+    @property
+    def running(self) -> bool:
+        """Whether any child process is up or on its way (for the --max-loaded count)."""
+        return self.wanted or any(
+            c.state not in (ChildState.STOPPED, ChildState.SHUTDOWN) for c in self.children
+        )
 
     @property
     def busy(self) -> bool:

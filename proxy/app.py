@@ -221,6 +221,10 @@ def build_app(
         return _json(200, orjson.dumps(describe(route)))
 
     def engine_route(request: Request, verb: str) -> RouteConfig | Response:
+        if "origin" in request.headers and (cors is None or cors.origin_of(request.scope) is None):
+            # A web page may POST here without a preflight; only allowed origins may act.
+            message = "this origin may not load or unload models (see --cors-origin)"
+            return _json(403, error_body(403, message, code="origin_not_allowed"))
         route = route_of(request)
         if isinstance(route, Response) or route.gate is not None:
             return route
@@ -244,7 +248,9 @@ def build_app(
         if isinstance(route, Response):
             return route
         assert route.gate is not None
-        await route.gate.unload()
+        problem = await route.gate.unload()
+        if problem is not None:
+            return _json(409, error_body(409, problem, param="model", code="model_busy"))
         return _json(200, orjson.dumps(describe(route)))
 
     async def metrics_route(request: Request) -> Response:

@@ -65,6 +65,8 @@ class Catalog:
         self.announce = announce
         # Model name → (its settings, its route), in the order configured.
         self.entries: dict[str, tuple[ModelConfig, Route]] = {}
+        # Engine model name → requests its children generate at once (the default limit).
+        self._batch: dict[str, int] = {}
 
     def table(self) -> RoutingTable:
         return RoutingTable(route for _, route in self.entries.values())
@@ -131,6 +133,7 @@ class Catalog:
             description=f"{first.engine} ({first.variant}), {len(children)} replica(s)",
         )
         batch = spec.batch_size * len(children)
+        self._batch[prepared.name] = batch
         return Route(
             model=prepared.name,
             upstream=UpstreamAddress(first.config.host, first.config.port),
@@ -208,21 +211,32 @@ class Catalog:
             # An editor that truncates before writing would otherwise stop every model.
             raise ConfigError(f"{file.path}: names no models, and nothing else would be served; not applied")
         changed = [c for name, c in wanted.items() if name not in self.entries or self.entries[name][0] != c]
+        # Only the aliases, limits or lifetime changed: the children keep running.
+        retuned = [c for c in changed if c.name in self.entries and _same_children(self.entries[c.name], c)]
+        rebuilt = [c for c in changed if c not in retuned]
         removed = [name for name in self.entries if name not in keep and name not in wanted]
-        replaced = [c.name for c in changed if c.name is not None and c.name in self.entries]
+        replaced = [c.name for c in rebuilt if c.name is not None and c.name in self.entries]
         if not changed and not removed:
             self.announce(f"reload: {file.path}: no model changed")
             return
         # Installing and planning may take a while: off the event loop.
-        prepared = [await asyncio.to_thread(self._prepare_checked, c) for c in changed]
+        prepared = [await asyncio.to_thread(self._prepare_checked, c) for c in rebuilt]
         entries = dict(self.entries)
         for name in removed:
             del entries[name]
         new_routes = []
-        for config, item in zip(changed, prepared, strict=True):
+        for config, item in zip(rebuilt, prepared, strict=True):
             route = self.assemble(item)
             entries[route.model] = (config, route)
             new_routes.append(route)
+        for config in retuned:
+            assert config.name is not None
+            route = self.entries[config.name][1]
+            limit = config.max_in_flight or self.max_in_flight or self._batch[config.name]
+            entries[config.name] = (
+                config,
+                dataclasses.replace(route, aliases=config.aliases, max_in_flight=limit),
+            )
         try:
             table = RoutingTable(route for _, route in entries.values())
         except UpstreamSpecError as exc:
@@ -230,6 +244,14 @@ class Catalog:
         old = [self.entries[name][1] for name in (*removed, *replaced)]
         self.entries = entries
         relay.update(table)
+        from engines.served import Lifetime
+
+        for config in retuned:
+            assert config.name is not None
+            served = cast("ServedModel", entries[config.name][1].gate)
+            served.lifetime = Lifetime(always_loaded=config.always_loaded, ttl_s=config.ttl_s)
+            if self.registry is not None:
+                self.registry.retune(served)
         if self.registry is not None:
             await self.registry.replace(
                 added=[cast("ServedModel", r.gate) for r in new_routes if r.gate is not None],
@@ -240,5 +262,15 @@ class Catalog:
             f"started {', '.join(map(str, started))}" if started else "",
             f"restarted {', '.join(replaced)}" if replaced else "",
             f"removed {', '.join(removed)}" if removed else "",
+            f"updated {', '.join(str(c.name) for c in retuned)} (children kept)" if retuned else "",
         ]
         self.announce("reload: " + "; ".join(part for part in report if part))
+
+
+# What decides a model's children: a change to any of these restarts them.
+_CHILD_SETTINGS = ("engine", "model", "upstream", "replicas", "engine_args", "variant")
+
+
+def _same_children(entry: tuple[ModelConfig, Route], config: ModelConfig) -> bool:
+    running, route = entry
+    return route.gate is not None and all(getattr(running, k) == getattr(config, k) for k in _CHILD_SETTINGS)

@@ -414,7 +414,7 @@ def main(
     from engines.registry import Registry
 
     # Always there, even for static upstreams only: a reload may add an engine model.
-    registry = Registry(max_loaded=max_loaded, announce=_echo, retire_timeout_s=drain_timeout_s)
+    registry = Registry(max_loaded=max_loaded, announce=_echo, unload_wait_s=drain_timeout_s)
     catalog = Catalog(
         home=Home(blazar_home()), registry=registry, max_in_flight=max_in_flight, announce=_echo
     )

@@ -205,6 +205,7 @@ class Relay:
         stats: ModelMetrics | None = None
         model = ""
         entry = None
+        entered: Gate | None = None
         try:
             request_id = self.request_id_of(scope)
             if scope["method"] != "POST":
@@ -229,11 +230,15 @@ class Relay:
                 )
             replicas, gate, guards, admission, stats, rename = entry
             check_request(doc, ENDPOINTS[scope["path"]], guards)
-            if gate is not None and not gate.ready:
-                # Starting the model, or waiting for it, is not the gateway's own time.
-                if not await gate.wait_ready(self._load_wait_s):
-                    raise _loading(gate.not_ready_reason())
-                started = perf_counter()
+            if gate is not None:
+                if not gate.ready:
+                    # Starting the model, or waiting for it, is not the gateway's own time.
+                    if not await _wait_for_model(gate, self._load_wait_s, receive):
+                        raise _loading(gate.not_ready_reason())
+                    started = perf_counter()
+                # In use from here, queued or not: never unloaded under this request.
+                gate.enter()
+                entered = gate
             if not admission.try_enter():
                 queued_at = perf_counter()
                 await _wait_for_slot(admission, model, receive)
@@ -242,7 +247,8 @@ class Relay:
                 # Waiting for a slot is not the gateway's own time either.
                 started = perf_counter()
             replica = replicas[0] if len(replicas) == 1 else _least_busy(replicas)
-            if replica is None:
+            if replica is None or (gate is not None and not gate.ready):
+                # Its children went away while this request was queued.
                 admission.leave()
                 assert gate is not None
                 raise _loading(gate.not_ready_reason())
@@ -251,6 +257,8 @@ class Relay:
                 doc["model"] = rename
                 body = orjson.dumps(doc)
         except HTTPError as exc:
+            if entered is not None:
+                entered.leave()
             headers = [(b"x-request-id", request_id), server_timing(started), *exc.headers]
             await send_json(send, exc.status, exc.body(), headers)
             if stats is not None:
@@ -268,12 +276,16 @@ class Relay:
                 )
             return
         except ClientGone:
+            if entered is not None:
+                entered.leave()
             if self._metrics is not None:
                 self._metrics.client_disconnects += 1
             return
-        # From here on this request holds a slot; it is given back below, on every path.
-        if gate is not None:
-            gate.enter()
+        except BaseException:
+            if entered is not None:
+                entered.leave()
+            raise
+        # From here on this request holds a slot (and its model); both are given back below, on every path.
         replica.in_flight += 1
         replica.served += 1
         try:
@@ -863,6 +875,23 @@ class RequestIds:
             if name == b"x-request-id" and valid_request_id(value):
                 return bytes(value)
         return b"%s%016x" % (self._prefix, next(self._counter))
+
+
+async def _wait_for_model(gate: Gate, load_wait_s: float, receive: Receive) -> bool:
+    """Wait for a model to load (or restart), watching the client: one that leaves stops waiting."""
+    ready = asyncio.ensure_future(gate.wait_ready(load_wait_s))
+    gone = asyncio.ensure_future(receive())
+    try:
+        await asyncio.wait({ready, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not gone.done():
+            gone.cancel()
+        if not ready.done():
+            # Only this wait ends: the load itself is shared, and goes on.
+            ready.cancel()
+    if ready.done() and not ready.cancelled():
+        return ready.result()
+    raise ClientGone()
 
 
 async def _wait_for_slot(admission: Admission, model: str, receive: Receive) -> None:

@@ -82,8 +82,8 @@ class Gate(Protocol):
         """Load the model and wait until it serves; None, or why it could not."""
         ...
 
-    async def unload(self) -> None:
-        """Stop the model's children once its requests in flight have ended."""
+    async def unload(self) -> str | None:
+        """Stop the model's children once its requests in flight have ended; None, or why not."""
         ...
 
 

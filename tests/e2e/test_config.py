@@ -738,6 +738,26 @@ def test_admin_load_and_unload_of_a_static_upstream_is_409(
     assert fake.records() == []
 
 
+def test_admin_endpoints_refuse_a_cross_origin_form_post(
+    start_gateway: StartGateway, start_fake_engine: StartFakeEngine, http: httpx.Client, tmp_path: Path
+) -> None:
+    """A web page's text/plain POST (no preflight) cannot load or unload models; an allowed origin can."""
+    fake = start_fake_engine()
+    path = tmp_path / "blazar.toml"
+    write_config(path, model_table("a", fake))
+    gateway = start_gateway({}, "--config", str(path), "--cors-origin", "https://app.example")
+    for verb in ("load", "unload"):
+        response = http.post(
+            f"{gateway.url}/admin/models/a/{verb}",
+            content=b"x",
+            headers={"origin": "https://evil.example", "content-type": "text/plain"},
+        )
+        assert response.status_code == 403, response.text
+        assert error_of(response)["code"] == "origin_not_allowed"
+        allowed = http.post(f"{gateway.url}/admin/models/a/{verb}", headers={"origin": "https://app.example"})
+        assert allowed.status_code == 409  # past the origin check: a static upstream has nothing to load
+
+
 def test_admin_endpoints_need_the_files_api_key(
     start_gateway: StartGateway, start_fake_engine: StartFakeEngine, http: httpx.Client, tmp_path: Path
 ) -> None:

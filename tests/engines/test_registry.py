@@ -10,14 +10,19 @@ import asyncio
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
+import httpx
+import orjson
 import pytest
 
 from engines.child import Child, ChildState
 from engines.registry import Registry
 from engines.served import Lifetime, LoadFailed, ServedModel
-from tests.engines.test_child import alive, config, wait_until
+from proxy.relay import Relay, RelaySettings
+from proxy.routing import Replica, Route, RoutingTable, UpstreamAddress
+from tests.engines.test_child import alive, config, free_port, wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -147,7 +152,8 @@ async def test_unload_waits_for_requests_in_flight(tmp_path: Path) -> None:
         model.enter()
         unloading = asyncio.ensure_future(model.unload())
         await asyncio.sleep(0.5)
-        assert not unloading.done() and model.state == "loaded"
+        assert not unloading.done() and model.state == "unloading"
+        assert not model.ready, "new requests would still be let in"
         model.leave()
         await asyncio.wait_for(unloading, 10)
         assert model.state == "unloaded"
@@ -173,9 +179,11 @@ async def test_replace_retires_the_old_model_once_idle_and_starts_an_always_load
         await registry.replace(added=[new], removed=["m"])
         assert registry.models["m"] is new
         await wait_until(lambda: new.state == "loaded", timeout_s=15)
-        assert old.state == "loaded", "the replaced model was stopped under its request"
+        assert old.children[0].state is ChildState.READY, "the replaced model was stopped under its request"
+        assert old.state == "unloading"
         old.leave()
-        await wait_until(lambda: old.children[0].state is ChildState.SHUTDOWN, timeout_s=15)
+        retired = old.children[0]
+        await wait_until(lambda: retired.state is ChildState.SHUTDOWN, timeout_s=15)
     finally:
         await registry.shutdown()
 
@@ -194,5 +202,232 @@ async def test_a_replica_that_crashes_leaves_the_model_ready_on_the_others(tmp_p
         assert model.ready
         await wait_until(lambda: first.ready, timeout_s=15)
         assert first.restarts == 1
+    finally:
+        await registry.shutdown()
+
+
+# -- regressions from the review of the registry (each named after what went wrong) ----------
+
+
+def _route(model: ServedModel) -> Route:
+    first = model.children[0].config
+    return Route(
+        model=model.name,
+        upstream=UpstreamAddress(first.host, first.port),
+        gate=model,
+        replicas=tuple(Replica(UpstreamAddress(c.config.host, c.config.port), c) for c in model.children),
+    )
+
+
+async def _relay_call(relay: Relay, model: str, *, gone: bool = False) -> tuple[int | None, bytes]:
+    """One request through the relay in-process; ``gone``: the client has already left."""
+    body = orjson.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    messages: list[dict[str, object]] = [{"type": "http.request", "body": body, "more_body": False}]
+    never = asyncio.Event()
+
+    async def receive() -> dict[str, object]:
+        if messages:
+            return messages.pop(0)
+        if not gone:
+            await never.wait()
+        return {"type": "http.disconnect"}
+
+    sent: list[dict[str, object]] = []
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+    }
+    await relay(scope, receive, send)  # type: ignore[arg-type]
+    status = next((m["status"] for m in sent if m["type"] == "http.response.start"), None)
+    data = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")  # type: ignore[misc]
+    return status, data  # type: ignore[return-value]
+
+
+async def test_a_model_chosen_for_eviction_is_not_ready_from_that_moment(tmp_path: Path) -> None:
+    """Once the registry picks a model to stop, the relay sees it not ready at once, not loop turns later."""
+    a, b = served(tmp_path, "a"), served(tmp_path, "b")
+    registry = Registry([a, b], max_loaded=1)
+    await registry.start()
+    try:
+        assert await a.wait_ready(0)
+        loading_b = asyncio.ensure_future(b.wait_ready(0))
+        while a.wanted:  # noqa: ASYNC110 - one loop turn at a time is the point
+            await asyncio.sleep(0)
+        assert a.children[0].state is ChildState.READY  # still up, being stopped
+        assert not a.ready and a.state == "unloading"
+        assert await loading_b
+    finally:
+        await registry.shutdown()
+
+
+async def test_admin_load_counts_as_use_for_the_ttl(tmp_path: Path) -> None:
+    """A model loaded by hand with ttl = 2 stays at least 2 s after the load, not unloaded at once."""
+    model = served(tmp_path, "t", Lifetime(ttl_s=2))
+    registry = Registry([model])
+    await registry.start()
+    try:
+        await asyncio.sleep(2.5)  # older than its TTL before it is ever loaded
+        assert await model.load() is None
+        loaded_at = time.monotonic()
+        await wait_until(lambda: model.state == "unloaded", timeout_s=15)
+        assert time.monotonic() - loaded_at >= 1.9
+    finally:
+        await registry.shutdown()
+
+
+async def test_two_waiters_for_idle_are_both_woken(tmp_path: Path) -> None:
+    """wait_idle shares one event per busy spell, so a second waiter does not strand the first."""
+    model = served(tmp_path, "w")
+    model.enter()
+    first = asyncio.ensure_future(model.wait_idle(10))
+    await asyncio.sleep(0.05)
+    second = asyncio.ensure_future(model.wait_idle(10))
+    await asyncio.sleep(0.05)
+    started = time.monotonic()
+    model.leave()
+    assert list(await asyncio.wait_for(asyncio.gather(first, second), 2)) == [True, True]
+    assert time.monotonic() - started < 1
+
+
+async def test_shutdown_stops_the_children_of_models_being_retired(tmp_path: Path) -> None:
+    """A model replaced by a reload and still busy is stopped by the registry's shutdown, not left running."""
+    old = served(tmp_path, "r", Lifetime(always_loaded=True))
+    registry = Registry([old])
+    await registry.start()
+    await registry.wait_ready(15)
+    old.enter()
+    await registry.replace(added=[], removed=["r"])
+    pid = old.children[0].pid
+    assert pid is not None
+    await registry.shutdown()
+    assert old.children[0].state is ChildState.SHUTDOWN
+    assert not alive(pid)
+
+
+async def test_requests_waiting_on_a_load_cancelled_by_a_reload_get_a_503_not_a_500(tmp_path: Path) -> None:
+    """A shared load ended by a reload answers its waiters with LoadFailed (503), not CancelledError."""
+    port = free_port()
+    slow = [
+        sys.executable,
+        "-c",
+        f"import time, runpy, sys; time.sleep(2); sys.argv = ['x', '--port', '{port}']; "
+        "runpy.run_module('tests.fake_engine', run_name='__main__')",
+    ]
+    model = ServedModel("s", [Child(config(tmp_path, argv=slow, port=port))])
+    registry = Registry([model])
+    await registry.start()
+    try:
+        waiters = [asyncio.ensure_future(model.wait_ready(0)) for _ in range(3)]
+        await asyncio.sleep(0.3)
+        assert model.loading is not None
+        model.loading.cancel()
+        assert await asyncio.wait_for(asyncio.gather(*waiters), 10) == [False, False, False]
+        assert "stopped loading" in model.not_ready_reason()
+    finally:
+        await registry.shutdown()
+
+
+async def test_a_failing_replica_does_not_stop_the_healthy_one_serving_a_lazy_load(tmp_path: Path) -> None:
+    """When one of two replicas fails to start, the load succeeds on the other, which keeps serving."""
+    bad = Child(config(tmp_path, argv=["/bin/sh", "-c", "sleep 1; echo 'out of memory'; exit 3"], name="bad"))
+    good = Child(config(tmp_path, name="good", log_path=tmp_path / "logs" / "good.log"))
+    model = ServedModel("m", [bad, good])
+    registry = Registry([model])
+    await registry.start()
+    relay = Relay(RoutingTable([_route(model)]), RelaySettings(heartbeat_s=0))
+    try:
+        status, _ = await _relay_call(relay, "m")
+        assert status == 200
+        await asyncio.sleep(2.0)  # the bad replica has failed by now, more than once
+        assert good.ready and model.state == "loaded"
+        assert bad.restarts >= 1 and not bad.ready
+        status, _ = await _relay_call(relay, "m")
+        assert status == 200
+    finally:
+        await registry.shutdown()
+
+
+async def test_a_failed_load_does_not_switch_off_an_always_loaded_model(tmp_path: Path) -> None:
+    """An admin load that fails on an always-loaded model leaves its children restarting with backoff."""
+    flag = tmp_path / "broken"
+    flag.write_text("1")
+    port = free_port()
+    script = (
+        f"import os, sys, runpy; sys.exit(3) if os.path.exists({str(flag)!r}) else None; "
+        f"sys.argv = ['x', '--port', '{port}']; runpy.run_module('tests.fake_engine', run_name='__main__')"
+    )
+    child = Child(config(tmp_path, argv=[sys.executable, "-c", script], port=port))
+    model = ServedModel("a", [child], Lifetime(always_loaded=True))
+    registry = Registry([model])
+    await registry.start()
+    try:
+        problem = await model.load()
+        assert problem is not None and "failed to load" in problem
+        assert model.wanted
+        flag.unlink()
+        await wait_until(lambda: model.state == "loaded", timeout_s=15)
+    finally:
+        await registry.shutdown()
+
+
+async def test_an_always_loaded_model_added_by_a_reload_is_never_seen_unloaded(tmp_path: Path) -> None:
+    """Right after replace(), a new always-loaded model is already wanted: requests wait, not lazy-load."""
+    registry = Registry([])
+    await registry.start()
+    try:
+        new = served(tmp_path, "n", Lifetime(always_loaded=True))
+        await registry.replace(added=[new], removed=[])
+        assert new.wanted and new.state == "loading"
+    finally:
+        await registry.shutdown()
+
+
+async def test_unload_never_cuts_a_request_that_outlasts_the_wait(tmp_path: Path) -> None:
+    """An unload whose model is still busy after the wait leaves it loaded and says why."""
+    model = served(tmp_path, "u")
+    registry = Registry([model], unload_wait_s=0.5)
+    await registry.start()
+    try:
+        assert await model.wait_ready(0)
+        model.enter()
+        problem = await model.unload()
+        assert problem is not None and "in flight" in problem
+        assert model.state == "loaded" and model.children[0].ready
+        model.leave()
+        assert await model.unload() is None
+        assert model.state == "unloaded"
+    finally:
+        await registry.shutdown()
+
+
+async def test_clients_that_leave_while_their_model_loads_are_not_relayed(tmp_path: Path) -> None:
+    """A request whose client is gone stops waiting for the load; the engine never receives it."""
+    port = free_port()
+    slow = [
+        sys.executable,
+        "-c",
+        f"import time, runpy, sys; time.sleep(1.5); sys.argv = ['x', '--port', '{port}']; "
+        "runpy.run_module('tests.fake_engine', run_name='__main__')",
+    ]
+    model = ServedModel("g", [Child(config(tmp_path, argv=slow, port=port))])
+    registry = Registry([model])
+    await registry.start()
+    relay = Relay(RoutingTable([_route(model)]), RelaySettings(heartbeat_s=0))
+    try:
+        results = await asyncio.gather(*(_relay_call(relay, "g", gone=True) for _ in range(5)))
+        assert [status for status, _ in results] == [None] * 5
+        assert await model.wait_ready(0)
+        async with httpx.AsyncClient(trust_env=False) as client:
+            records = (await client.get(f"http://127.0.0.1:{port}/_fake/requests")).json()
+        # Only the readiness probe's generation reached the engine.
+        assert sum(1 for r in records if r.get("path") == "/v1/chat/completions") == 1, records
+        assert model.in_flight == 0
     finally:
         await registry.shutdown()
