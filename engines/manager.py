@@ -9,6 +9,7 @@ this package only through ``Child.ready`` and the planned upstream address.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import re
@@ -18,9 +19,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from engines import demo_model
+from engines import demo_model, gguf_model
+from engines import spec as specs
 from engines.child import Child, ChildConfig, ChildFailed
 from engines.environment import check_served_name, child_env, prepare_run_dir
+from engines.formats import FormatError, detect_format
 from engines.home import Home
 from engines.install import Installation
 from engines.spec import EngineSpec
@@ -51,11 +54,22 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def ensure_demo_model(installation: Installation, home: Home, preset: str = "tiny") -> Path:
-    """Generate the built-in demo model with the engine's own Python, once."""
-    target = home.models / demo_model.demo_model_dir_name(preset)
-    script = Path(demo_model.__file__).resolve()
+    """Generate the built-in demo model in the engine's model format, with the engine's own Python, once.
+
+    An MLX directory (``demo_model.py``) for engines serving MLX models, a GGUF
+    file (``gguf_model.py``) for those serving GGUF.
+    """
+    formats = specs.load(installation.name).model_formats
+    if "mlx" in formats:
+        script, target = demo_model.__file__, home.models / demo_model.demo_model_dir_name(preset)
+    elif "gguf" in formats:
+        script, target = gguf_model.__file__, home.models / gguf_model.demo_model_file_name(preset)
+    else:
+        raise PlanError(
+            f"{installation.name} serves {', '.join(formats)} models: there is no demo; give --model"
+        )
     result = subprocess.run(
-        [str(installation.python), str(script), "--out", str(target), "--preset", preset],
+        [str(installation.python), str(Path(script).resolve()), "--out", str(target), "--preset", preset],
         stdin=subprocess.DEVNULL,
         check=False,
     )
@@ -74,8 +88,19 @@ def plan(
     host: str = "127.0.0.1",
     port: int | None = None,
     environ: dict[str, str] | None = None,
+    extra_args: Sequence[str] = (),
 ) -> PlannedChild:
-    """Resolve one child: run directory, argv, environment, port, log file."""
+    """Resolve one child: run directory, argv, environment, port, log file.
+
+    ``extra_args`` (per-model engine flags from a config file) follow the
+    spec's argv; they may not set what the gateway fills in itself (the
+    model, its name, the host and the port).
+    """
+    _check_extra_args(spec, extra_args)
+    if spec.model_field == "alias":
+        return _plan_alias(
+            spec, installation, home, model, served_name, host, port, environ, tuple(extra_args)
+        )
     model_dir = Path(model).expanduser()
     local = model_dir.exists()
     if local:
@@ -105,7 +130,74 @@ def plan(
         cuda_home=installation.cuda_home,
         ptx_cache=home.ptx_cache(spec.name) if installation.cuda_home else None,
         offline=local,
+        drop=spec.env_drop,
     )
+    return _planned(
+        spec, installation, home, child_name, name, [*argv, *extra_args], env, run_dir, host, port
+    )
+
+
+def _plan_alias(
+    spec: EngineSpec,
+    installation: Installation,
+    home: Home,
+    model: str,
+    served_name: str | None,
+    host: str,
+    port: int | None,
+    environ: dict[str, str] | None,
+    extra_args: tuple[str, ...],
+) -> PlannedChild:
+    """A child that serves one local model file under a name it is told (llama_cpp.server)."""
+    model_path = Path(model).expanduser()
+    if not model_path.exists():
+        raise PlanError(
+            f"{model_path} does not exist; {spec.name} serves a local {' or '.join(spec.model_formats)} "
+            "file (it downloads nothing)"
+        )
+    try:
+        found = detect_format(model_path)
+    except FormatError as exc:
+        raise PlanError(str(exc)) from None
+    if found not in spec.model_formats:
+        raise PlanError(
+            f"{model_path} is a {found} model; {spec.name} serves {', '.join(spec.model_formats)} models"
+        )
+    model_path = model_path.resolve()
+    name = served_name or model_path.stem
+    check_served_name(name)
+    child_name = f"{spec.name}--{_slug(name)}"
+    # No link is needed: the run directory is only the child's working directory.
+    run_dir = home.run / child_name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    port = port or free_port(host)
+    argv = spec.server_argv(
+        python=str(installation.python), model=str(model_path), served_name=name, host=host, port=port
+    )
+    env = child_env(
+        os.environ if environ is None else environ,
+        venv=installation.venv,
+        cuda_home=installation.cuda_home,
+        offline=True,
+        drop=spec.env_drop,
+    )
+    return _planned(
+        spec, installation, home, child_name, name, [*argv, *extra_args], env, run_dir, host, port
+    )
+
+
+def _planned(
+    spec: EngineSpec,
+    installation: Installation,
+    home: Home,
+    child_name: str,
+    name: str,
+    argv: list[str],
+    env: dict[str, str],
+    run_dir: Path,
+    host: str,
+    port: int,
+) -> PlannedChild:
     config = ChildConfig(
         name=child_name,
         served_model=name,
@@ -123,6 +215,23 @@ def plan(
         probe_timeout_s=spec.readiness.probe_timeout_s,
     )
     return PlannedChild(config, spec.name, installation.variant, installation.venv, installation.cuda_home)
+
+
+def _check_extra_args(spec: EngineSpec, extra_args: Sequence[str]) -> None:
+    """Reject extra engine flags that would override what the gateway sets (address, model, name)."""
+    if isinstance(extra_args, str) or not all(isinstance(arg, str) for arg in extra_args):
+        raise PlanError(f"engine arguments must be a list of strings, not {extra_args!r}")
+    reserved = {
+        flag for flag, value in itertools.pairwise(spec.argv) if flag.startswith("-") and "{" in value
+    }
+    for arg in extra_args:
+        flag = arg.split("=", 1)[0]
+        # argparse (both engines' CLIs) also takes a unique prefix of a flag: --po 9 is --port 9.
+        if flag.startswith("--") and len(flag) > 2 and any(r.startswith(flag) for r in reserved):
+            raise PlanError(
+                f"engine argument {arg!r} would override what the gateway sets itself "
+                f"({', '.join(sorted(reserved))})"
+            )
 
 
 class EngineManager:
