@@ -17,7 +17,7 @@ output is passed on line by line while it runs, and a line every
 at, so a long build never looks hung. uv keeps the built wheel in its cache
 (``uv cache dir``: ``$UV_CACHE_DIR``, else ``~/.cache/uv``), keyed on the
 sdist and the ``--config-setting`` values, and such an engine is first
-installed offline from that cache (``_install_from_cache``), so a reinstall
+installed offline from that cache (``_install_offline``), so a reinstall
 takes seconds even where the index's files carry no cache headers.
 Build options therefore travel as config settings, never as environment
 variables such as ``CMAKE_ARGS``, which uv's cache does not see (a CUDA build
@@ -53,10 +53,10 @@ Progress = Callable[[str], None]
 MANIFEST_VERSION = 1
 # How often a running installer command is reported as still busy.
 HEARTBEAT_S = 30.0
-# An offline install from the cache copies files only; past this, something is wrong.
-_CACHE_ATTEMPT_TIMEOUT_S = 300.0
 # A build tool's step counter in the installer's output: ninja's "[57/193] ...".
 _BUILD_STEP = re.compile(r"\[(\d+)/(\d+)\]")
+# uv's own line as it starts building an sdist: "   Building llama-cpp-python==0.3.36".
+_BUILDING = re.compile(r"\s*Building \S+==")
 
 
 class InstallError(RuntimeError):
@@ -239,19 +239,19 @@ def _make_venv_and_install(
     if uv is not None:
         progress(f"creating {venv} with uv, interpreter {python}")
         _run([uv, "venv", "--quiet", "--python", python, "--no-python-downloads", str(venv)], env, progress)
-        pip_install = [uv, "pip", "install", "--python", str(venv / "bin" / "python"), *settings]
-        if builds_from_source and _install_from_cache([*pip_install, *packages], env):
-            progress(f"installed {' '.join(packages)} from uv's cache, with the wheel built before")
-        else:
+        # -v puts a build's own output (its step counter) into uv's DEBUG lines,
+        # which _stream reads for its progress lines and does not pass on.
+        pip_install = [uv, "pip", "install", "-v", "--python", str(venv / "bin" / "python"), *settings]
+        if not builds_from_source or not _install_offline(
+            pip_install, packages, env, builds_from_source, progress
+        ):
             if builds_from_source:
                 progress(
-                    f"{builds_from_source} is compiled from source: minutes (about 7 on two cores); "
+                    f"{builds_from_source} is compiled from source: minutes (6-7 on two cores); "
                     f"the wheel is kept in uv's cache ({_uv_cache_dir(uv)}) for the next install"
                 )
             progress(f"installing {' '.join(packages)}")
-            # -v puts a build's own output (its step counter) into uv's DEBUG
-            # lines, which _run reads for its progress lines and does not pass on.
-            _run([*pip_install, "-v", *packages], env, progress)
+            _run([*pip_install, *packages], env, progress)
         version = subprocess.run([uv, "--version"], capture_output=True, text=True, check=False).stdout
         return version.strip() or "uv"
     progress(f"uv is not usable here; creating {venv} with venv and pip, interpreter {python}")
@@ -270,46 +270,56 @@ def _uv_cache_dir(uv: str) -> str:
     return result.stdout.strip() or "uv cache dir"
 
 
-def _install_from_cache(argv: list[str], env: dict[str, str]) -> bool:
-    """Try ``uv pip install`` offline and without building; whether it worked.
+def _install_offline(
+    pip_install: list[str], packages: tuple[str, ...], env: dict[str, str], building: str, progress: Progress
+) -> bool:
+    """Install from uv's cache alone, network off; whether that worked.
 
     uv keeps a wheel built from an sdist under that sdist's HTTP cache
     revision. When the index serves files without cache headers (no
     Cache-Control, ETag or Last-Modified: the case behind the proxy here),
     an online install revalidates the sdist, gets a new revision, and builds
-    again. Offline, uv trusts its cached revision, and ``--no-build`` makes
-    this attempt fail at once, rather than build, when the wheel is not there.
+    again. Offline, uv trusts the revision it has. (``--no-build`` cannot
+    make this attempt cheap: it also hides the cached wheel of an sdist.)
+    An attempt that fails before building says nothing and the caller goes
+    online; one whose build fails is the install's failure.
     """
-    try:
-        result = subprocess.run(
-            [*argv[:3], "--offline", "--no-build", *argv[3:]],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            errors="replace",
-            timeout=_CACHE_ATTEMPT_TIMEOUT_S,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return result.returncode == 0
+    progress(f"looking for {' '.join(packages)} in uv's cache (offline)")
+    returncode, built = _stream(
+        [*pip_install[:3], "--offline", *pip_install[3:], *packages], env, progress, hold=True
+    )
+    if returncode == 0:
+        progress(f"installed from uv's cache{', building ' + building if built else ', nothing compiled'}")
+        return True
+    if built:
+        raise InstallError(f"building {building} failed (exit code {returncode}); its output is above")
+    return False
 
 
-def _run(
+def _run(argv: list[str], env: dict[str, str], progress: Progress, **options: Any) -> None:
+    """Run an installer command (see ``_stream``); raise InstallError if it fails."""
+    returncode, _ = _stream(argv, env, progress, **options)
+    if returncode != 0:
+        raise InstallError(f"{' '.join(argv[:3])} ... failed with exit code {returncode}")
+
+
+def _stream(
     argv: list[str],
     env: dict[str, str],
     progress: Progress,
     *,
     heartbeat_s: float = HEARTBEAT_S,
     output: IO[str] | None = None,
-) -> None:
-    """Run an installer command, passing its output on as it comes.
+    hold: bool = False,
+) -> tuple[int, bool]:
+    """Run an installer command, passing its output on as it comes; its exit code and whether it built.
 
     Its lines (but uv's DEBUG and TRACE lines) go to ``output`` (stderr): they
     are the progress display. Every ``heartbeat_s`` a line through
     ``progress`` says the command is still busy, with the last build step
-    seen (``[n/N]``), so a build that prints nothing for minutes is visibly alive.
+    seen (``[n/N]``), so a build that prints nothing for minutes is visibly
+    alive. With ``hold``, lines wait until a build starts or the command
+    succeeds: a failing attempt that built nothing leaves no output.
     """
     sink = output if output is not None else sys.stderr
     try:
@@ -324,14 +334,25 @@ def _run(
         )
     except OSError as exc:
         raise InstallError(f"cannot run {argv[0]}: {exc}") from None
-    step: list[str] = []  # the last build step seen, written by the reader thread only
+    # Written by the reader thread only; read by this one for the heartbeat and after join().
+    step: list[str] = []
+    held: list[str] = []
+    built = threading.Event()
 
     def read(stream: IO[str]) -> None:
         for line in stream:
             if match := _BUILD_STEP.search(line):
                 step[:] = [f"{match.group(1)}/{match.group(2)}"]
+                built.set()
             if line.startswith(("DEBUG ", "TRACE ")):
                 continue
+            if _BUILDING.match(line):
+                built.set()
+            if hold and not built.is_set():
+                held.append(line)
+                continue
+            sink.writelines(held)
+            held.clear()
             sink.write(line)
             sink.flush()
 
@@ -354,8 +375,10 @@ def _run(
     finally:
         reader.join(5)
         proc.stdout.close()
-    if proc.returncode != 0:
-        raise InstallError(f"{' '.join(argv[:3])} ... failed with exit code {proc.returncode}")
+    if held and proc.returncode == 0:
+        sink.writelines(held)
+        sink.flush()
+    return proc.returncode, built.is_set()
 
 
 def _write_manifest(home: Home, installation: Installation) -> None:

@@ -328,8 +328,9 @@ def test_config_settings_reach_the_installer_and_the_manifest(
     assert len(installer.calls) == 2
 
 
-# A stand-in uv: records each command line, makes a venv-shaped tree, and fails the
-# offline attempt unless FAKE_UV_OFFLINE_OK is set.
+# A stand-in uv: records each command line and makes a venv-shaped tree. Its offline
+# install does what FAKE_UV_OFFLINE says: ok (a cache hit), build-fail (starts a build
+# that fails), anything else (not cached: fails before building).
 FAKE_UV = """#!/bin/sh
 printf '%s\\n' "$*" >> "$FAKE_UV_LOG"
 case "$1 $2" in
@@ -338,7 +339,14 @@ case "$1 $2" in
     "venv "*) for last in "$@"; do :; done; mkdir -p "$last/bin" ;;
     "pip install")
         case " $* " in
-            *" --offline "*) [ -n "$FAKE_UV_OFFLINE_OK" ] || { echo "offline: not cached" >&2; exit 1; } ;;
+            *" --offline "*)
+                case "$FAKE_UV_OFFLINE" in
+                    ok) echo "Resolved 2 packages (offline)" >&2 ;;
+                    build-fail) echo "   Building llama-cpp-python==0.3.36" >&2
+                                echo "DEBUG [1/2] g++ -c a.cpp" >&2
+                                echo "error: a.cpp: no such file" >&2; exit 1 ;;
+                    *) echo "error: not in the cache (offline)" >&2; exit 1 ;;
+                esac ;;
         esac
         echo "Installed 2 packages" >&2 ;;
 esac
@@ -354,7 +362,7 @@ def fake_uv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     log = tmp_path / "uv.log"
     monkeypatch.setattr(engines.install, "find_uv", lambda: str(binary))
     monkeypatch.setenv("FAKE_UV_LOG", str(log))
-    monkeypatch.delenv("FAKE_UV_OFFLINE_OK", raising=False)
+    monkeypatch.delenv("FAKE_UV_OFFLINE", raising=False)
     return log
 
 
@@ -362,9 +370,7 @@ def pip_installs(log: Path) -> list[list[str]]:
     return [line.split() for line in log.read_text().splitlines() if line.startswith("pip install")]
 
 
-def test_source_build_tries_the_cache_offline_then_builds(tmp_path: Path, fake_uv: Path) -> None:
-    """An engine built from source is first installed offline without building, then online with -v."""
-    lines: list[str] = []
+def install_llamacpp(tmp_path: Path, lines: list[str]) -> None:
     engines.install._make_venv_and_install(
         tmp_path / "venv",
         ("llama-cpp-python[server]==0.3.36",),
@@ -373,33 +379,51 @@ def test_source_build_tries_the_cache_offline_then_builds(tmp_path: Path, fake_u
         config_settings=("cmake.args=-DGGML_CUDA=on",),
         builds_from_source="llama-cpp-python",
     )
+
+
+def test_source_build_not_in_the_cache_is_built_online(
+    tmp_path: Path, fake_uv: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An engine built from source is tried offline first; not cached, it is installed online."""
+    lines: list[str] = []
+    install_llamacpp(tmp_path, lines)
     offline, online = pip_installs(fake_uv)
-    assert "--offline" in offline and "--no-build" in offline
-    assert "-v" in online and "--offline" not in online and "--no-build" not in online
+    assert "--offline" in offline and "--offline" not in online
     for argv in (offline, online):
+        assert "-v" in argv
         assert argv[argv.index("--config-setting") + 1] == "cmake.args=-DGGML_CUDA=on"
         assert argv[-1] == "llama-cpp-python[server]==0.3.36"
-        for flag in ("--no-cache", "-n", "--reinstall", "--refresh", "--no-build-isolation", "--no-binary"):
+        for flag in ("--no-cache", "-n", "--reinstall", "--refresh", "--no-build-isolation", "--no-build"):
             assert flag not in argv
     assert any("compiled from source" in line and "/fake/uv-cache" in line for line in lines)
+    # The failed offline attempt's own error is not shown: it is not the user's problem.
+    assert "not in the cache" not in capsys.readouterr().err
 
 
 def test_source_build_found_in_the_cache_is_not_built_again(
-    tmp_path: Path, fake_uv: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, fake_uv: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """When the offline attempt works, there is no online install, and the user is told why it was quick."""
-    monkeypatch.setenv("FAKE_UV_OFFLINE_OK", "1")
+    """When the offline install works there is no online one, and its output and a note are shown."""
+    monkeypatch.setenv("FAKE_UV_OFFLINE", "ok")
     lines: list[str] = []
-    engines.install._make_venv_and_install(
-        tmp_path / "venv",
-        ("llama-cpp-python[server]==0.3.36",),
-        sys.executable,
-        lines.append,
-        builds_from_source="llama-cpp-python",
-    )
+    install_llamacpp(tmp_path, lines)
     assert len(pip_installs(fake_uv)) == 1
-    assert any("from uv's cache" in line for line in lines)
+    assert any("installed from uv's cache, nothing compiled" in line for line in lines)
     assert not any("compiled from source" in line for line in lines)
+    assert "Resolved 2 packages (offline)" in capsys.readouterr().err
+
+
+def test_source_build_that_fails_offline_is_not_built_twice(
+    tmp_path: Path, fake_uv: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A build that started offline and failed fails the install, with its output, without a second build."""
+    monkeypatch.setenv("FAKE_UV_OFFLINE", "build-fail")
+    with pytest.raises(InstallError, match="building llama-cpp-python failed"):
+        install_llamacpp(tmp_path, [])
+    assert len(pip_installs(fake_uv)) == 1
+    err = capsys.readouterr().err
+    assert "Building llama-cpp-python" in err and "a.cpp: no such file" in err
+    assert "DEBUG" not in err
 
 
 def test_wheel_only_engine_installs_online_at_once(tmp_path: Path, fake_uv: Path) -> None:
