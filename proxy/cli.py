@@ -53,7 +53,8 @@ def _echo(line: str) -> None:
     metavar="ENGINE",
     envvar="BLAZAR_ENGINE",
     show_envvar=True,
-    help="Run an engine child of this version (e.g. mlx-0.32.0), installing it first if needed.",
+    help="Run an engine child of this version (e.g. mlx-0.32.0, llamacpp-0.3.36), installing it first "
+    "if needed; auto picks the newest engine for the --model's format (MLX directory or GGUF file).",
 )
 @click.option(
     "--model",
@@ -67,7 +68,8 @@ def _echo(line: str) -> None:
     metavar="NAME",
     envvar="BLAZAR_SERVED_NAME",
     show_envvar=True,
-    help="The name clients use for the --engine model. [default: the model directory's name]",
+    help="The name clients use for the --engine model. "
+    "[default: the model directory's name, or the GGUF file's name without .gguf]",
 )
 @click.option(
     "--engine-variant",
@@ -389,10 +391,19 @@ def _engine_route(
     from engines import install as installing
     from engines import spec as specs
     from engines.environment import ServedNameError
+    from engines.formats import FormatError, describe, pick_engine
     from engines.home import Home, blazar_home
     from engines.manager import EngineManager, PlanError, ensure_demo_model, plan
 
     home = Home(blazar_home())
+    if engine == "auto":
+        if model is None:
+            raise click.UsageError("--engine auto needs --model: the engine is picked by the model's format")
+        try:
+            engine = pick_engine(model)
+        except FormatError as exc:
+            raise click.ClickException(str(exc)) from None
+        _echo(f"engine auto: {describe(model)}: {engine}")
     try:
         spec, installation = installing.ensure_installed(engine, variant, home, progress=_echo)
         if model is None:
