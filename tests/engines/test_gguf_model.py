@@ -110,6 +110,7 @@ def python() -> str:
     return found
 
 
+@pytest.mark.llamacpp
 def test_tiny_model_is_deterministic_and_current_once_written(python: str, tmp_path: Path) -> None:
     """One seed writes identical bytes twice, a third run finds the file current; another seed differs."""
     files = [
@@ -140,6 +141,7 @@ def test_tiny_model_is_deterministic_and_current_once_written(python: str, tmp_p
     assert files[0].stat().st_mtime_ns == before
 
 
+@pytest.mark.llamacpp
 def test_tiny_model_loads_in_llama_cpp_and_generates_to_max_tokens(python: str, tmp_path: Path) -> None:
     """llama.cpp loads the file, its tokenizer round-trips text, and replies run to max_tokens."""
     model = tmp_path / "blazar-demo-llama-tiny.gguf"
