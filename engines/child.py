@@ -83,7 +83,7 @@ class ChildConfig:
     ready_path: str = "/v1/chat/completions"
     ready_max_tokens: int = 1
     ready_timeout_s: float = 600.0
-    health_path: str = "/health"
+    health_path: str = "/health"  # "" when the engine has no health route
     health_interval_s: float = 5.0
     health_failures: int = 3
     probe_interval_s: float = 60.0
@@ -397,6 +397,7 @@ class Child:
         its generation thread died). The generation probe catches an engine
         whose HTTP server answers while generation hangs: its deadline is
         generous, because a probe joins the engine's queue like any request.
+        An empty health path means the engine has none: only the probe runs.
         """
         config = self.config
         failures = 0
@@ -409,6 +410,8 @@ class Child:
                     if problem:
                         return _Outcome("unhealthy", problem)
                     next_probe = time.monotonic() + config.probe_interval_s
+                if not config.health_path:
+                    continue  # no health route (llama_cpp.server): the probe alone watches it
                 try:
                     response = await client.get(config.base_url + config.health_path)
                     problem = (

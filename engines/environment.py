@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path, PurePosixPath
 
 # Inherited variables that would make the child import the gateway's
@@ -24,9 +24,17 @@ def child_env(
     cuda_home: Path | None = None,
     ptx_cache: Path | None = None,
     offline: bool = False,
+    drop: Collection[str] = (),
 ) -> dict[str, str]:
-    """The child's environment: the venv first on PATH, its own CUDA_HOME, nothing that leaks in."""
-    env = {k: v for k, v in base.items() if k not in _NOT_INHERITED}
+    """The child's environment: the venv first on PATH, its own CUDA_HOME, nothing that leaks in.
+
+    ``drop`` names variables the engine reads as settings (its spec's
+    ``server.env_drop``), matched in any case: llama_cpp.server reads its
+    settings from the environment case-insensitively, and its ``HOST`` and
+    ``PORT`` even override the command line.
+    """
+    dropped = {name.upper() for name in drop}
+    env = {k: v for k, v in base.items() if k not in _NOT_INHERITED and k.upper() not in dropped}
     env["VIRTUAL_ENV"] = str(venv)
     env["PATH"] = os.pathsep.join([str(venv / "bin"), *filter(None, [base.get("PATH", "")])])
     env["PYTHONUNBUFFERED"] = "1"

@@ -9,6 +9,20 @@ An install is trusted only through its manifest (``engine.json``), written
 last: a failed or interrupted install leaves no manifest and is removed
 before the next attempt. A file lock keeps two processes from installing the
 same engine at once.
+
+Some engines are compiled at install (llama-cpp-python has only an sdist on
+PyPI: cmake and g++ build llama.cpp, 6-7 minutes on two cores). The installer's
+output is passed on line by line while it runs, and a line every
+``HEARTBEAT_S`` says how long the build has taken and which build step it is
+at, so a long build never looks hung. uv keeps the built wheel in its cache
+(``uv cache dir``: ``$UV_CACHE_DIR``, else ``~/.cache/uv``), keyed on the
+sdist and the ``--config-setting`` values, and such an engine is first
+installed offline from that cache (``_install_offline``), so a reinstall
+takes seconds even where the index's files carry no cache headers.
+Build options therefore travel as config settings, never as environment
+variables such as ``CMAKE_ARGS``, which uv's cache does not see (a CUDA build
+would reuse the CPU wheel without a word). Nothing here passes ``--no-cache``,
+``--reinstall`` or ``--no-build-isolation``.
 """
 
 from __future__ import annotations
@@ -17,14 +31,16 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from engines import cudahome
 from engines import spec as specs
@@ -35,6 +51,12 @@ from engines.variant import Machine, detect_variant
 Progress = Callable[[str], None]
 
 MANIFEST_VERSION = 1
+# How often a running installer command is reported as still busy.
+HEARTBEAT_S = 30.0
+# A build tool's step counter in the installer's output: ninja's "[57/193] ...".
+_BUILD_STEP = re.compile(r"\[(\d+)/(\d+)\]")
+# uv's own line as it starts building an sdist: "   Building llama-cpp-python==0.3.36".
+_BUILDING = re.compile(r"\s*Building \S+==")
 
 
 class InstallError(RuntimeError):
@@ -52,6 +74,7 @@ class Installation:
     cuda_home: Path | None
     installer: str
     installed_at: float
+    config_settings: tuple[str, ...] = ()
 
     @property
     def python(self) -> Path:
@@ -90,6 +113,7 @@ def read_manifest(home: Home, name: str) -> Installation | None:
             cuda_home=Path(data["cuda_home"]) if data.get("cuda_home") else None,
             installer=str(data.get("installer", "")),
             installed_at=float(data.get("installed_at", 0)),
+            config_settings=tuple(data.get("config_settings", ())),
         )
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         # Unreadable or not ours: not a trusted install.
@@ -107,9 +131,15 @@ def install(
 ) -> Installation:
     """Install ``spec`` for ``variant`` under ``home`` unless it already is; idempotent."""
     packages = spec.packages_for(variant)
+    config_settings = spec.config_settings_for(variant)
     with _locked(home, spec.name):
         current = read_manifest(home, spec.name)
-        if current and current.variant == variant and current.packages == packages:
+        if (
+            current
+            and current.variant == variant
+            and current.packages == packages
+            and current.config_settings == config_settings
+        ):
             progress(f"{spec.name} ({variant}) is installed in {current.venv}")
             return current
         engine_dir = home.engine_dir(spec.name)
@@ -119,7 +149,14 @@ def install(
         engine_dir.mkdir(parents=True)
         started = time.monotonic()
         try:
-            installer = _make_venv_and_install(home.venv(spec.name), packages, python, progress)
+            installer = _make_venv_and_install(
+                home.venv(spec.name),
+                packages,
+                python,
+                progress,
+                config_settings=config_settings,
+                builds_from_source=spec.builds_from_source,
+            )
             cuda_home = None
             if variant in CUDA_VARIANTS:
                 cuda_home = home.cuda_home(spec.name)
@@ -138,6 +175,7 @@ def install(
                 cuda_home=cuda_home,
                 installer=installer,
                 installed_at=time.time(),
+                config_settings=config_settings,
             )
             _write_manifest(home, installation)
         except BaseException:
@@ -185,32 +223,162 @@ def size_bytes(path: Path) -> int:
     return total
 
 
-def _make_venv_and_install(venv: Path, packages: tuple[str, ...], python: str, progress: Progress) -> str:
+def _make_venv_and_install(
+    venv: Path,
+    packages: tuple[str, ...],
+    python: str,
+    progress: Progress,
+    *,
+    config_settings: tuple[str, ...] = (),
+    builds_from_source: str = "",
+) -> str:
     uv = find_uv()
     env = {**os.environ, "UV_PYTHON_DOWNLOADS": "never"}
     env.pop("VIRTUAL_ENV", None)
+    settings = [arg for setting in config_settings for arg in ("--config-setting", setting)]
     if uv is not None:
         progress(f"creating {venv} with uv, interpreter {python}")
-        _run([uv, "venv", "--quiet", "--python", python, "--no-python-downloads", str(venv)], env)
-        progress(f"installing {' '.join(packages)}")
-        _run([uv, "pip", "install", "--python", str(venv / "bin" / "python"), *packages], env)
+        _run([uv, "venv", "--quiet", "--python", python, "--no-python-downloads", str(venv)], env, progress)
+        # -v puts a build's own output (its step counter) into uv's DEBUG lines,
+        # which _stream reads for its progress lines and does not pass on.
+        pip_install = [uv, "pip", "install", "-v", "--python", str(venv / "bin" / "python"), *settings]
+        if not builds_from_source or not _install_offline(
+            pip_install, packages, env, builds_from_source, progress
+        ):
+            if builds_from_source:
+                progress(
+                    f"{builds_from_source} is compiled from source: minutes (6-7 on two cores); "
+                    f"the wheel is kept in uv's cache ({_uv_cache_dir(uv)}) for the next install"
+                )
+            progress(f"installing {' '.join(packages)}")
+            _run([*pip_install, *packages], env, progress)
         version = subprocess.run([uv, "--version"], capture_output=True, text=True, check=False).stdout
         return version.strip() or "uv"
     progress(f"uv is not usable here; creating {venv} with venv and pip, interpreter {python}")
-    _run([python, "-m", "venv", str(venv)], env)
+    _run([python, "-m", "venv", str(venv)], env, progress)
     progress(f"installing {' '.join(packages)}")
-    _run([str(venv / "bin" / "python"), "-m", "pip", "install", "--progress-bar", "off", *packages], env)
+    _run(
+        [str(venv / "bin" / "python"), "-m", "pip", "install", "--progress-bar", "off", *settings, *packages],
+        env,
+        progress,
+    )
     return "pip"
 
 
-def _run(argv: list[str], env: dict[str, str]) -> None:
-    # Output goes straight to the user's terminal: it is the progress display.
+def _uv_cache_dir(uv: str) -> str:
+    result = subprocess.run([uv, "cache", "dir"], capture_output=True, text=True, check=False)
+    return result.stdout.strip() or "uv cache dir"
+
+
+def _install_offline(
+    pip_install: list[str], packages: tuple[str, ...], env: dict[str, str], building: str, progress: Progress
+) -> bool:
+    """Install from uv's cache alone, network off; whether that worked.
+
+    uv keeps a wheel built from an sdist under that sdist's HTTP cache
+    revision. When the index serves files without cache headers (no
+    Cache-Control, ETag or Last-Modified: the case behind the proxy here),
+    an online install revalidates the sdist, gets a new revision, and builds
+    again. Offline, uv trusts the revision it has. (``--no-build`` cannot
+    make this attempt cheap: it also hides the cached wheel of an sdist.)
+    An attempt that fails before building says nothing and the caller goes
+    online; one whose build fails is the install's failure.
+    """
+    progress(f"looking for {' '.join(packages)} in uv's cache (offline)")
+    returncode, built = _stream(
+        [*pip_install[:3], "--offline", *pip_install[3:], *packages], env, progress, hold=True
+    )
+    if returncode == 0:
+        progress(f"installed from uv's cache{', building ' + building if built else ', nothing compiled'}")
+        return True
+    if built:
+        raise InstallError(f"building {building} failed (exit code {returncode}); its output is above")
+    return False
+
+
+def _run(argv: list[str], env: dict[str, str], progress: Progress, **options: Any) -> None:
+    """Run an installer command (see ``_stream``); raise InstallError if it fails."""
+    returncode, _ = _stream(argv, env, progress, **options)
+    if returncode != 0:
+        raise InstallError(f"{' '.join(argv[:3])} ... failed with exit code {returncode}")
+
+
+def _stream(
+    argv: list[str],
+    env: dict[str, str],
+    progress: Progress,
+    *,
+    heartbeat_s: float = HEARTBEAT_S,
+    output: IO[str] | None = None,
+    hold: bool = False,
+) -> tuple[int, bool]:
+    """Run an installer command, passing its output on as it comes; its exit code and whether it built.
+
+    Its lines (but uv's DEBUG and TRACE lines) go to ``output`` (stderr): they
+    are the progress display. Every ``heartbeat_s`` a line through
+    ``progress`` says the command is still busy, with the last build step
+    seen (``[n/N]``), so a build that prints nothing for minutes is visibly
+    alive. With ``hold``, lines wait until a build starts or the command
+    succeeds: a failing attempt that built nothing leaves no output.
+    """
+    sink = output if output is not None else sys.stderr
     try:
-        result = subprocess.run(argv, env=env, stdin=subprocess.DEVNULL, check=False)
+        proc = subprocess.Popen(
+            argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+        )
     except OSError as exc:
         raise InstallError(f"cannot run {argv[0]}: {exc}") from None
-    if result.returncode != 0:
-        raise InstallError(f"{' '.join(argv[:3])} ... failed with exit code {result.returncode}")
+    # Written by the reader thread only; read by this one for the heartbeat and after join().
+    step: list[str] = []
+    held: list[str] = []
+    built = threading.Event()
+
+    def read(stream: IO[str]) -> None:
+        for line in stream:
+            if match := _BUILD_STEP.search(line):
+                step[:] = [f"{match.group(1)}/{match.group(2)}"]
+                built.set()
+            if line.startswith(("DEBUG ", "TRACE ")):
+                continue
+            if _BUILDING.match(line):
+                built.set()
+            if hold and not built.is_set():
+                held.append(line)
+                continue
+            sink.writelines(held)
+            held.clear()
+            sink.write(line)
+            sink.flush()
+
+    assert proc.stdout is not None
+    reader = threading.Thread(target=read, args=(proc.stdout,), daemon=True)
+    reader.start()
+    started = time.monotonic()
+    try:
+        while True:
+            try:
+                proc.wait(heartbeat_s)
+                break
+            except subprocess.TimeoutExpired:
+                at = f", build step {step[0]}" if step else ""
+                progress(f"still installing: {time.monotonic() - started:.0f} s{at}")
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    finally:
+        reader.join(5)
+        proc.stdout.close()
+    if held and proc.returncode == 0:
+        sink.writelines(held)
+        sink.flush()
+    return proc.returncode, built.is_set()
 
 
 def _write_manifest(home: Home, installation: Installation) -> None:
@@ -223,6 +391,7 @@ def _write_manifest(home: Home, installation: Installation) -> None:
         "cuda_home": str(installation.cuda_home) if installation.cuda_home else None,
         "installer": installation.installer,
         "installed_at": installation.installed_at,
+        "config_settings": list(installation.config_settings),
         **_describe_venv(installation.python),
     }
     path = home.manifest(installation.name)

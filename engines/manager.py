@@ -1,26 +1,28 @@
-"""From "engine E, model M" to supervised children, and their start and stop.
+"""From "engine E, model M" to a planned child, and the demo models.
 
 ``plan`` resolves everything before the event loop runs (install, demo model,
-run directory, port, argv, environment) into frozen ``ChildConfig`` objects;
-``EngineManager`` owns the ``Child`` objects in the loop. The gateway meets
-this package only through ``Child.ready`` and the planned upstream address.
+run directory, port, argv, environment) into frozen ``ChildConfig`` objects.
+In the loop, ``served.ServedModel`` holds the ``Child`` objects of a model and
+``registry.Registry`` decides when they run.
 """
 
 from __future__ import annotations
 
-import asyncio
+import itertools
 import logging
 import os
 import re
 import socket
 import subprocess
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from engines import demo_model
-from engines.child import Child, ChildConfig, ChildFailed
+from engines import demo_model, gguf_model
+from engines import spec as specs
+from engines.child import ChildConfig
 from engines.environment import check_served_name, child_env, prepare_run_dir
+from engines.formats import FormatError, detect_format
 from engines.home import Home
 from engines.install import Installation
 from engines.spec import EngineSpec
@@ -51,11 +53,22 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def ensure_demo_model(installation: Installation, home: Home, preset: str = "tiny") -> Path:
-    """Generate the built-in demo model with the engine's own Python, once."""
-    target = home.models / demo_model.demo_model_dir_name(preset)
-    script = Path(demo_model.__file__).resolve()
+    """Generate the built-in demo model in the engine's model format, with the engine's own Python, once.
+
+    An MLX directory (``demo_model.py``) for engines serving MLX models, a GGUF
+    file (``gguf_model.py``) for those serving GGUF.
+    """
+    formats = specs.load(installation.name).model_formats
+    if "mlx" in formats:
+        script, target = demo_model.__file__, home.models / demo_model.demo_model_dir_name(preset)
+    elif "gguf" in formats:
+        script, target = gguf_model.__file__, home.models / gguf_model.demo_model_file_name(preset)
+    else:
+        raise PlanError(
+            f"{installation.name} serves {', '.join(formats)} models: there is no demo; give --model"
+        )
     result = subprocess.run(
-        [str(installation.python), str(script), "--out", str(target), "--preset", preset],
+        [str(installation.python), str(Path(script).resolve()), "--out", str(target), "--preset", preset],
         stdin=subprocess.DEVNULL,
         check=False,
     )
@@ -74,8 +87,19 @@ def plan(
     host: str = "127.0.0.1",
     port: int | None = None,
     environ: dict[str, str] | None = None,
+    extra_args: Sequence[str] = (),
 ) -> PlannedChild:
-    """Resolve one child: run directory, argv, environment, port, log file."""
+    """Resolve one child: run directory, argv, environment, port, log file.
+
+    ``extra_args`` (per-model engine flags from a config file) follow the
+    spec's argv; they may not set what the gateway fills in itself (the
+    model, its name, the host and the port).
+    """
+    _check_extra_args(spec, extra_args)
+    if spec.model_field == "alias":
+        return _plan_alias(
+            spec, installation, home, model, served_name, host, port, environ, tuple(extra_args)
+        )
     model_dir = Path(model).expanduser()
     local = model_dir.exists()
     if local:
@@ -105,7 +129,74 @@ def plan(
         cuda_home=installation.cuda_home,
         ptx_cache=home.ptx_cache(spec.name) if installation.cuda_home else None,
         offline=local,
+        drop=spec.env_drop,
     )
+    return _planned(
+        spec, installation, home, child_name, name, [*argv, *extra_args], env, run_dir, host, port
+    )
+
+
+def _plan_alias(
+    spec: EngineSpec,
+    installation: Installation,
+    home: Home,
+    model: str,
+    served_name: str | None,
+    host: str,
+    port: int | None,
+    environ: dict[str, str] | None,
+    extra_args: tuple[str, ...],
+) -> PlannedChild:
+    """A child that serves one local model file under a name it is told (llama_cpp.server)."""
+    model_path = Path(model).expanduser()
+    if not model_path.exists():
+        raise PlanError(
+            f"{model_path} does not exist; {spec.name} serves a local {' or '.join(spec.model_formats)} "
+            "file (it downloads nothing)"
+        )
+    try:
+        found = detect_format(model_path)
+    except FormatError as exc:
+        raise PlanError(str(exc)) from None
+    if found not in spec.model_formats:
+        raise PlanError(
+            f"{model_path} is a {found} model; {spec.name} serves {', '.join(spec.model_formats)} models"
+        )
+    model_path = model_path.resolve()
+    name = served_name or model_path.stem
+    check_served_name(name)
+    child_name = f"{spec.name}--{_slug(name)}"
+    # No link is needed: the run directory is only the child's working directory.
+    run_dir = home.run / child_name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    port = port or free_port(host)
+    argv = spec.server_argv(
+        python=str(installation.python), model=str(model_path), served_name=name, host=host, port=port
+    )
+    env = child_env(
+        os.environ if environ is None else environ,
+        venv=installation.venv,
+        cuda_home=installation.cuda_home,
+        offline=True,
+        drop=spec.env_drop,
+    )
+    return _planned(
+        spec, installation, home, child_name, name, [*argv, *extra_args], env, run_dir, host, port
+    )
+
+
+def _planned(
+    spec: EngineSpec,
+    installation: Installation,
+    home: Home,
+    child_name: str,
+    name: str,
+    argv: list[str],
+    env: dict[str, str],
+    run_dir: Path,
+    host: str,
+    port: int,
+) -> PlannedChild:
     config = ChildConfig(
         name=child_name,
         served_model=name,
@@ -125,46 +216,21 @@ def plan(
     return PlannedChild(config, spec.name, installation.variant, installation.venv, installation.cuda_home)
 
 
-class EngineManager:
-    """Owns the children of one gateway process."""
-
-    def __init__(self, planned: Sequence[PlannedChild], announce: Callable[[str], None] = log.info) -> None:
-        self._announce = announce
-        self._planned = {p.config.name: p for p in planned}
-        self.children = [Child(p.config, on_ready=self._on_ready) for p in planned]
-        self._starters: list[asyncio.Task[None]] = []
-
-    def _on_ready(self, child: Child) -> None:
-        p = self._planned[child.config.name]
-        self._announce(
-            f"engine {p.engine} ({p.variant}) serving {child.config.served_model!r}: venv {p.venv}, "
-            f"CUDA_HOME {p.cuda_home or '-'}, pid {child.pid}, port {child.config.port}, "
-            f"ready in {child.ready_in_s:.1f} s"
-        )
-
-    async def start(self) -> None:
-        """Start every child; readiness is awaited in the background."""
-        self._starters = [asyncio.ensure_future(self._start(child)) for child in self.children]
-
-    async def _start(self, child: Child) -> None:
-        try:
-            await child.ensure_ready()
-        except ChildFailed as exc:
-            # The owner keeps retrying with backoff; say why it is not up yet.
-            self._announce(
-                f"engine child {child.config.name} failed to start: {exc} (log: {child.config.log_path})"
+def _check_extra_args(spec: EngineSpec, extra_args: Sequence[str]) -> None:
+    """Reject extra engine flags that would override what the gateway sets (address, model, name)."""
+    if isinstance(extra_args, str) or not all(isinstance(arg, str) for arg in extra_args):
+        raise PlanError(f"engine arguments must be a list of strings, not {extra_args!r}")
+    reserved = {
+        flag for flag, value in itertools.pairwise(spec.argv) if flag.startswith("-") and "{" in value
+    }
+    for arg in extra_args:
+        flag = arg.split("=", 1)[0]
+        # argparse (both engines' CLIs) also takes a unique prefix of a flag: --po 9 is --port 9.
+        if flag.startswith("--") and len(flag) > 2 and any(r.startswith(flag) for r in reserved):
+            raise PlanError(
+                f"engine argument {arg!r} would override what the gateway sets itself "
+                f"({', '.join(sorted(reserved))})"
             )
-
-    async def wait_ready(self, timeout_s: float | None = None) -> None:
-        """Wait until every child is ready (for tests and scripts)."""
-        async with asyncio.timeout(timeout_s):
-            await asyncio.gather(*(child.ensure_ready() for child in self.children))
-
-    async def shutdown(self) -> None:
-        """Stop every child and reap it."""
-        for task in self._starters:
-            task.cancel()
-        await asyncio.gather(*(child.shutdown() for child in self.children), return_exceptions=True)
 
 
 def _slug(name: str) -> str:

@@ -6,16 +6,24 @@ knows about any particular engine.
 
 from __future__ import annotations
 
+import re
 import string
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
 VARIANTS = ("cpu", "cuda12", "cuda13", "metal")
 CUDA_VARIANTS = frozenset({"cuda12", "cuda13"})
-MODEL_FIELD_MODES = frozenset({"run-dir-symlink"})
-_PLACEHOLDERS = frozenset({"python", "model", "host", "port"})
+# How the child is told the name it serves (see engines/DESIGN.md):
+# run-dir-symlink: {model} is a link named like the served model in the run
+#   directory (an engine that loads whatever the request's model names);
+# alias: {model} is the model's path and {served_name} its name (an engine
+#   that serves one model, whatever the request's model field says).
+MODEL_FIELD_MODES = frozenset({"run-dir-symlink", "alias"})
+_PLACEHOLDERS = frozenset({"python", "model", "served_name", "host", "port"})
+# A PEP 517 config setting, KEY=VALUE, such as cmake.args=-DGGML_CUDA=on.
+_CONFIG_SETTING = re.compile(r"[A-Za-z_][\w.-]*=")
 
 
 class SpecError(ValueError):
@@ -27,6 +35,7 @@ class Readiness:
     path: str
     max_tokens: int
     timeout_s: float
+    # Empty: the engine has no health route; only the generation probe watches it.
     health_path: str
     probe_interval_s: float = 60.0
     probe_timeout_s: float = 300.0
@@ -54,6 +63,17 @@ class EngineSpec:
     readiness: Readiness
     model_field: str
     guards: Guards
+    # uv/pip --config-setting KEY=VALUE per variant, for packages built from
+    # source; uv's cache keys a built wheel on these (not on the environment).
+    config_settings: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # Variables the child must not inherit because the engine reads them.
+    env_drop: tuple[str, ...] = ()
+    # What is compiled at install (e.g. llama-cpp-python); empty: wheels only.
+    builds_from_source: str = ""
+
+    def config_settings_for(self, variant: str) -> tuple[str, ...]:
+        """The build's config settings for ``variant`` (none for most engines)."""
+        return self.config_settings.get(variant, ())
 
     def packages_for(self, variant: str) -> tuple[str, ...]:
         try:
@@ -63,9 +83,17 @@ class EngineSpec:
                 f"engine {self.name} has no {variant!r} variant; it has {', '.join(self.packages)}"
             ) from None
 
-    def server_argv(self, *, python: str, model: str, host: str, port: int) -> list[str]:
+    def server_argv(
+        self, *, python: str, model: str, host: str, port: int, served_name: str | None = None
+    ) -> list[str]:
         """The child's command line, with the template's placeholders filled."""
-        values = {"python": python, "model": model, "host": host, "port": str(port)}
+        values = {
+            "python": python,
+            "model": model,
+            "served_name": model if served_name is None else served_name,
+            "host": host,
+            "port": str(port),
+        }
         return [part.format_map(values) for part in self.argv]
 
 
@@ -116,11 +144,40 @@ def parse(data: dict[str, Any], *, source: str) -> EngineSpec:
     guards = data.get("guards", {})
     if not isinstance(guards, dict):
         raise SpecError(f"{source}: guards must be a table")
-    unknown = {
-        name for part in argv for _, name, _, _ in string.Formatter().parse(part) if name
-    } - _PLACEHOLDERS
+    used = {name for part in argv for _, name, _, _ in string.Formatter().parse(part) if name}
+    unknown = used - _PLACEHOLDERS
     if unknown:
         raise SpecError(f"{source}: server.argv has unknown placeholders {sorted(unknown)}")
+    if mode == "alias" and not {"model", "served_name"} <= used:
+        raise SpecError(
+            f"{source}: model_field.mode alias needs {{model}} and {{served_name}} in server.argv"
+        )
+    health_path = readiness.get("health_path", "")
+    if not isinstance(health_path, str) or (health_path and not health_path.startswith("/")):
+        raise SpecError(f"{source}: readiness.health_path must be a path starting with / (or absent)")
+    install = data.get("install", {})
+    if not isinstance(install, dict):
+        raise SpecError(f"{source}: install must be a table")
+    settings_table = install.get("config_settings", {})
+    if not isinstance(settings_table, dict):
+        raise SpecError(f"{source}: install.config_settings must be a table of variants")
+    config_settings: dict[str, tuple[str, ...]] = {}
+    for variant, settings in settings_table.items():
+        if variant not in packages:
+            raise SpecError(f"{source}: install.config_settings.{variant}: the spec has no such variant")
+        if not isinstance(settings, list) or not all(
+            isinstance(s, str) and _CONFIG_SETTING.match(s) for s in settings
+        ):
+            raise SpecError(
+                f"{source}: install.config_settings.{variant} must be a list of KEY=VALUE strings"
+            )
+        config_settings[variant] = tuple(settings)
+    builds_from_source = install.get("builds_from_source", "")
+    if not isinstance(builds_from_source, str):
+        raise SpecError(f"{source}: install.builds_from_source must be a string")
+    env_drop = server.get("env_drop", [])
+    if not isinstance(env_drop, list) or not all(isinstance(n, str) and n for n in env_drop):
+        raise SpecError(f"{source}: server.env_drop must be a list of variable names")
 
     def number(table: dict[str, Any], key: str, default: float, where: str) -> float:
         value = table.get(key, default)
@@ -148,7 +205,7 @@ def parse(data: dict[str, Any], *, source: str) -> EngineSpec:
             path=need(readiness, "path", str, "readiness."),
             max_tokens=int(number(readiness, "max_tokens", 1, "readiness.")),
             timeout_s=float(number(readiness, "timeout_s", 600.0, "readiness.")),
-            health_path=str(readiness.get("health_path", "")),
+            health_path=health_path,
             probe_interval_s=float(number(readiness, "probe_interval_s", 60.0, "readiness.")),
             probe_timeout_s=float(number(readiness, "probe_timeout_s", 300.0, "readiness.")),
         ),
@@ -157,6 +214,9 @@ def parse(data: dict[str, Any], *, source: str) -> EngineSpec:
             min_max_tokens=int(number(guards, "min_max_tokens", 1, "guards.")),
             require_input=flag(guards, "require_input", False, "guards."),
         ),
+        config_settings=config_settings,
+        env_drop=tuple(env_drop),
+        builds_from_source=builds_from_source,
     )
     if source.endswith(".toml") and spec.name != source.removesuffix(".toml"):
         raise SpecError(f"{source}: name {spec.name!r} does not match the file name")

@@ -90,11 +90,15 @@ class Catalog:
         assert self.home is not None and config.engine is not None
         engine = config.engine
         if engine == "auto":
-            from engines.formats import pick_engine  # type: ignore[import-untyped,unused-ignore]
+            from engines.formats import describe, pick_engine
 
-            assert config.model is not None
-            engine = pick_engine(Path(config.model).expanduser())
-            self.announce(f"model {config.name or config.model!r}: engine auto picked {engine}")
+            if config.model is None:
+                raise ConfigError('engine "auto" needs a model: the engine is picked by its format')
+            model_path = Path(config.model).expanduser()
+            engine = pick_engine(model_path)
+            self.announce(
+                f"engine auto for {config.name or config.model!r}: {describe(model_path)}: {engine}"
+            )
         spec, installation = installing.ensure_installed(
             engine, config.variant, self.home, progress=self.announce
         )
@@ -104,15 +108,18 @@ class Catalog:
             model = str(ensure_demo_model(installation, self.home))
         planned = []
         for index in range(config.replicas):
-            one = plan(spec, installation, self.home, model=model, served_name=config.name, port=free_port())
+            one = plan(
+                spec,
+                installation,
+                self.home,
+                model=model,
+                served_name=config.name,
+                port=free_port(),
+                extra_args=config.engine_args,
+            )
             child = one.config
             name = child.name if config.replicas == 1 else f"{child.name}-{index}"
-            child = dataclasses.replace(
-                child,
-                name=name,
-                argv=(*child.argv, *config.engine_args),
-                log_path=child.log_path.with_name(f"{name}.log"),
-            )
+            child = dataclasses.replace(child, name=name, log_path=child.log_path.with_name(f"{name}.log"))
             planned.append(dataclasses.replace(one, config=child))
         return _Prepared(config, planned[0].config.served_model, spec, tuple(planned))
 

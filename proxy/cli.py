@@ -92,7 +92,8 @@ def _echo(line: str) -> None:
     metavar="ENGINE",
     envvar="BLAZAR_ENGINE",
     show_envvar=True,
-    help="Run an engine child of this version (e.g. mlx-0.32.0), installing it first if needed.",
+    help="Run an engine child of this version (e.g. mlx-0.32.0, llamacpp-0.3.36), installing it first "
+    "if needed; auto picks the newest engine for the --model's format (MLX directory or GGUF file).",
 )
 @click.option(
     "--model",
@@ -106,7 +107,8 @@ def _echo(line: str) -> None:
     metavar="NAME",
     envvar="BLAZAR_SERVED_NAME",
     show_envvar=True,
-    help="The name clients use for the --engine model. [default: the model directory's name]",
+    help="The name clients use for the --engine model. "
+    "[default: the model directory's name, or the GGUF file's name without .gguf]",
 )
 @click.option(
     "--engine-variant",

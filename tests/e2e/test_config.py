@@ -323,11 +323,6 @@ def test_unknown_engine_at_startup_names_the_file_and_model(tmp_path: Path) -> N
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="catalog.Catalog._plan_engine imports engines.formats (pick_engine), which does not exist: "
-    "engine = 'auto' ends in a ModuleNotFoundError traceback",
-)
 def test_auto_engine_with_an_unrecognised_model_is_a_config_error(tmp_path: Path) -> None:
     """engine = "auto" on a directory that holds no model exits non-zero naming the file and model table."""
     path = tmp_path / "blazar.toml"

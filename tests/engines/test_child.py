@@ -141,6 +141,25 @@ async def test_unhealthy_child_is_restarted(tmp_path: Path) -> None:
         await child.shutdown()
 
 
+async def test_child_without_health_path_is_watched_by_the_probe_alone(tmp_path: Path) -> None:
+    """With no health path (llama_cpp.server has none) nothing but the generation probe reaches the child."""
+    child = Child(config(tmp_path, health_path="", probe_interval_s=0.3))
+    try:
+        await child.ensure_ready(15)
+        first = child.pid
+        async with httpx.AsyncClient(trust_env=False) as client:
+            since = len((await client.get(f"{child.config.base_url}/_fake/requests")).json())
+            await asyncio.sleep(1.5)  # 7 health intervals, 5 probe intervals
+            records = (await client.get(f"{child.config.base_url}/_fake/requests")).json()[since:]
+        # Polling "" would GET / (a 404 here) and restart the child after two failures.
+        assert child.pid == first and child.ready and child.restarts == 0
+        paths = [r["path"] for r in records]
+        assert len(paths) >= 2
+        assert set(paths) == {"/v1/chat/completions"}
+    finally:
+        await child.shutdown()
+
+
 async def test_child_whose_generation_hangs_is_restarted(tmp_path: Path) -> None:
     """A child that answers /health but no longer generates is restarted after the probe deadline."""
     port = free_port()

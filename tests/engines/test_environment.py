@@ -55,6 +55,15 @@ def test_unrelated_variables_are_kept() -> None:
     assert env["LANG"] == "C.UTF-8"
 
 
+def test_engine_settings_named_in_drop_are_dropped_in_any_case() -> None:
+    """Variables an engine reads as settings (HOST, port, Model) are dropped whatever their case."""
+    base = {**BASE, "HOST": "0.0.0.0", "port": "9", "Model": "/x.gguf", "HOSTNAME": "box"}
+    env = child_env(base, venv=VENV, drop=("HOST", "PORT", "model"))
+    assert "HOST" not in env and "port" not in env and "Model" not in env
+    assert env["HOSTNAME"] == "box"
+    assert child_env(base, venv=VENV)["HOST"] == "0.0.0.0"
+
+
 def test_cuda_home_and_ptx_cache_only_when_given() -> None:
     """CUDA_HOME and MLX_PTX_CACHE_DIR are set to the engine's own dirs when given, absent otherwise."""
     plain = child_env(BASE, venv=VENV)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,11 +39,22 @@ class FakeInstaller:
 
     def __init__(self, *, runtime_headers: bool = True, fail: bool = False) -> None:
         self.calls: list[tuple[Path, tuple[str, ...]]] = []
+        self.config_settings: list[tuple[str, ...]] = []
         self.runtime_headers = runtime_headers
         self.fail = fail
 
-    def __call__(self, venv: Path, packages: tuple[str, ...], python: str, progress: Progress) -> str:
+    def __call__(
+        self,
+        venv: Path,
+        packages: tuple[str, ...],
+        python: str,
+        progress: Progress,
+        *,
+        config_settings: tuple[str, ...] = (),
+        builds_from_source: str = "",
+    ) -> str:
         self.calls.append((venv, packages))
+        self.config_settings.append(config_settings)
         python_path = venv / "bin" / "python"
         python_path.parent.mkdir(parents=True)
         python_path.write_text(FAKE_PYTHON)
@@ -179,7 +193,9 @@ def test_manifest_is_written_last(
     """No manifest exists while the venv is being made: it is the last thing install() writes."""
     seen: list[bool] = []
 
-    def installing(venv: Path, packages: tuple[str, ...], python: str, progress: Progress) -> str:
+    def installing(
+        venv: Path, packages: tuple[str, ...], python: str, progress: Progress, **_: object
+    ) -> str:
         seen.append(home.manifest(NAME).exists())
         return installer(venv, packages, python, progress)
 
@@ -231,7 +247,9 @@ def test_failed_install_after_interrupt_leaves_nothing(
 ) -> None:
     """An install interrupted by KeyboardInterrupt is cleaned up like any failure."""
 
-    def interrupted(venv: Path, packages: tuple[str, ...], python: str, progress: Progress) -> str:
+    def interrupted(
+        venv: Path, packages: tuple[str, ...], python: str, progress: Progress, **_: object
+    ) -> str:
         venv.mkdir(parents=True)
         raise KeyboardInterrupt
 
@@ -292,3 +310,169 @@ def test_find_uv_returns_a_runnable_binary() -> None:
     assert uv is not None
     result = subprocess.run([uv, "--version"], capture_output=True, text=True, check=True, timeout=30)
     assert result.stdout.startswith("uv ")
+
+
+def test_config_settings_reach_the_installer_and_the_manifest(
+    home: Home, spec: EngineSpec, installer: FakeInstaller
+) -> None:
+    """A variant's config settings go to the installer, are recorded, and a change reinstalls."""
+    built = dataclasses.replace(spec, config_settings={"cpu": ("cmake.args=-DGGML_NATIVE=OFF",)})
+    result = install(built, "cpu", home)
+    assert installer.config_settings == [("cmake.args=-DGGML_NATIVE=OFF",)]
+    assert read_manifest(home, NAME) == result
+    assert result.config_settings == ("cmake.args=-DGGML_NATIVE=OFF",)
+    install(built, "cpu", home)
+    assert len(installer.calls) == 1
+    changed = dataclasses.replace(spec, config_settings={"cpu": ("cmake.args=-DGGML_NATIVE=ON",)})
+    install(changed, "cpu", home)
+    assert len(installer.calls) == 2
+
+
+# A stand-in uv: records each command line and makes a venv-shaped tree. Its offline
+# install does what FAKE_UV_OFFLINE says: ok (a cache hit), build-fail (starts a build
+# that fails), anything else (not cached: fails before building).
+FAKE_UV = """#!/bin/sh
+printf '%s\\n' "$*" >> "$FAKE_UV_LOG"
+case "$1 $2" in
+    "--version "*) echo "uv 0.0.0" ;;
+    "cache dir") echo "/fake/uv-cache" ;;
+    "venv "*) for last in "$@"; do :; done; mkdir -p "$last/bin" ;;
+    "pip install")
+        case " $* " in
+            *" --offline "*)
+                case "$FAKE_UV_OFFLINE" in
+                    ok) echo "Resolved 2 packages (offline)" >&2 ;;
+                    build-fail) echo "   Building llama-cpp-python==0.3.36" >&2
+                                echo "DEBUG [1/2] g++ -c a.cpp" >&2
+                                echo "error: a.cpp: no such file" >&2; exit 1 ;;
+                    *) echo "error: not in the cache (offline)" >&2; exit 1 ;;
+                esac ;;
+        esac
+        echo "Installed 2 packages" >&2 ;;
+esac
+"""
+
+
+@pytest.fixture
+def fake_uv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fake uv binary that find_uv() returns; yields the file it logs its command lines to."""
+    binary = tmp_path / "uv"
+    binary.write_text(FAKE_UV)
+    binary.chmod(0o755)
+    log = tmp_path / "uv.log"
+    monkeypatch.setattr(engines.install, "find_uv", lambda: str(binary))
+    monkeypatch.setenv("FAKE_UV_LOG", str(log))
+    monkeypatch.delenv("FAKE_UV_OFFLINE", raising=False)
+    return log
+
+
+def pip_installs(log: Path) -> list[list[str]]:
+    return [line.split() for line in log.read_text().splitlines() if line.startswith("pip install")]
+
+
+def install_llamacpp(tmp_path: Path, lines: list[str]) -> None:
+    engines.install._make_venv_and_install(
+        tmp_path / "venv",
+        ("llama-cpp-python[server]==0.3.36",),
+        sys.executable,
+        lines.append,
+        config_settings=("cmake.args=-DGGML_CUDA=on",),
+        builds_from_source="llama-cpp-python",
+    )
+
+
+def test_source_build_not_in_the_cache_is_built_online(
+    tmp_path: Path, fake_uv: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An engine built from source is tried offline first; not cached, it is installed online."""
+    lines: list[str] = []
+    install_llamacpp(tmp_path, lines)
+    offline, online = pip_installs(fake_uv)
+    assert "--offline" in offline and "--offline" not in online
+    for argv in (offline, online):
+        assert "-v" in argv
+        assert argv[argv.index("--config-setting") + 1] == "cmake.args=-DGGML_CUDA=on"
+        assert argv[-1] == "llama-cpp-python[server]==0.3.36"
+        for flag in ("--no-cache", "-n", "--reinstall", "--refresh", "--no-build-isolation", "--no-build"):
+            assert flag not in argv
+    assert any("compiled from source" in line and "/fake/uv-cache" in line for line in lines)
+    # The failed offline attempt's own error is not shown: it is not the user's problem.
+    assert "not in the cache" not in capsys.readouterr().err
+
+
+def test_source_build_found_in_the_cache_is_not_built_again(
+    tmp_path: Path, fake_uv: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """When the offline install works there is no online one, and its output and a note are shown."""
+    monkeypatch.setenv("FAKE_UV_OFFLINE", "ok")
+    lines: list[str] = []
+    install_llamacpp(tmp_path, lines)
+    assert len(pip_installs(fake_uv)) == 1
+    assert any("installed from uv's cache, nothing compiled" in line for line in lines)
+    assert not any("compiled from source" in line for line in lines)
+    assert "Resolved 2 packages (offline)" in capsys.readouterr().err
+
+
+def test_source_build_that_fails_offline_is_not_built_twice(
+    tmp_path: Path, fake_uv: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A build that started offline and failed fails the install, with its output, without a second build."""
+    monkeypatch.setenv("FAKE_UV_OFFLINE", "build-fail")
+    with pytest.raises(InstallError, match="building llama-cpp-python failed"):
+        install_llamacpp(tmp_path, [])
+    assert len(pip_installs(fake_uv)) == 1
+    err = capsys.readouterr().err
+    assert "Building llama-cpp-python" in err and "a.cpp: no such file" in err
+    assert "DEBUG" not in err
+
+
+def test_wheel_only_engine_installs_online_at_once(tmp_path: Path, fake_uv: Path) -> None:
+    """An engine of wheels only (mlx) makes no offline attempt: one online install."""
+    engines.install._make_venv_and_install(
+        tmp_path / "venv", ("mlx-lm==0.32.0",), sys.executable, lambda line: None
+    )
+    (online,) = pip_installs(fake_uv)
+    assert "--offline" not in online and "--config-setting" not in online
+
+
+# Prints like `uv pip install -v` during a build: DEBUG lines with ninja's counter, then plain lines.
+_NOISY_BUILD = """
+import sys, time
+print("Resolved 3 packages", flush=True)
+for i in range(1, 4):
+    print(f"DEBUG [{i}/3] g++ -c file{i}.cpp", flush=True)
+    time.sleep(0.25)
+print("Installed 3 packages", flush=True)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def test_run_passes_output_on_and_reports_build_steps_while_busy() -> None:
+    """_run forwards plain lines, hides DEBUG lines, and says every heartbeat how far the build is."""
+    out = io.StringIO()
+    lines: list[str] = []
+    engines.install._run(
+        [sys.executable, "-c", _NOISY_BUILD, "0"], {}, lines.append, heartbeat_s=0.2, output=out
+    )
+    assert out.getvalue() == "Resolved 3 packages\nInstalled 3 packages\n"
+    assert len(lines) >= 2
+    assert all(line.startswith("still installing: ") for line in lines)
+    assert any("build step" in line for line in lines)
+    steps = [line.rsplit(" ", 1)[-1] for line in lines if "build step" in line]
+    assert steps == sorted(steps) and set(steps) <= {"1/3", "2/3", "3/3"}
+
+
+def test_run_failure_names_the_command_and_exit_code() -> None:
+    """A failing installer command raises InstallError with its exit code, after passing its output on."""
+    out = io.StringIO()
+    with pytest.raises(InstallError, match="exit code 3"):
+        engines.install._run(
+            [sys.executable, "-c", _NOISY_BUILD, "3"], {}, lambda line: None, heartbeat_s=5, output=out
+        )
+    assert "Installed 3 packages" in out.getvalue()
+
+
+def test_run_of_a_missing_program_is_an_install_error() -> None:
+    """A program that cannot be started is an InstallError naming it, not an OSError."""
+    with pytest.raises(InstallError, match="cannot run /nonexistent/uv"):
+        engines.install._run(["/nonexistent/uv", "--version"], {}, lambda line: None)

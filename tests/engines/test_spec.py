@@ -203,3 +203,104 @@ def test_parse_rejects_string_boolean_guard() -> None:
     data["guards"]["require_input"] = "false"
     with pytest.raises(SpecError, match="require_input"):
         parse(data, source=f"{SHIPPED}.toml")
+
+
+LLAMACPP = "llamacpp-0.3.36"
+
+
+def llamacpp_table() -> dict[str, Any]:
+    """A fresh copy of the shipped llamacpp-0.3.36 TOML table, for mutating."""
+    text = (resources.files("engines") / "specs" / f"{LLAMACPP}.toml").read_text(encoding="utf-8")
+    return copy.deepcopy(tomllib.loads(text))
+
+
+def test_llamacpp_spec_serves_gguf_through_an_alias() -> None:
+    """llamacpp-0.3.36 is kind llamacpp, serves GGUF, one request at a time, over HTTP/1.1, named by alias."""
+    spec = load(LLAMACPP)
+    assert (spec.kind, spec.version, spec.model_formats) == ("llamacpp", "0.3.36", ("gguf",))
+    assert spec.model_field == "alias"
+    assert spec.batch_size == 1
+    assert spec.http_version == "1.1"
+    assert spec.packages_for("cpu") == ("llama-cpp-python[server]==0.3.36", "gguf==0.19.0")
+    assert spec.builds_from_source == "llama-cpp-python"
+    assert spec.config_settings_for("cpu") == ()
+    assert spec.guards == Guards(min_max_tokens=1, require_input=True)
+
+
+def test_llamacpp_argv_names_the_file_and_the_served_name() -> None:
+    """The child gets the GGUF file as --model, the served name as --model_alias, and never cuts streams."""
+    argv = load(LLAMACPP).server_argv(
+        python="/v/bin/python", model="/m/tiny.gguf", host="127.0.0.1", port=8123, served_name="org/tiny"
+    )
+    assert argv[:3] == ["/v/bin/python", "-m", "llama_cpp.server"]
+    assert argv[argv.index("--model") + 1] == "/m/tiny.gguf"
+    assert argv[argv.index("--model_alias") + 1] == "org/tiny"
+    assert argv[argv.index("--port") + 1] == "8123"
+    assert argv[argv.index("--interrupt_requests") + 1] == "false"
+
+
+def test_llamacpp_has_no_health_route_and_drops_its_settings_variables() -> None:
+    """Only the generation probe watches llama_cpp.server, and HOST/PORT/API_KEY never reach it."""
+    spec = load(LLAMACPP)
+    assert spec.readiness.health_path == ""
+    assert spec.readiness.path == "/v1/chat/completions"
+    assert {"HOST", "PORT", "API_KEY", "CONFIG_FILE", "MODEL", "N_CTX"} <= set(spec.env_drop)
+
+
+def test_server_argv_served_name_defaults_to_the_model() -> None:
+    """Without a served name, {served_name} is the model argument (what run-dir-symlink engines get)."""
+    data = llamacpp_table()
+    assert (
+        parse(data, source=f"{LLAMACPP}.toml").server_argv(python="p", model="m", host="h", port=1)[6] == "m"
+    )
+
+
+def test_parse_rejects_alias_mode_without_served_name() -> None:
+    """An alias-mode argv without {served_name} is rejected: the child could not know its name."""
+    data = llamacpp_table()
+    argv = data["server"]["argv"]
+    data["server"]["argv"] = [a for a in argv if a not in ("--model_alias", "{served_name}")]
+    with pytest.raises(SpecError, match=r"alias needs \{model\} and \{served_name\}"):
+        parse(data, source=f"{LLAMACPP}.toml")
+
+
+def test_parse_rejects_a_health_path_that_is_not_a_path() -> None:
+    """readiness.health_path must start with / when given."""
+    data = llamacpp_table()
+    data["readiness"]["health_path"] = "health"
+    with pytest.raises(SpecError, match="health_path"):
+        parse(data, source=f"{LLAMACPP}.toml")
+
+
+def test_config_settings_are_per_variant_key_value_pairs() -> None:
+    """install.config_settings gives each variant its --config-setting values; others get none."""
+    data = llamacpp_table()
+    data["install"]["config_settings"] = {"metal": ["cmake.args=-DGGML_METAL=on"]}
+    spec = parse(data, source=f"{LLAMACPP}.toml")
+    assert spec.config_settings_for("metal") == ("cmake.args=-DGGML_METAL=on",)
+    assert spec.config_settings_for("cpu") == ()
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"cuda12": ["cmake.args=-DGGML_CUDA=on"]}, "no such variant"),
+        ({"cpu": ["-DGGML_NATIVE=OFF"]}, "KEY=VALUE"),
+        ({"cpu": "cmake.args=x"}, "KEY=VALUE"),
+        (["cmake.args=x"], "table of variants"),
+    ],
+)
+def test_parse_rejects_bad_config_settings(settings: Any, message: str) -> None:
+    """Config settings for a variant without packages, or not KEY=VALUE strings, are rejected."""
+    data = llamacpp_table()
+    data["install"]["config_settings"] = settings
+    with pytest.raises(SpecError, match=message):
+        parse(data, source=f"{LLAMACPP}.toml")
+
+
+def test_parse_rejects_env_drop_that_is_not_a_list_of_names() -> None:
+    """server.env_drop must be a list of non-empty strings."""
+    data = llamacpp_table()
+    data["server"]["env_drop"] = "HOST PORT"
+    with pytest.raises(SpecError, match="env_drop"):
+        parse(data, source=f"{LLAMACPP}.toml")

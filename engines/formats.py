@@ -1,0 +1,111 @@
+"""What format a model on disk is in, and which engine serves it (``engine = "auto"``).
+
+Two formats are known: an MLX model directory (``config.json`` and
+``*.safetensors``, what mlx_lm.server loads) and a GGUF file (what llama.cpp
+loads). The evidence is read from the files, not guessed from names alone: a
+``.gguf`` file must start with the GGUF magic, and a directory's config.json
+must be a JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Literal
+
+from engines import spec as specs
+from engines.spec import EngineSpec
+
+Format = Literal["mlx", "gguf"]
+
+GGUF_MAGIC = b"GGUF"
+
+
+class FormatError(ValueError):
+    """A path that is not a model in a known format; the message says what was found."""
+
+
+def detect_format(path: str | Path) -> Format:
+    """Return the format of the model at ``path``, or raise FormatError saying what is there."""
+    model = Path(path).expanduser()
+    if model.is_dir():
+        return _directory_format(model)
+    if model.is_file():
+        return _file_format(model)
+    if model.exists():
+        raise FormatError(f"{model} is neither a file nor a directory")
+    raise FormatError(f"{model} does not exist")
+
+
+def describe(path: str | Path) -> str:
+    """One line of evidence for the format of ``path`` (for startup messages)."""
+    model = Path(path).expanduser()
+    kind = detect_format(model)
+    if kind == "gguf":
+        return f"{model.name}: GGUF file ({model.stat().st_size / 1e6:.1f} MB)"
+    config = json.loads((model / "config.json").read_text(encoding="utf-8"))
+    quantized = config.get("quantization") or config.get("quantization_config")
+    bits = f", {quantized.get('bits')}-bit quantized" if isinstance(quantized, dict) else ""
+    return f"{model.name}: MLX directory, model_type {config.get('model_type', '?')}{bits}"
+
+
+def pick_engine(path: str | Path) -> str:
+    """The name of the newest shipped engine version that serves the format of the model at ``path``."""
+    kind = detect_format(path)
+    try:
+        return newest_engine(kind, [specs.load(name) for name in specs.available()])
+    except FormatError as exc:
+        raise FormatError(f"{Path(path)}: {exc}") from None
+
+
+def newest_engine(kind: str, candidates: Iterable[EngineSpec]) -> str:
+    """The name of the highest version among ``candidates`` whose model formats include ``kind``."""
+    looked_at = list(candidates)
+    serving = [spec for spec in looked_at if kind in spec.model_formats]
+    if not serving:
+        names = ", ".join(spec.name for spec in looked_at) or "none"
+        raise FormatError(f"no engine serves {kind} models; engines looked at: {names}")
+    return max(serving, key=lambda spec: (_version_key(spec.version), spec.name)).name
+
+
+def _directory_format(model: Path) -> Format:
+    config = model / "config.json"
+    weights = sorted(p.name for p in model.glob("*.safetensors"))
+    ggufs = sorted(p.name for p in model.glob("*.gguf"))
+    if config.is_file() and weights:
+        try:
+            doc = json.loads(config.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise FormatError(f"{model}: config.json is not readable JSON ({exc})") from None
+        if not isinstance(doc, dict):
+            raise FormatError(f"{model}: config.json is not a JSON object")
+        return "mlx"
+    found = ", ".join(sorted(p.name for p in model.iterdir())[:8]) or "nothing"
+    if ggufs:
+        raise FormatError(
+            f"{model} is a directory holding GGUF files ({', '.join(ggufs)}): give the .gguf file itself"
+        )
+    missing = "config.json" if not config.is_file() else "*.safetensors weights"
+    raise FormatError(f"{model} is not an MLX model directory: it has no {missing} (found: {found})")
+
+
+def _file_format(model: Path) -> Format:
+    try:
+        with model.open("rb") as f:
+            head = f.read(len(GGUF_MAGIC))
+    except OSError as exc:
+        raise FormatError(f"{model} cannot be read: {exc}") from None
+    if head == GGUF_MAGIC:
+        return "gguf"
+    if model.suffix == ".gguf":
+        raise FormatError(f"{model} is named .gguf but does not start with the GGUF magic (found {head!r})")
+    if model.suffix == ".safetensors":
+        raise FormatError(f"{model} is a weights file: give the MLX model directory that holds it")
+    raise FormatError(f"{model} is not a GGUF file (it starts with {head!r}) nor an MLX model directory")
+
+
+def _version_key(version: str) -> tuple[int, ...]:
+    """Order versions by their numbers: 0.3.36 after 0.3.9."""
+    return tuple(int(n) for n in re.findall(r"\d+", version))

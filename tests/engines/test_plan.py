@@ -1,0 +1,242 @@
+"""engines.manager.plan and ensure_demo_model: from "engine E, model M" to a child's config."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from engines.environment import ServedNameError
+from engines.home import Home
+from engines.install import Installation
+from engines.manager import PlanError, ensure_demo_model, plan
+from engines.spec import EngineSpec, load
+
+MLX = "mlx-0.32.0"
+LLAMACPP = "llamacpp-0.3.36"
+
+
+def installation(home: Home, name: str) -> Installation:
+    venv = home.venv(name)
+    return Installation(
+        name=name,
+        variant="cpu",
+        packages=(),
+        venv=venv,
+        cuda_home=None,
+        installer="uv",
+        installed_at=time.time(),
+    )
+
+
+def gguf(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(24))
+    return path
+
+
+def mlx_model(path: Path) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    (path / "model.safetensors").write_bytes(b"\x08")
+    return path
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Home:
+    return Home(tmp_path / "blazar")
+
+
+@pytest.fixture
+def llamacpp() -> EngineSpec:
+    return load(LLAMACPP)
+
+
+def flag(argv: tuple[str, ...], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_gguf_file_is_served_under_its_stem(home: Home, llamacpp: EngineSpec, tmp_path: Path) -> None:
+    """A .gguf file becomes --model FILE with --model_alias its stem, in a run dir with no link."""
+    model = gguf(tmp_path / "models" / "Qwen2.5-0.5B-Q4_K_M.gguf")
+    planned = plan(llamacpp, installation(home, LLAMACPP), home, model=str(model), port=8123)
+    config = planned.config
+    assert config.served_model == "Qwen2.5-0.5B-Q4_K_M"
+    assert config.name == f"{LLAMACPP}--Qwen2.5-0.5B-Q4_K_M"
+    assert config.argv[:3] == (str(home.venv(LLAMACPP) / "bin" / "python"), "-m", "llama_cpp.server")
+    assert flag(config.argv, "--model") == str(model.resolve())
+    assert flag(config.argv, "--model_alias") == "Qwen2.5-0.5B-Q4_K_M"
+    assert flag(config.argv, "--port") == "8123"
+    assert config.cwd == home.run / config.name and config.cwd.is_dir()
+    assert list(config.cwd.iterdir()) == []
+    assert config.health_path == ""
+    assert config.log_path == home.logs / f"{config.name}.log"
+
+
+def test_served_name_overrides_the_stem(home: Home, llamacpp: EngineSpec, tmp_path: Path) -> None:
+    """--served-name org/tiny names the child's alias; the file stays the model."""
+    model = gguf(tmp_path / "tiny.gguf")
+    planned = plan(llamacpp, installation(home, LLAMACPP), home, model=str(model), served_name="org/tiny")
+    assert planned.config.served_model == "org/tiny"
+    assert flag(planned.config.argv, "--model_alias") == "org/tiny"
+    assert flag(planned.config.argv, "--model") == str(model)
+
+
+def test_gguf_child_environment_drops_engine_settings(
+    home: Home, llamacpp: EngineSpec, tmp_path: Path
+) -> None:
+    """HOST, PORT and API_KEY from the gateway's environment never reach llama_cpp.server."""
+    environ = {"PATH": "/usr/bin", "HOST": "0.0.0.0", "PORT": "80", "api_key": "sk-x", "LANG": "C.UTF-8"}
+    planned = plan(
+        llamacpp, installation(home, LLAMACPP), home, model=str(gguf(tmp_path / "m.gguf")), environ=environ
+    )
+    env = planned.config.env
+    assert "HOST" not in env and "PORT" not in env and "api_key" not in env
+    assert env["LANG"] == "C.UTF-8"
+    assert env["PATH"].startswith(str(home.venv(LLAMACPP) / "bin"))
+
+
+def test_extra_args_follow_the_spec_argv(home: Home, llamacpp: EngineSpec, tmp_path: Path) -> None:
+    """Per-model engine arguments are appended to the child's argv, in order, for both engine kinds."""
+    model = gguf(tmp_path / "m.gguf")
+    planned = plan(
+        llamacpp, installation(home, LLAMACPP), home, model=str(model), extra_args=["--n_ctx", "8192"]
+    )
+    assert planned.config.argv[-2:] == ("--n_ctx", "8192")
+    without = plan(llamacpp, installation(home, LLAMACPP), home, model=str(model), port=planned.config.port)
+    assert planned.config.argv == (*without.config.argv, "--n_ctx", "8192")
+    mlx = plan(
+        load(MLX),
+        installation(home, MLX),
+        home,
+        model=str(mlx_model(tmp_path / "mlx-model")),
+        extra_args=("--decode-concurrency", "8"),
+    )
+    assert mlx.config.argv[-2:] == ("--decode-concurrency", "8")
+
+
+@pytest.mark.parametrize("args", [["--port", "9"], ["--host=0.0.0.0"], ["--model_alias", "x"], ["--po", "9"]])
+def test_extra_args_may_not_override_what_the_gateway_sets(
+    home: Home, llamacpp: EngineSpec, tmp_path: Path, args: list[str]
+) -> None:
+    """An extra argument setting the port, host, model or alias (or an argparse prefix of one) is refused."""
+    with pytest.raises(PlanError, match="would override what the gateway sets"):
+        plan(
+            llamacpp,
+            installation(home, LLAMACPP),
+            home,
+            model=str(gguf(tmp_path / "m.gguf")),
+            extra_args=args,
+        )
+
+
+def test_extra_args_must_be_a_list_of_strings(home: Home, llamacpp: EngineSpec, tmp_path: Path) -> None:
+    """A bare string for extra_args (a config-file slip) is refused, not split into characters."""
+    with pytest.raises(PlanError, match="list of strings"):
+        plan(
+            llamacpp,
+            installation(home, LLAMACPP),
+            home,
+            model=str(gguf(tmp_path / "m.gguf")),
+            extra_args="--n_ctx 8",
+        )
+
+
+def test_gguf_engine_refuses_an_mlx_directory(home: Home, llamacpp: EngineSpec, tmp_path: Path) -> None:
+    """Giving llamacpp an MLX directory fails at plan time, naming the format found and the one served."""
+    with pytest.raises(PlanError, match=r"is a mlx model; llamacpp-0\.3\.36 serves gguf models"):
+        plan(llamacpp, installation(home, LLAMACPP), home, model=str(mlx_model(tmp_path / "qwen")))
+
+
+def test_gguf_engine_refuses_a_missing_file_and_a_fake_gguf(
+    home: Home, llamacpp: EngineSpec, tmp_path: Path
+) -> None:
+    """A missing path says nothing is downloaded; a .gguf without the magic says so."""
+    with pytest.raises(PlanError, match="downloads nothing"):
+        plan(llamacpp, installation(home, LLAMACPP), home, model="Qwen/Qwen2.5-0.5B-GGUF")
+    fake = tmp_path / "fake.gguf"
+    fake.write_text("<html>not found</html>")
+    with pytest.raises(PlanError, match="GGUF magic"):
+        plan(llamacpp, installation(home, LLAMACPP), home, model=str(fake))
+
+
+def test_gguf_served_name_is_checked(home: Home, llamacpp: EngineSpec, tmp_path: Path) -> None:
+    """Served names follow the same rules for every engine: no '..' components."""
+    with pytest.raises(ServedNameError):
+        plan(
+            llamacpp,
+            installation(home, LLAMACPP),
+            home,
+            model=str(gguf(tmp_path / "m.gguf")),
+            served_name="a/../b",
+        )
+
+
+def test_mlx_plan_is_unchanged(home: Home, tmp_path: Path) -> None:
+    """mlx keeps its run-dir symlink: --model is the served name, linked to the directory, /health watched."""
+    model = mlx_model(tmp_path / "Qwen2-tiny")
+    planned = plan(load(MLX), installation(home, MLX), home, model=str(model), port=8124)
+    config = planned.config
+    assert config.served_model == "Qwen2-tiny"
+    assert config.argv == (
+        str(home.venv(MLX) / "bin" / "python"),
+        "-m",
+        "mlx_lm.server",
+        "--model",
+        "Qwen2-tiny",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "8124",
+    )
+    assert (config.cwd / "Qwen2-tiny").resolve() == model.resolve()
+    assert config.health_path == "/health"
+    assert config.env["HF_HUB_OFFLINE"] == "1"
+
+
+# A stand-in engine python: runs the demo script's argument parser only as far as
+# recording its arguments, then creates the --out path as the real script would.
+RECORDING_PYTHON = """#!/bin/sh
+printf '%s\\n' "$@" > "$(dirname "$0")/args"
+while [ $# -gt 0 ]; do
+    if [ "$1" = "--out" ]; then mkdir -p "$(dirname "$2")"; : > "$2"; fi
+    shift
+done
+"""
+
+
+def recording_installation(home: Home, name: str) -> Installation:
+    install = installation(home, name)
+    install.python.parent.mkdir(parents=True)
+    install.python.write_text(RECORDING_PYTHON)
+    install.python.chmod(0o755)
+    return install
+
+
+@pytest.mark.parametrize(
+    ("engine", "script", "target"),
+    [
+        (LLAMACPP, "gguf_model.py", "blazar-demo-llama-tiny.gguf"),
+        (MLX, "demo_model.py", "blazar-demo-qwen2-tiny"),
+    ],
+)
+def test_demo_model_matches_the_engine_format(home: Home, engine: str, script: str, target: str) -> None:
+    """ensure_demo_model runs the GGUF generator for llama.cpp and the MLX one for mlx."""
+    install = recording_installation(home, engine)
+    path = ensure_demo_model(install, home)
+    args = (install.python.parent / "args").read_text().splitlines()
+    assert Path(args[0]).name == script and Path(args[0]).is_absolute()
+    assert args[1:] == ["--out", str(home.models / target), "--preset", "tiny"]
+    assert path == home.models / target
+
+
+def test_demo_model_failure_is_a_plan_error(home: Home) -> None:
+    """A generator that fails makes a PlanError naming the target and the exit code."""
+    install = installation(home, LLAMACPP)
+    install.python.parent.mkdir(parents=True)
+    install.python.write_text("#!/bin/sh\nexit 3\n")
+    install.python.chmod(0o755)
+    with pytest.raises(PlanError, match=r"blazar-demo-llama-tiny\.gguf failed \(exit code 3\)"):
+        ensure_demo_model(install, home)
