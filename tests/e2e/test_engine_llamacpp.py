@@ -314,7 +314,9 @@ def test_engine_auto_picks_llamacpp_for_a_gguf_file(gguf_file: Path, logs_dir: P
     """`--engine auto --model FILE.gguf` detects GGUF, says so, and starts the llama.cpp engine."""
     gateway = start_gateway(logs_dir, "--engine", "auto", "--model", str(gguf_file))
     try:
-        assert f"engine auto: {SERVED}.gguf: GGUF file" in gateway.log()
+        assert re.search(
+            rf"engine auto for .*: {SERVED}\.gguf: GGUF file.*: {ENGINE}$", gateway.log(), re.MULTILINE
+        )
         assert f"engine {ENGINE} (cpu) serving '{SERVED}'" in gateway.log()
     finally:
         stop(gateway)

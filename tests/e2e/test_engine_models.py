@@ -124,8 +124,8 @@ class ConfigGateway:
                 self.proc.wait()
 
 
-def _model_table(name: str, model: Path, **extra: object) -> str:
-    lines = [f"[models.{name}]", f'engine = "{ENGINE}"', 'variant = "cpu"', f'model = "{model}"']
+def _model_table(name: str, model: Path, engine: str = ENGINE, **extra: object) -> str:
+    lines = [f"[models.{name}]", f'engine = "{engine}"', 'variant = "cpu"', f'model = "{model}"']
     for key, value in extra.items():
         rendered = str(value).lower() if isinstance(value, bool) else repr(value).replace("'", '"')
         lines.append(f"{key.replace('_', '-')} = {rendered}")
@@ -160,7 +160,8 @@ def test_lazy_single_flight_lru_eviction_replicas_and_aliases(
 ) -> None:
     """Cold models start on first use, once for 50 requests; --max-loaded 1 swaps them, never under one."""
     config = "[gateway]\nmax-loaded = 1\n\n" + _model_table("a", demo_model, replicas=2)
-    config += _model_table("b", demo_model, aliases=["gpt-4o-mini"])
+    # b's engine is picked from its model's format: an MLX directory.
+    config += _model_table("b", demo_model, engine="auto", aliases=["gpt-4o-mini"])
     gateway = ConfigGateway(config, tmp_path)
     gateway_factory.append(gateway)
     logs = engine_home() / "logs"
@@ -168,6 +169,7 @@ def test_lazy_single_flight_lru_eviction_replicas_and_aliases(
     # Nothing runs until asked; the gateway is ready all the same (a request would start a model).
     assert gateway.states() == {"a": "unloaded", "b": "unloaded"}
     assert gateway.http.get("/readyz").status_code == 200
+    assert re.search(r"engine auto for 'b': .*: mlx-0\.32\.0", gateway.log()), gateway.log()
 
     # 50 concurrent first requests for b: one child start, all answered.
     statuses = asyncio.run(_concurrent_chats(gateway.url, "b", 50))
