@@ -47,6 +47,9 @@ class Guards:
 
     min_max_tokens: int = 1
     require_input: bool = False
+    # Sampling fields of the wrong type or range: mlx_lm.server closes the
+    # socket without a reply, llama_cpp.server answers 500.
+    check_types: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,6 +216,7 @@ def parse(data: dict[str, Any], *, source: str) -> EngineSpec:
         guards=Guards(
             min_max_tokens=int(number(guards, "min_max_tokens", 1, "guards.")),
             require_input=flag(guards, "require_input", False, "guards."),
+            check_types=flag(guards, "check_types", False, "guards."),
         ),
         config_settings=config_settings,
         env_drop=tuple(env_drop),

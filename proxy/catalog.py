@@ -146,7 +146,9 @@ class Catalog:
             upstream=UpstreamAddress(first.config.host, first.config.port),
             gate=served,
             guards=RequestGuards(
-                min_max_tokens=spec.guards.min_max_tokens, require_input=spec.guards.require_input
+                min_max_tokens=spec.guards.min_max_tokens,
+                require_input=spec.guards.require_input,
+                check_types=spec.guards.check_types,
             ),
             # The engines generate this many at once; more would only queue inside them.
             max_in_flight=config.max_in_flight or self.max_in_flight or batch,

@@ -29,6 +29,9 @@ class RequestGuards:
 
     min_max_tokens: int = 1
     require_input: bool = False
+    # Check the sampling fields' types and ranges (engines answer them with
+    # an empty reply or a 500 otherwise; a client error deserves a 400).
+    check_types: bool = False
 
 
 DEFAULT_GUARDS = RequestGuards()
@@ -74,6 +77,86 @@ def check_request(doc: dict[str, Any], endpoint: bytes, guards: RequestGuards) -
                 )
         elif endpoint == b"/completions" and not isinstance(doc.get("prompt"), (str, list)):
             raise HTTPError(400, "you must provide a prompt", param="prompt", code="invalid_value")
+    if guards.check_types:
+        check_types(doc, endpoint)
+
+
+# Field → (what it must be, a check on the value). Only fields that are present are looked at.
+_NUMBER = (int, float)
+
+
+def _number_at_least(low: float) -> tuple[str, Any]:
+    def ok(value: Any) -> bool:
+        return isinstance(value, _NUMBER) and not isinstance(value, bool) and value >= low
+
+    return f"a number of at least {low:g}", ok
+
+
+def _number_between(low: float, high: float) -> tuple[str, Any]:
+    def ok(value: Any) -> bool:
+        return isinstance(value, _NUMBER) and not isinstance(value, bool) and low <= value <= high
+
+    return f"a number from {low:g} to {high:g}", ok
+
+
+def _integer_at_least(low: int) -> tuple[str, Any]:
+    def ok(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+    return f"an integer of at least {low}", ok
+
+
+def _boolean(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _stop(value: Any) -> bool:
+    return isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
+
+
+def _any_number(value: Any) -> bool:
+    return isinstance(value, _NUMBER) and not isinstance(value, bool)
+
+
+_FIELD_CHECKS: dict[str, tuple[str, Any]] = {
+    "temperature": _number_at_least(0),
+    "top_p": _number_between(0, 1),
+    "min_p": _number_between(0, 1),
+    "top_k": _integer_at_least(0),
+    "n": _integer_at_least(1),
+    "seed": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    "presence_penalty": ("a number", _any_number),
+    "frequency_penalty": ("a number", _any_number),
+    "repetition_penalty": _number_at_least(0),
+    "stream": ("true or false", _boolean),
+    "logprobs": ("true or false", _boolean),
+    "top_logprobs": _integer_at_least(0),
+    "stop": ("a string or a list of strings", _stop),
+}
+
+
+def check_types(doc: dict[str, Any], endpoint: bytes) -> None:
+    """A 400 naming the first sampling field of the wrong type or range, and what it must be."""
+    for field, (expected, ok) in _FIELD_CHECKS.items():
+        value = doc.get(field)
+        if value is not None and not ok(value):
+            raise HTTPError(
+                400,
+                f"{field} must be {expected}, not {orjson.dumps(value).decode()[:80]}",
+                param=field,
+                code="invalid_type",
+            )
+    if endpoint == b"/chat/completions":
+        messages = doc.get("messages")
+        if isinstance(messages, list):
+            for index, message in enumerate(messages):
+                if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                    raise HTTPError(
+                        400,
+                        f"messages[{index}] must be an object with a string role",
+                        param=f"messages[{index}]",
+                        code="invalid_type",
+                    )
 
 
 def extract_model(body: bytes, endpoint: bytes = b"", guards: RequestGuards = DEFAULT_GUARDS) -> str:

@@ -38,7 +38,7 @@ _FAULT_TESTS = {
     "test_upstream_down_is_503_with_retry_after",
     "test_stream_that_dies_raises_api_error",
     "test_empty_reply_is_internal_server_error_502",
-    "test_bad_field_type_gets_502_not_a_hang",
+    "test_bad_field_type_gets_400_not_a_hang",
     "test_crashed_child_comes_back_and_requests_meanwhile_get_503",
     "test_sigterm_stops_gateway_and_reaps_child",
     "test_sigkill_of_gateway_leaves_no_orphan",

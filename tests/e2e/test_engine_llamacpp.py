@@ -253,21 +253,31 @@ def test_guards_answer_400_before_the_engine(gateway: EngineGateway) -> None:
         assert time.monotonic() - started < 2.0
 
 
-def test_bad_field_type_gets_an_openai_error(gateway: EngineGateway) -> None:
-    """A field the engine cannot parse comes back as an OpenAI-shaped error naming it; openai raises."""
+def test_bad_field_type_gets_a_400_at_the_gateway(gateway: EngineGateway) -> None:
+    """A sampling field of the wrong type gets a 400 naming it, before the engine (which would say 500)."""
     with httpx.Client(trust_env=False, timeout=30) as http:
         response = http.post(f"{gateway.url}/v1/chat/completions", json=chat("x", 2, temperature="hot"))
-    assert response.status_code == 500  # llama_cpp.server answers validation errors with 500
+    assert response.status_code == 400
     error = response.json()["error"]
-    assert set(error) >= {"message", "type", "param", "code"}
-    assert "temperature" in error["message"] and "valid number" in error["message"]
-    with client(gateway.url) as c, pytest.raises(openai.InternalServerError, match="temperature"):
+    assert error["param"] == "temperature" and error["code"] == "invalid_type"
+    with client(gateway.url) as c, pytest.raises(openai.BadRequestError, match="temperature"):
         c.chat.completions.create(
             model=SERVED,
             messages=[{"role": "user", "content": "x"}],
             max_tokens=2,
             extra_body={"temperature": "hot"},
         )
+
+
+def test_engine_validation_error_is_relayed_in_openai_shape(gateway: EngineGateway) -> None:
+    """A field the gateway does not check but the engine refuses comes back OpenAI-shaped, naming it."""
+    with httpx.Client(trust_env=False, timeout=30) as http:
+        response = http.post(f"{gateway.url}/v1/chat/completions", json=chat("x", 2, logit_bias="hot"))
+    # llama_cpp.server answers its validation errors with 500; the gateway keeps the status.
+    assert response.status_code == 500, response.text
+    error = response.json()["error"]
+    assert set(error) >= {"message", "type", "param", "code"}
+    assert "logit_bias" in error["message"]
 
 
 def test_a_waiting_request_does_not_cut_a_stream_short(gateway: EngineGateway) -> None:

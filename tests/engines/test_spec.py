@@ -91,7 +91,7 @@ def test_server_argv_fills_the_placeholders() -> None:
 
 def test_guards_are_read_from_the_toml() -> None:
     """The guards table (min_max_tokens 1, require_input true) reaches the spec."""
-    assert load(SHIPPED).guards == Guards(min_max_tokens=1, require_input=True)
+    assert load(SHIPPED).guards == Guards(min_max_tokens=1, require_input=True, check_types=True)
 
 
 def test_readiness_and_server_values_are_read_from_the_toml() -> None:
@@ -224,7 +224,7 @@ def test_llamacpp_spec_serves_gguf_through_an_alias() -> None:
     assert spec.packages_for("cpu") == ("llama-cpp-python[server]==0.3.36", "gguf==0.19.0")
     assert spec.builds_from_source == "llama-cpp-python"
     assert spec.config_settings_for("cpu") == ()
-    assert spec.guards == Guards(min_max_tokens=1, require_input=True)
+    assert spec.guards == Guards(min_max_tokens=1, require_input=True, check_types=True)
 
 
 def test_llamacpp_argv_names_the_file_and_the_served_name() -> None:

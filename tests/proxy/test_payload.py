@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from proxy.errors import HTTPError
-from proxy.payload import extract_model
+from proxy.payload import RequestGuards, extract_model
 
 
 def body_of(**fields: Any) -> bytes:
@@ -117,3 +117,61 @@ def test_error_body_of_a_rejection_is_openai_shaped() -> None:
             "code": "invalid_value",
         }
     }
+
+
+TYPED = RequestGuards(check_types=True)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", "hot"),
+        ("temperature", -0.1),
+        ("temperature", True),
+        ("top_p", 1.5),
+        ("top_k", 2.5),
+        ("n", 0),
+        ("seed", "1"),
+        ("presence_penalty", "x"),
+        ("stream", "yes"),
+        ("logprobs", 1),
+        ("stop", ["a", 2]),
+        ("stop", 5),
+    ],
+)
+def test_checked_fields_of_the_wrong_type_or_range_are_400s_naming_them(field: str, value: Any) -> None:
+    """With check_types, a sampling field of the wrong type or range is a 400 naming the field."""
+    with pytest.raises(HTTPError) as info:
+        extract_model(body_of(model="m", **{field: value}), b"/chat/completions", TYPED)
+    assert info.value.status == 400 and info.value.param == field and info.value.code == "invalid_type"
+
+
+def test_well_typed_fields_pass_the_type_check() -> None:
+    """Ordinary values of every checked field pass, and absent or null fields are not looked at."""
+    body = body_of(
+        model="m",
+        temperature=0,
+        top_p=0.9,
+        top_k=40,
+        n=1,
+        seed=7,
+        presence_penalty=-0.5,
+        stream=True,
+        logprobs=False,
+        stop=["\n"],
+        frequency_penalty=None,
+    )
+    assert extract_model(body, b"/chat/completions", TYPED) == "m"
+
+
+def test_a_message_without_a_string_role_is_a_400() -> None:
+    """A chat message that is not an object with a string role is named by its index."""
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}, "hi"]})
+    with pytest.raises(HTTPError) as info:
+        extract_model(body, b"/chat/completions", TYPED)
+    assert info.value.param == "messages[1]"
+
+
+def test_types_are_not_checked_without_the_guard() -> None:
+    """Static upstreams get the client's fields as they are: the type check is an engine guard."""
+    assert extract_model(body_of(model="m", temperature="hot"), b"/chat/completions") == "m"
