@@ -9,8 +9,10 @@ limit for open streams. A gateway behind a load balancer must instead:
 4. end what remains with an SSE error event (or a 503 before the head);
 5. shut down: stop and reap the engine children (lifespan), exit 0.
 
-A second signal exits at once; the children still die with the gateway (their
-parent-death signal).
+A second signal ends every exchange at once with an SSE error event (or a
+503), then shuts down: the children are stopped and reaped as usual. A third
+exits without waiting for anything; the children then die with the gateway
+(their parent-death signal).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ log = logging.getLogger("blazar.server")
 
 # After the drain timeout, how long the ended exchanges get to tell their clients.
 _AFTER_ABORT_S = 5.0
+# After a second signal, the same, but short: the operator wants it gone.
+_STOP_NOW_S = 1.0
 
 
 class GatewayServer(uvicorn.Server):
@@ -46,8 +50,9 @@ class GatewayServer(uvicorn.Server):
         self.drain_timeout_s = drain_timeout_s
         self.on_hangup = on_hangup
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._drain_started = False
+        self._signals = 0
         self._drain_task: asyncio.Future[None] | None = None
+        self._stop_task: asyncio.Future[None] | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -60,16 +65,32 @@ class GatewayServer(uvicorn.Server):
         # A signal handler only records and queues; the loop does the work.
         # Not calling uvicorn's: it would re-raise the signal at exit, and a
         # gateway that drained and reaped its children has ended cleanly (0).
-        if self._drain_started or self._loop is None:
-            # The second signal, or one before the loop runs: leave now.
-            self.should_exit = True
-            self.force_exit = self._drain_started
+        if self._loop is None:
+            self.should_exit = True  # before the loop runs: nothing to drain
             return
-        self._drain_started = True
-        self._loop.call_soon_threadsafe(self._start_drain)
+        self._signals += 1
+        if self._signals == 1:
+            self._loop.call_soon_threadsafe(self._start_drain)
+        elif self._signals == 2:
+            # Stop now, but tell each client why and still reap the children.
+            self._loop.call_soon_threadsafe(self._start_stop_now)
+        else:
+            self.should_exit = self.force_exit = True
 
     def _start_drain(self) -> None:
         self._drain_task = asyncio.ensure_future(self.drain())
+
+    def _start_stop_now(self) -> None:
+        self._stop_task = asyncio.ensure_future(self.stop_now())
+
+    async def stop_now(self) -> None:
+        """End every exchange with an error its client can read, then shut down without waiting."""
+        self.gateway.state.draining = True
+        ended = self.gateway.relay.abort_all("the gateway was told to stop at once (a second signal)")
+        log.warning("second signal: ended %d exchanges; shutting down", ended)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.gateway.state.wait_idle(), _STOP_NOW_S)
+        self.should_exit = True
 
     async def drain(self) -> None:
         """Stop taking requests, let those in flight finish, then shut down."""

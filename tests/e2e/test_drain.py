@@ -77,12 +77,26 @@ def test_drain_timeout_ends_the_rest_with_an_error_event(
 
 
 def test_second_signal_exits_at_once(start_gateway: StartGateway, fake: FakeEngine) -> None:
-    """A second signal during a long drain makes the gateway exit without waiting."""
+    """A second signal during a long drain ends the streams with an error event and exits 0 at once."""
     gateway = start_gateway({"fake": fake.url}, "--drain-timeout", "60")
-    start_streams(gateway, fake, 1, "chunks=600; chunk-delay=0.1")
+    streams = start_streams(gateway, fake, 2, "chunks=600; chunk-delay=0.1")
     gateway.proc.send_signal(signal.SIGTERM)
     time.sleep(0.3)
     started = time.monotonic()
     gateway.proc.send_signal(signal.SIGINT)
-    gateway.proc.wait(10)
+    assert gateway.proc.wait(10) == 0
     assert time.monotonic() - started < 5
+    for future in streams:
+        event = last_event(future.result(timeout=10))
+        assert event.startswith(b'data: {"error"') and b"second signal" in event, event
+    assert "Traceback" not in gateway.log(), gateway.log()
+
+
+def test_third_signal_exits_without_waiting(start_gateway: StartGateway, fake: FakeEngine) -> None:
+    """A third signal leaves even if the second one's shutdown is still under way."""
+    gateway = start_gateway({"fake": fake.url}, "--drain-timeout", "60")
+    start_streams(gateway, fake, 1, "chunks=600; chunk-delay=0.1")
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGINT):
+        gateway.proc.send_signal(sig)
+        time.sleep(0.05)
+    gateway.proc.wait(10)
