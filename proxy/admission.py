@@ -26,6 +26,8 @@ class Admission:
         self.max_queued = max_queued
         self.queue_timeout_s = queue_timeout_s
         self.in_flight = 0
+        # Requests waiting for the model itself to load; bounded by max_queued too.
+        self.loading = 0
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
 
     def __repr__(self) -> str:
@@ -41,6 +43,17 @@ class Admission:
             self.in_flight += 1
             return True
         return False
+
+    def wait_for_load(self, model: str) -> None:
+        """Count one more request waiting for the model to load, or raise 429 when too many do."""
+        if self.loading >= self.max_queued:
+            raise HTTPError(
+                429,
+                f"too many requests wait for model `{model}` to load ({self.max_queued}); retry shortly",
+                code="queue_full",
+                headers=(_RETRY_AFTER,),
+            )
+        self.loading += 1
 
     async def enter(self, model: str) -> None:
         """Wait in the queue for a slot; raise 429 when the queue is full, 503 past the timeout."""

@@ -232,9 +232,14 @@ class Relay:
             check_request(doc, ENDPOINTS[scope["path"]], guards)
             if gate is not None:
                 if not gate.ready:
-                    # Starting the model, or waiting for it, is not the gateway's own time.
-                    if not await _wait_for_model(gate, self._load_wait_s, receive):
+                    admission.wait_for_load(model)
+                    try:
+                        ready = await _wait_for_model(gate, self._load_wait_s, receive)
+                    finally:
+                        admission.loading -= 1
+                    if not ready:
                         raise _loading(gate.not_ready_reason())
+                    # Starting the model, or waiting for it, is not the gateway's own time.
                     started = perf_counter()
                 # In use from here, queued or not: never unloaded under this request.
                 gate.enter()
@@ -675,7 +680,10 @@ class Relay:
         return normalize_error(conn.status, b"".join(chunks))
 
     def _admission_sample(self) -> list[tuple[str, int, int]]:
-        return [(r.model, e.admission.in_flight, e.admission.queued) for r, e in self._built.items()]
+        return [
+            (r.model, e.admission.in_flight, e.admission.queued + e.admission.loading)
+            for r, e in self._built.items()
+        ]
 
     def abort_all(self, reason: str) -> int:
         """End everything still running or waiting (a drain that ran out of time); return how many."""

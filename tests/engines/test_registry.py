@@ -431,3 +431,26 @@ async def test_clients_that_leave_while_their_model_loads_are_not_relayed(tmp_pa
         assert model.in_flight == 0
     finally:
         await registry.shutdown()
+
+
+async def test_requests_waiting_for_a_load_are_bounded_by_max_queued(tmp_path: Path) -> None:
+    """Past --max-queued, a request for a model that is still loading gets 429 instead of waiting too."""
+    port = free_port()
+    slow = [
+        sys.executable,
+        "-c",
+        f"import time, runpy, sys; time.sleep(1.5); sys.argv = ['x', '--port', '{port}']; "
+        "runpy.run_module('tests.fake_engine', run_name='__main__')",
+    ]
+    model = ServedModel("q", [Child(config(tmp_path, argv=slow, port=port))])
+    registry = Registry([model])
+    await registry.start()
+    relay = Relay(RoutingTable([_route(model)]), RelaySettings(heartbeat_s=0, max_queued=2))
+    try:
+        results = await asyncio.gather(*(_relay_call(relay, "q") for _ in range(5)))
+        statuses = sorted(status for status, _ in results if status is not None)
+        assert statuses == [200, 200, 429, 429, 429], results
+        assert b"to load" in next(body for status, body in results if status == 429)
+        assert model.in_flight == 0
+    finally:
+        await registry.shutdown()
