@@ -340,17 +340,38 @@ async def _readiness(table: RoutingTable) -> Response:
 
 
 async def _reachable(address: UpstreamAddress) -> str | None:
-    """None if a TCP connection to the upstream opens, else why not."""
+    """None if the upstream can take requests, else why not.
+
+    It must accept a TCP connection (the one check every OpenAI server
+    passes). If it then answers ``GET /readyz`` with 503, it says itself that
+    it cannot: another gateway that is draining, behind this one. Any other
+    answer, or none in time, counts as ready, since most servers have no
+    /readyz.
+    """
+    host = address.host_header.decode()
     try:
         async with asyncio.timeout(_PROBE_TIMEOUT_S):
-            _, writer = await asyncio.open_connection(address.host, address.port)
+            reader, writer = await asyncio.open_connection(address.host, address.port)
     except TimeoutError:
-        return f"{address.host_header.decode()}: no answer within {_PROBE_TIMEOUT_S:g} s"
+        return f"{host}: no answer within {_PROBE_TIMEOUT_S:g} s"
     except OSError as exc:
-        return f"{address.host_header.decode()}: {exc.strerror or exc}"
-    writer.close()
-    with contextlib.suppress(OSError):
-        await writer.wait_closed()
+        return f"{host}: {exc.strerror or exc}"
+    try:
+        writer.write(
+            b"GET %s/readyz HTTP/1.1\r\nhost: %s\r\nconnection: close\r\n\r\n"
+            % (address.prefix.encode(), address.host_header)
+        )
+        async with asyncio.timeout(_PROBE_TIMEOUT_S):
+            status_line = await reader.readline()
+    except (TimeoutError, OSError):
+        return None
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+    parts = status_line.split()
+    if len(parts) >= 2 and parts[1] == b"503":
+        return f"{host}: its /readyz answers 503 (it is draining or has nothing ready)"
     return None
 
 

@@ -233,11 +233,15 @@ def test_bs_refused_upstream_reaches_the_client_as_bs_503_with_retry_after(
 def test_draining_b_reaches_the_client_as_503_draining_with_retry_after(
     chain: tuple[Running, Running], http: httpx.Client, holding: list[httpx.Response]
 ) -> None:
-    """While B drains, A's client gets B's 503 `draining` with Retry-After; once B is gone, A's own 503."""
+    """While B drains, A's /readyz is 503 and A's client gets B's 503 `draining`; after B, A's own 503."""
     a, b = chain
     hold(http, b, holding)
     b.proc.send_signal(signal.SIGTERM)
     wait_until(lambda: http.get(b.url + "/readyz").status_code == 503, 10, "B drains")
+    # A's own readiness follows B's, so a balancer in front of A stops sending it requests.
+    ready = http.get(a.url + "/readyz")
+    assert ready.status_code == 503, ready.text
+    assert "/readyz answers 503" in ready.json()["reason"]
     for stream in (False, True):
         response = post(http, a.url, max_tokens=3, stream=stream)
         assert response.status_code == 503, response.text
