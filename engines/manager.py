@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import random
 import re
 import socket
 import subprocess
@@ -45,11 +46,33 @@ class PlannedChild:
     cuda_home: Path | None
 
 
+# Where child ports are drawn from: below the kernel's range for outgoing
+# connections, so that no client socket takes a lazily started child's port
+# between planning (at startup) and its first start (maybe hours later).
+_CHILD_PORTS_LOW = 20000
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now on ``host``, outside the range the kernel hands to outgoing connections."""
+    try:
+        ephemeral_low = int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 0
+    high = ephemeral_low - 1
+    if high > _CHILD_PORTS_LOW:
+        for port in random.sample(range(_CHILD_PORTS_LOW, high + 1), 64):
+            with socket.socket() as sock:
+                try:
+                    sock.bind((host, port))
+                except OSError:
+                    continue
+                return port
+    # No such range here (or all taken): any port the kernel offers.
     with socket.socket() as sock:
         sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
+        chosen: int = sock.getsockname()[1]
+        return chosen
 
 
 def ensure_demo_model(installation: Installation, home: Home, preset: str = "tiny") -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import time
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 from engines.environment import ServedNameError
 from engines.home import Home
 from engines.install import Installation
-from engines.manager import PlanError, ensure_demo_model, plan
+from engines.manager import PlanError, ensure_demo_model, free_port, plan
 from engines.spec import EngineSpec, load
 
 MLX = "mlx-0.32.0"
@@ -240,3 +241,13 @@ def test_demo_model_failure_is_a_plan_error(home: Home) -> None:
     install.python.chmod(0o755)
     with pytest.raises(PlanError, match=r"blazar-demo-llama-tiny\.gguf failed \(exit code 3\)"):
         ensure_demo_model(install, home)
+
+
+def test_child_ports_are_drawn_below_the_range_for_outgoing_connections() -> None:
+    """A child's port is free now and below the kernel's ephemeral range, where no client socket lands."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {free_port() for _ in range(20)}
+    assert all(20000 <= port < low for port in ports), ports
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))  # still free: nothing else took it
