@@ -15,7 +15,7 @@ import random
 import re
 import socket
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,8 +53,12 @@ _CHILD_PORTS_LOW = 20000
 _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free now on ``host``, outside the range the kernel hands to outgoing connections."""
+def free_port(host: str = "127.0.0.1", exclude: Collection[int] = ()) -> int:
+    """A port free now on ``host``, outside the range the kernel hands to outgoing connections.
+
+    ``exclude``: ports already planned for other children, free now only
+    because those children have not started yet.
+    """
     try:
         ephemeral_low = int(_EPHEMERAL_RANGE.read_text().split()[0])
     except (OSError, ValueError, IndexError):
@@ -62,6 +66,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     high = ephemeral_low - 1
     if high > _CHILD_PORTS_LOW:
         for port in random.sample(range(_CHILD_PORTS_LOW, high + 1), 64):
+            if port in exclude:
+                continue
             with socket.socket() as sock:
                 try:
                     sock.bind((host, port))
@@ -69,10 +75,12 @@ def free_port(host: str = "127.0.0.1") -> int:
                     continue
                 return port
     # No such range here (or all taken): any port the kernel offers.
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        chosen: int = sock.getsockname()[1]
-        return chosen
+    while True:
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            chosen: int = sock.getsockname()[1]
+        if chosen not in exclude:
+            return chosen
 
 
 def ensure_demo_model(installation: Installation, home: Home, preset: str = "tiny") -> Path:

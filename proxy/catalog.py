@@ -67,6 +67,8 @@ class Catalog:
         self.entries: dict[str, tuple[ModelConfig, Route]] = {}
         # Engine model name → requests its children generate at once (the default limit).
         self._batch: dict[str, int] = {}
+        # Ports given to children so far: free until those children start, so never given twice.
+        self._ports: set[int] = set()
 
     def table(self) -> RoutingTable:
         return RoutingTable(route for _, route in self.entries.values())
@@ -114,7 +116,7 @@ class Catalog:
                 self.home,
                 model=model,
                 served_name=config.name,
-                port=free_port(),
+                port=self._port(free_port),
                 extra_args=config.engine_args,
             )
             child = one.config
@@ -122,6 +124,11 @@ class Catalog:
             child = dataclasses.replace(child, name=name, log_path=child.log_path.with_name(f"{name}.log"))
             planned.append(dataclasses.replace(one, config=child))
         return _Prepared(config, planned[0].config.served_model, spec, tuple(planned))
+
+    def _port(self, free_port: Callable[..., int]) -> int:
+        port = free_port(exclude=self._ports)
+        self._ports.add(port)
+        return port
 
     def assemble(self, prepared: _Prepared | Route) -> Route:
         """Make the children and the route, in the event loop's thread."""

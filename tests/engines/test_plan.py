@@ -251,3 +251,11 @@ def test_child_ports_are_drawn_below_the_range_for_outgoing_connections() -> Non
     for port in ports:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", port))  # still free: nothing else took it
+
+
+def test_free_port_never_returns_an_excluded_port() -> None:
+    """Ports planned for children not yet started are excluded, even when the whole range is."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    taken = set(range(20000, low))
+    port = free_port(exclude=taken)
+    assert port not in taken
