@@ -190,7 +190,13 @@ def ensure_installed(
 ) -> tuple[EngineSpec, Installation]:
     """Load engine ``name``'s spec and install it for ``variant`` (``auto``: this machine's)."""
     engine = specs.load(name)
-    chosen = detect_variant(Machine.probe()) if variant == "auto" else variant
+    chosen = variant
+    if variant == "auto":
+        chosen = detect_variant(Machine.probe())
+        if chosen not in engine.packages and "cpu" in engine.packages:
+            # A machine with a GPU and an engine built for the CPU only: still serve.
+            progress(f"{engine.name} has no {chosen} variant; using its cpu variant")
+            chosen = "cpu"
     return engine, install(engine, chosen, home, progress=progress)
 
 

@@ -8,6 +8,7 @@ In the loop, ``served.ServedModel`` holds the ``Child`` objects of a model and
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import os
@@ -62,10 +63,12 @@ def free_port(host: str = "127.0.0.1", exclude: Collection[int] = ()) -> int:
     try:
         ephemeral_low = int(_EPHEMERAL_RANGE.read_text().split()[0])
     except (OSError, ValueError, IndexError):
-        ephemeral_low = 0
+        # Not Linux: macOS and the BSDs hand out 49152-65535.
+        ephemeral_low = 49152
     high = ephemeral_low - 1
     if high > _CHILD_PORTS_LOW:
-        for port in random.sample(range(_CHILD_PORTS_LOW, high + 1), 64):
+        candidates = range(_CHILD_PORTS_LOW, high + 1)
+        for port in random.sample(candidates, min(64, len(candidates))):
             if port in exclude:
                 continue
             with socket.socket() as sock:
@@ -147,7 +150,9 @@ def plan(
             )
     check_served_name(name)
     child_name = f"{spec.name}--{_slug(name)}"
-    run_dir = home.run / child_name
+    # One run directory per (name, model): re-planning a name for other
+    # weights (a reload) must not re-point the link a running child uses.
+    run_dir = home.run / f"{child_name}--{_digest(str(model_dir.resolve()) if local else model)}"
     if local:
         prepare_run_dir(run_dir, name, model_dir)
     else:
@@ -262,6 +267,10 @@ def _check_extra_args(spec: EngineSpec, extra_args: Sequence[str]) -> None:
                 f"engine argument {arg!r} would override what the gateway sets itself "
                 f"({', '.join(sorted(reserved))})"
             )
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
 def _slug(name: str) -> str:

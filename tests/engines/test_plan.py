@@ -259,3 +259,28 @@ def test_free_port_never_returns_an_excluded_port() -> None:
     taken = set(range(20000, low))
     port = free_port(exclude=taken)
     assert port not in taken
+
+
+def test_replanning_a_name_for_other_weights_leaves_the_running_childs_link(
+    home: Home, tmp_path: Path
+) -> None:
+    """Planning name `m` for new weights (a reload) gets its own run directory; the old link is untouched."""
+    old = mlx_model(tmp_path / "old" / "m")
+    new = mlx_model(tmp_path / "new" / "m")
+    first = plan(load(MLX), installation(home, MLX), home, model=str(old), port=8124).config
+    second = plan(load(MLX), installation(home, MLX), home, model=str(new), port=8125).config
+    assert first.cwd != second.cwd
+    assert (first.cwd / "m").resolve() == old.resolve()
+    assert (second.cwd / "m").resolve() == new.resolve()
+    again = plan(load(MLX), installation(home, MLX), home, model=str(old), port=8126).config
+    assert again.cwd == first.cwd
+
+
+def test_free_port_copes_with_a_narrow_range(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """An ephemeral range starting just above 20000 leaves a few ports to draw from, not an error."""
+    import engines.manager
+
+    narrow = tmp_path / "range"
+    narrow.write_text("20010\t60999\n")
+    monkeypatch.setattr(engines.manager, "_EPHEMERAL_RANGE", narrow)
+    assert 20000 <= free_port() < 20010
