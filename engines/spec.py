@@ -26,6 +26,13 @@ _PLACEHOLDERS = frozenset({"python", "model", "served_name", "host", "port"})
 _CONFIG_SETTING = re.compile(r"[A-Za-z_][\w.-]*=")
 
 
+def _choice(table: dict[str, Any], key: str, choices: tuple[str, ...], source: str) -> str:
+    value = table.get(key, choices[0])
+    if value not in choices:
+        raise SpecError(f"{source}: guards.{key} must be one of {', '.join(choices)}, not {value!r}")
+    return str(value)
+
+
 class SpecError(ValueError):
     """An engine spec that is missing, malformed or inconsistent."""
 
@@ -50,6 +57,11 @@ class Guards:
     # Sampling fields of the wrong type or range: mlx_lm.server closes the
     # socket without a reply, llama_cpp.server answers 500.
     check_types: bool = False
+    # Limits of the engine's own (None / 20: OpenAI's).
+    seed_min: int | None = None
+    top_logprobs_max: int = 20
+    # "count" (OpenAI's legacy completions API) or "flag" (a boolean, as in chat).
+    completion_logprobs: str = "count"
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +229,9 @@ def parse(data: dict[str, Any], *, source: str) -> EngineSpec:
             min_max_tokens=int(number(guards, "min_max_tokens", 1, "guards.")),
             require_input=flag(guards, "require_input", False, "guards."),
             check_types=flag(guards, "check_types", False, "guards."),
+            seed_min=None if "seed_min" not in guards else int(number(guards, "seed_min", 0, "guards.")),
+            top_logprobs_max=int(number(guards, "top_logprobs_max", 20, "guards.")),
+            completion_logprobs=_choice(guards, "completion_logprobs", ("count", "flag"), source),
         ),
         config_settings=config_settings,
         env_drop=tuple(env_drop),

@@ -156,6 +156,9 @@ class Catalog:
                 min_max_tokens=spec.guards.min_max_tokens,
                 require_input=spec.guards.require_input,
                 check_types=spec.guards.check_types,
+                seed_min=spec.guards.seed_min,
+                top_logprobs_max=spec.guards.top_logprobs_max,
+                completion_logprobs=spec.guards.completion_logprobs,
             ),
             # The engines generate this many at once; more would only queue inside them.
             max_in_flight=config.max_in_flight or self.max_in_flight or batch,

@@ -8,6 +8,7 @@ are checked here (mlx_lm.server's generation thread dies for good on
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,8 +31,14 @@ class RequestGuards:
     min_max_tokens: int = 1
     require_input: bool = False
     # Check the sampling fields' types and ranges (engines answer them with
-    # an empty reply or a 500 otherwise; a client error deserves a 400).
+    # an empty reply or a 500 otherwise; a client error deserves a 400), and
+    # drop the ones sent as null (OpenAI's "default"; engines refuse null).
     check_types: bool = False
+    # Engine limits OpenAI does not have (mlx: seeds from 0, top_logprobs up to 11).
+    seed_min: int | None = None
+    top_logprobs_max: int = 20
+    # The legacy completions API's logprobs is a count; mlx takes a flag there too.
+    completion_logprobs: str = "count"
 
 
 DEFAULT_GUARDS = RequestGuards()
@@ -55,8 +62,8 @@ def parse_request(body: bytes) -> tuple[str, dict[str, Any]]:
     return model, doc
 
 
-def check_request(doc: dict[str, Any], endpoint: bytes, guards: RequestGuards) -> None:
-    """Raise a 400 for what the route's engine must not receive."""
+def check_request(doc: dict[str, Any], endpoint: bytes, guards: RequestGuards) -> bool:
+    """Raise a 400 for what the route's engine must not receive; True if ``doc`` was changed."""
     for field in _TOKEN_LIMIT_FIELDS:
         value = doc.get(field)
         if value is not None and (
@@ -78,7 +85,8 @@ def check_request(doc: dict[str, Any], endpoint: bytes, guards: RequestGuards) -
         elif endpoint == b"/completions" and not isinstance(doc.get("prompt"), (str, list)):
             raise HTTPError(400, "you must provide a prompt", param="prompt", code="invalid_value")
     if guards.check_types:
-        check_types(doc, endpoint)
+        return check_types(doc, endpoint, guards)
+    return False
 
 
 # Field → (what it must be, a check on the value). Only fields that are present are looked at.
@@ -122,24 +130,51 @@ _FIELD_CHECKS: dict[str, tuple[str, Any]] = {
     "temperature": _number_at_least(0),
     "top_p": _number_between(0, 1),
     "min_p": _number_between(0, 1),
-    "top_k": _integer_at_least(0),
+    "top_k": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
     "n": _integer_at_least(1),
     "seed": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
     "presence_penalty": ("a number", _any_number),
     "frequency_penalty": ("a number", _any_number),
     "repetition_penalty": _number_at_least(0),
+    "repeat_penalty": _number_at_least(0),
     "stream": ("true or false", _boolean),
-    "logprobs": ("true or false", _boolean),
     "top_logprobs": _integer_at_least(0),
     "stop": ("a string or a list of strings", _stop),
+    "logit_bias": ("an object of token ids to numbers", lambda v: isinstance(v, dict)),
+}
+# The chat API's logprobs is a flag; the legacy completions API's is a count.
+_LOGPROBS: dict[bytes, tuple[str, Any]] = {
+    b"/chat/completions": ("true or false", _boolean),
+    b"/completions": _integer_at_least(0),
 }
 
 
-def check_types(doc: dict[str, Any], endpoint: bytes) -> None:
-    """A 400 naming the first sampling field of the wrong type or range, and what it must be."""
-    for field, (expected, ok) in _FIELD_CHECKS.items():
-        value = doc.get(field)
-        if value is not None and not ok(value):
+@functools.lru_cache(maxsize=64)
+def _checks(guards: RequestGuards, endpoint: bytes) -> dict[str, tuple[str, Any]]:
+    checks = dict(_FIELD_CHECKS)
+    if endpoint in _LOGPROBS:
+        checks["logprobs"] = _LOGPROBS[endpoint]
+        if guards.completion_logprobs == "flag":
+            checks["logprobs"] = _LOGPROBS[b"/chat/completions"]
+    if guards.seed_min is not None:
+        checks["seed"] = _integer_at_least(guards.seed_min)
+    low = _integer_at_least(0)[1]
+    limit = guards.top_logprobs_max
+    checks["top_logprobs"] = (f"an integer from 0 to {limit}", lambda v: low(v) and v <= limit)
+    return checks
+
+
+def check_types(doc: dict[str, Any], endpoint: bytes, guards: RequestGuards = RequestGuards()) -> bool:
+    """A 400 naming the first sampling field of the wrong type or range; True if null fields were dropped."""
+    dropped = False
+    for field, (expected, ok) in _checks(guards, endpoint).items():
+        if field not in doc:
+            continue
+        value = doc[field]
+        if value is None:
+            del doc[field]
+            dropped = True
+        elif not ok(value):
             raise HTTPError(
                 400,
                 f"{field} must be {expected}, not {orjson.dumps(value).decode()[:80]}",
@@ -157,6 +192,7 @@ def check_types(doc: dict[str, Any], endpoint: bytes) -> None:
                         param=f"messages[{index}]",
                         code="invalid_type",
                     )
+    return dropped
 
 
 def extract_model(body: bytes, endpoint: bytes = b"", guards: RequestGuards = DEFAULT_GUARDS) -> str:

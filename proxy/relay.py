@@ -229,7 +229,7 @@ class Relay:
                     code="model_not_found",
                 )
             replicas, gate, guards, admission, stats, rename = entry
-            check_request(doc, ENDPOINTS[scope["path"]], guards)
+            rewrite = check_request(doc, ENDPOINTS[scope["path"]], guards)
             if gate is not None:
                 if not gate.ready:
                     admission.wait_for_load(model)
@@ -260,6 +260,9 @@ class Relay:
             if rename is not None:
                 # An alias: the upstream knows the model by its own name only.
                 doc["model"] = rename
+                rewrite = True
+            if rewrite:
+                # The one case besides aliases where the body is not the client's bytes.
                 body = orjson.dumps(doc)
         except HTTPError as exc:
             if entered is not None:

@@ -272,12 +272,12 @@ def test_bad_field_type_gets_a_400_at_the_gateway(gateway: EngineGateway) -> Non
 def test_engine_validation_error_is_relayed_in_openai_shape(gateway: EngineGateway) -> None:
     """A field the gateway does not check but the engine refuses comes back OpenAI-shaped, naming it."""
     with httpx.Client(trust_env=False, timeout=30) as http:
-        response = http.post(f"{gateway.url}/v1/chat/completions", json=chat("x", 2, logit_bias="hot"))
+        response = http.post(f"{gateway.url}/v1/chat/completions", json=chat("x", 2, mirostat_tau="hot"))
     # llama_cpp.server answers its validation errors with 500; the gateway keeps the status.
     assert response.status_code == 500, response.text
     error = response.json()["error"]
     assert set(error) >= {"message", "type", "param", "code"}
-    assert "logit_bias" in error["message"]
+    assert "mirostat_tau" in error["message"]
 
 
 def test_a_waiting_request_does_not_cut_a_stream_short(gateway: EngineGateway) -> None:

@@ -211,11 +211,24 @@ def test_bad_field_type_gets_400_not_a_hang(mlx_gateway: EngineGateway) -> None:
         )
         assert response.status_code == 400
         assert response.json()["error"]["param"] == "temperature"
+        for field, value in (("seed", -5), ("top_logprobs", 15)):
+            limited = http.post(
+                f"{mlx_gateway.url}/v1/chat/completions",
+                json={"model": DEMO, "messages": [{"role": "user", "content": "x"}], field: value},
+            )
+            assert limited.status_code == 400 and limited.json()["error"]["param"] == field
+        # Nulls mean "the default" to OpenAI; mlx would refuse them, so the gateway drops them.
         after = http.post(
             f"{mlx_gateway.url}/v1/chat/completions",
-            json={"model": DEMO, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2},
+            json={
+                "model": DEMO,
+                "messages": [{"role": "user", "content": "x"}],
+                "max_tokens": 2,
+                "temperature": None,
+                "stop": None,
+            },
         )
-        assert after.status_code == 200
+        assert after.status_code == 200, after.text
 
 
 def test_crashed_child_comes_back_and_requests_meanwhile_get_503(

@@ -91,7 +91,14 @@ def test_server_argv_fills_the_placeholders() -> None:
 
 def test_guards_are_read_from_the_toml() -> None:
     """The guards table (min_max_tokens 1, require_input true) reaches the spec."""
-    assert load(SHIPPED).guards == Guards(min_max_tokens=1, require_input=True, check_types=True)
+    assert load(SHIPPED).guards == Guards(
+        min_max_tokens=1,
+        require_input=True,
+        check_types=True,
+        seed_min=0,
+        top_logprobs_max=11,
+        completion_logprobs="flag",
+    )
 
 
 def test_readiness_and_server_values_are_read_from_the_toml() -> None:

@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from proxy.errors import HTTPError
-from proxy.payload import RequestGuards, extract_model
+from proxy.payload import RequestGuards, check_request, extract_model
 
 
 def body_of(**fields: Any) -> bytes:
@@ -175,3 +175,30 @@ def test_a_message_without_a_string_role_is_a_400() -> None:
 def test_types_are_not_checked_without_the_guard() -> None:
     """Static upstreams get the client's fields as they are: the type check is an engine guard."""
     assert extract_model(body_of(model="m", temperature="hot"), b"/chat/completions") == "m"
+
+
+def test_legacy_completions_logprobs_is_a_count_unless_the_engine_takes_a_flag() -> None:
+    """`logprobs: 2` on /completions passes (OpenAI's count), but not for an engine that takes a flag."""
+    body = orjson.dumps({"model": "m", "prompt": "hi", "logprobs": 2})
+    assert extract_model(body, b"/completions", TYPED) == "m"
+    with pytest.raises(HTTPError) as info:
+        extract_model(body, b"/completions", RequestGuards(check_types=True, completion_logprobs="flag"))
+    assert info.value.param == "logprobs"
+
+
+def test_null_sampling_fields_are_dropped_and_reported() -> None:
+    """A field sent as null (OpenAI's default) is removed, and check_request says the body changed."""
+    doc = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": None, "stop": None}
+    assert check_request(doc, b"/chat/completions", TYPED) is True
+    assert "temperature" not in doc and "stop" not in doc
+    assert check_request({"model": "m", "messages": []}, b"/chat/completions", TYPED) is False
+
+
+def test_engine_limits_on_seed_and_top_logprobs() -> None:
+    """An engine's own limits (mlx: seed from 0, top_logprobs to 11) are 400s naming the field."""
+    mlx = RequestGuards(check_types=True, seed_min=0, top_logprobs_max=11)
+    for field, value in (("seed", -5), ("top_logprobs", 15)):
+        with pytest.raises(HTTPError) as info:
+            extract_model(body_of(model="m", **{field: value}), b"/chat/completions", mlx)
+        assert info.value.param == field
+    assert extract_model(body_of(model="m", seed=-5, top_logprobs=15), b"/chat/completions", TYPED) == "m"
