@@ -46,7 +46,9 @@ class Admission:
 
     def wait_for_load(self, model: str) -> None:
         """Count one more request waiting for the model to load, or raise 429 when too many do."""
-        if self.loading >= self.max_queued:
+        # The request that starts the load always may wait for it (even with
+        # max_queued 0); the others share the queue's one budget.
+        if self.loading and self.loading + len(self._waiters) >= self.max_queued:
             raise HTTPError(
                 429,
                 f"too many requests wait for model `{model}` to load ({self.max_queued}); retry shortly",
@@ -57,7 +59,7 @@ class Admission:
 
     async def enter(self, model: str) -> None:
         """Wait in the queue for a slot; raise 429 when the queue is full, 503 past the timeout."""
-        if len(self._waiters) >= self.max_queued:
+        if len(self._waiters) + self.loading >= self.max_queued:
             raise HTTPError(
                 429,
                 f"too many requests queued for model `{model}` ({self.max_queued}); retry shortly",

@@ -142,8 +142,11 @@ class Relay:
         self.request_id_of = RequestIds()
         # Upstream connections with a request on them, for a drain to end.
         self.active: set[Connection] = set()
-        # Set when a drain's time is over: nothing new may start.
+        # Set when a drain's time is over: nothing new may start, and what waits
+        # (for a model to load) is answered with ``_ending``.
         self.closing = False
+        self._ended = asyncio.Event()
+        self._ending: HTTPError | None = None
         self._max_body_bytes = settings.max_body_bytes
         self._head_timeout_s = settings.head_timeout_s
         self._read_timeout_s = settings.read_timeout_s
@@ -234,7 +237,7 @@ class Relay:
                 if not gate.ready:
                     admission.wait_for_load(model)
                     try:
-                        ready = await _wait_for_model(gate, self._load_wait_s, receive)
+                        ready = await self._wait_for_model(gate, receive)
                     finally:
                         admission.loading -= 1
                     if not ready:
@@ -245,6 +248,8 @@ class Relay:
                 gate.enter()
                 entered = gate
             if not admission.try_enter():
+                if self._ending is not None:
+                    raise self._ending  # the drain is over: no new place in the queue
                 queued_at = perf_counter()
                 await _wait_for_slot(admission, model, receive)
                 if stats is not None:
@@ -433,6 +438,13 @@ class Relay:
         except UpstreamError as exc:
             outcome.failed(exc)
             await _send_upstream_error(send, exc, request_id, server_timing(started))
+            return
+        if self.closing:
+            # The drain ended while this connection was being opened: send nothing.
+            pool.release(conn)
+            draining = Draining("the gateway is shutting down")
+            outcome.failed(draining)
+            await _send_upstream_error(send, draining, request_id, server_timing(started))
             return
         # No retry once the request is written: the upstream may have acted
         # on it. Dead idle connections are weeded out by acquire() instead.
@@ -688,9 +700,29 @@ class Relay:
             for r, e in self._built.items()
         ]
 
+    async def _wait_for_model(self, gate: Gate, receive: Receive) -> bool:
+        """Wait for a model to load (or restart), watching the client and the drain."""
+        ready = asyncio.ensure_future(gate.wait_ready(self._load_wait_s))
+        gone = asyncio.ensure_future(receive())
+        ended = asyncio.ensure_future(self._ended.wait())
+        try:
+            await asyncio.wait({ready, gone, ended}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiting in (ready, gone, ended):
+                # Only this wait ends: a load is shared, and goes on.
+                if not waiting.done():
+                    waiting.cancel()
+        if ready.done() and not ready.cancelled():
+            return ready.result()
+        if ended.done() and self._ending is not None:
+            raise self._ending
+        raise ClientGone()
+
     def abort_all(self, reason: str) -> int:
         """End everything still running or waiting (a drain that ran out of time); return how many."""
         self.closing = True
+        self._ending = HTTPError(503, reason, code="draining", headers=((b"retry-after", _RETRY_AFTER_S),))
+        self._ended.set()
         ended = len(self.active)
         for conn in list(self.active):
             conn.abort(Draining(reason))
@@ -886,23 +918,6 @@ class RequestIds:
             if name == b"x-request-id" and valid_request_id(value):
                 return bytes(value)
         return b"%s%016x" % (self._prefix, next(self._counter))
-
-
-async def _wait_for_model(gate: Gate, load_wait_s: float, receive: Receive) -> bool:
-    """Wait for a model to load (or restart), watching the client: one that leaves stops waiting."""
-    ready = asyncio.ensure_future(gate.wait_ready(load_wait_s))
-    gone = asyncio.ensure_future(receive())
-    try:
-        await asyncio.wait({ready, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not gone.done():
-            gone.cancel()
-        if not ready.done():
-            # Only this wait ends: the load itself is shared, and goes on.
-            ready.cancel()
-    if ready.done() and not ready.cancelled():
-        return ready.result()
-    raise ClientGone()
 
 
 async def _wait_for_slot(admission: Admission, model: str, receive: Receive) -> None:

@@ -454,3 +454,41 @@ async def test_requests_waiting_for_a_load_are_bounded_by_max_queued(tmp_path: P
         assert model.in_flight == 0
     finally:
         await registry.shutdown()
+
+
+async def test_a_drain_that_ends_answers_requests_waiting_for_a_load(tmp_path: Path) -> None:
+    """abort_all (drain timeout, second signal) answers a request waiting for a load with 503 draining."""
+    port = free_port()
+    slow = [
+        sys.executable,
+        "-c",
+        f"import time, runpy, sys; time.sleep(30); sys.argv = ['x', '--port', '{port}']; "
+        "runpy.run_module('tests.fake_engine', run_name='__main__')",
+    ]
+    model = ServedModel("d", [Child(config(tmp_path, argv=slow, port=port))])
+    registry = Registry([model])
+    await registry.start()
+    relay = Relay(RoutingTable([_route(model)]), RelaySettings(heartbeat_s=0))
+    try:
+        waiting = asyncio.ensure_future(_relay_call(relay, "d"))
+        await wait_until(lambda: model.loading is not None)
+        await asyncio.sleep(0.1)
+        relay.abort_all("the gateway is shutting down now")
+        status, body = await asyncio.wait_for(waiting, 5)
+        assert status == 503 and b"draining" in body and b"shutting down now" in body
+        assert model.in_flight == 0
+    finally:
+        await registry.shutdown()
+
+
+async def test_max_queued_zero_still_lets_the_first_request_start_a_model(tmp_path: Path) -> None:
+    """With --max-queued 0, the request that finds its model unloaded starts it and is answered."""
+    model = served(tmp_path, "z")
+    registry = Registry([model])
+    await registry.start()
+    relay = Relay(RoutingTable([_route(model)]), RelaySettings(heartbeat_s=0, max_queued=0))
+    try:
+        status, _ = await _relay_call(relay, "z")
+        assert status == 200
+    finally:
+        await registry.shutdown()
