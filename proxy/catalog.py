@@ -69,6 +69,8 @@ class Catalog:
         self._batch: dict[str, int] = {}
         # Ports given to children so far: free until those children start, so never given twice.
         self._ports: set[int] = set()
+        # Child name → the model it serves.
+        self._child_owners: dict[str, str] = {}
 
     def table(self) -> RoutingTable:
         return RoutingTable(route for _, route in self.entries.values())
@@ -139,6 +141,15 @@ class Catalog:
 
         config, spec = prepared.config, prepared.spec
         first = prepared.planned[0]
+        for planned in prepared.planned:
+            # Child names name log files: two models must never share one.
+            owner = self._child_owners.setdefault(planned.config.name, prepared.name)
+            if owner != prepared.name and owner in self.entries:
+                raise ConfigError(
+                    f"{config.source or prepared.name}: model {prepared.name!r} would share the child name "
+                    f"{planned.config.name!r} (and its log) with model {owner!r}; rename one of them"
+                )
+            self._child_owners[planned.config.name] = prepared.name
         children = [Child(p.config, on_ready=self._on_ready(p)) for p in prepared.planned]
         served = ServedModel(
             prepared.name,

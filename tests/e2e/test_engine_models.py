@@ -404,3 +404,19 @@ def test_reload_restarts_only_the_changed_model(
         assert time.monotonic() < deadline, "the replaced child was not stopped"
         time.sleep(0.05)
     assert "--max-tokens 64" in Path(f"/proc/{new_y}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
+def test_two_models_never_share_a_child_name_or_log(demo_model: Path, tmp_path: Path) -> None:
+    """Model m with two replicas and a model named m-0 would share a child name: startup says so and stops."""
+    path = tmp_path / "blazar.toml"
+    path.write_text(_model_table("m", demo_model, replicas=2) + _model_table('"m-0"', demo_model))
+    result = subprocess.run(
+        [sys.executable, "-m", "proxy", "--config", str(path), "--port", str(free_port())],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert "would share the child name" in result.stderr and "'m-0'" in result.stderr, result.stderr
