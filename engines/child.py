@@ -215,6 +215,11 @@ class Child:
         await self._commands.put(_Command.SHUTDOWN)
         await asyncio.shield(self._owner)
 
+    def kill_now(self) -> None:
+        """SIGKILL the child's process group at once, from any context (a last-resort exit)."""
+        if self.pid is not None:
+            _signal_group(self.pid, signal.SIGKILL)
+
     # -- the owner ----------------------------------------------------------
 
     def _spawn_owner(self) -> None:

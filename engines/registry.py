@@ -121,6 +121,12 @@ class Registry:
         children = [c for m in models for c in m.children]
         await asyncio.gather(*(child.shutdown() for child in children), return_exceptions=True)
 
+    def kill_now(self) -> None:
+        """SIGKILL every child, retiring ones included, without waiting (the gateway exits at once)."""
+        for model in [*self.models.values(), *self._retiring]:
+            for child in model.children:
+                child.kill_now()
+
     async def wait_ready(self, timeout_s: float | None = None) -> None:
         """Wait until every always-loaded model is ready (for tests and scripts)."""
         async with asyncio.timeout(timeout_s):

@@ -36,6 +36,9 @@ from proxy.routing import Route as RouteConfig
 from proxy.routing import RoutingTable, UpstreamAddress
 
 _PROBE_TIMEOUT_S = 1.0
+# The /readyz answer of a static upstream is awaited this long at most, so that
+# the gateway's own /readyz stays inside a 1 s probe timeout (Kubernetes').
+_PROBE_READ_S = 0.3
 
 
 @dataclass
@@ -345,8 +348,8 @@ async def _reachable(address: UpstreamAddress) -> str | None:
     It must accept a TCP connection (the one check every OpenAI server
     passes). If it then answers ``GET /readyz`` with 503, it says itself that
     it cannot: another gateway that is draining, behind this one. Any other
-    answer, or none in time, counts as ready, since most servers have no
-    /readyz.
+    answer, or none within ``_PROBE_READ_S``, counts as ready, since most
+    servers have no /readyz (only a prompt 503 counts).
     """
     host = address.host_header.decode()
     try:
@@ -361,7 +364,7 @@ async def _reachable(address: UpstreamAddress) -> str | None:
             b"GET %s/readyz HTTP/1.1\r\nhost: %s\r\nconnection: close\r\n\r\n"
             % (address.prefix.encode(), address.host_header)
         )
-        async with asyncio.timeout(_PROBE_TIMEOUT_S):
+        async with asyncio.timeout(_PROBE_READ_S):
             status_line = await reader.readline()
     except (TimeoutError, OSError):
         return None

@@ -572,7 +572,17 @@ def serve(settings: Settings, *, registry: Registry | None = None, reloader: _Re
         log_level=settings.log_level,
     )
     on_hangup = reloader.reload_soon if reloader is not None else None
-    GatewayServer(config, app, settings.drain_timeout_s, on_hangup=on_hangup).run()
+    server = GatewayServer(
+        config,
+        app,
+        settings.drain_timeout_s,
+        on_hangup=on_hangup,
+        on_force_exit=registry.kill_now if registry is not None else None,
+    )
+    server.run()
+    if server.force_exit:
+        # A third signal: nothing was drained or stopped in order.
+        raise SystemExit(130)
 
 
 def _engine_samples(table: RoutingTable) -> list[EngineSample]:

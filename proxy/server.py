@@ -12,7 +12,7 @@ limit for open streams. A gateway behind a load balancer must instead:
 A second signal ends every exchange at once with an SSE error event (or a
 503), then shuts down: the children are stopped and reaped as usual. A third
 exits without waiting for anything; the children then die with the gateway
-(their parent-death signal).
+(they are sent SIGKILL), and the exit code is 130.
 """
 
 from __future__ import annotations
@@ -44,11 +44,14 @@ class GatewayServer(uvicorn.Server):
         gateway: Gateway,
         drain_timeout_s: float,
         on_hangup: Callable[[], None] | None = None,
+        on_force_exit: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(config)
         self.gateway = gateway
         self.drain_timeout_s = drain_timeout_s
         self.on_hangup = on_hangup
+        # Kills the children at once: a forced exit skips their orderly stop.
+        self.on_force_exit = on_force_exit
         self._loop: asyncio.AbstractEventLoop | None = None
         self._signals = 0
         self._drain_task: asyncio.Future[None] | None = None
@@ -76,6 +79,9 @@ class GatewayServer(uvicorn.Server):
             self._loop.call_soon_threadsafe(self._start_stop_now)
         else:
             self.should_exit = self.force_exit = True
+            if self.on_force_exit is not None:
+                # Not left to the parent-death signal, which only Linux has.
+                self.on_force_exit()
 
     def _start_drain(self) -> None:
         self._drain_task = asyncio.ensure_future(self.drain())

@@ -99,4 +99,4 @@ def test_third_signal_exits_without_waiting(start_gateway: StartGateway, fake: F
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGINT):
         gateway.proc.send_signal(sig)
         time.sleep(0.05)
-    gateway.proc.wait(10)
+    assert gateway.proc.wait(10) == 130

@@ -281,6 +281,19 @@ def test_sigkill_of_gateway_leaves_no_orphan(engine_installed: None, logs_dir: P
     assert not _pid_alive(gateway.child_pid)
 
 
+def test_third_signal_kills_the_child_and_exits_130(engine_installed: None, logs_dir: Path) -> None:
+    """Three signals in a row: the gateway exits 130 at once and SIGKILLs its child itself."""
+    gateway = start_engine_gateway(logs_dir)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGINT):
+        gateway.proc.send_signal(sig)
+        time.sleep(0.02)
+    assert gateway.proc.wait(10) == 130
+    deadline = time.monotonic() + 2.0
+    while _pid_alive(gateway.child_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _pid_alive(gateway.child_pid)
+
+
 def test_load_wait_holds_requests_until_the_child_is_back(engine_installed: None, logs_dir: Path) -> None:
     """With --load-wait, a request made while the child restarts waits for it and succeeds."""
     gateway = start_engine_gateway(logs_dir, "--load-wait", "60")
