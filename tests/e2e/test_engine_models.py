@@ -139,6 +139,30 @@ def _requests_in(log: Path) -> int:
     return log.read_text(errors="replace").count('"POST /v1/chat/completions HTTP/1.1" 200')
 
 
+def _start_stream(gateway: ConfigGateway, model: str, max_tokens: int) -> tuple[threading.Thread, list[str]]:
+    """A long stream in a thread, returned once its first events came; the list fills as more come."""
+    events: list[str] = []
+
+    def stream() -> None:
+        body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens}
+        with (
+            httpx.Client(trust_env=False, timeout=120) as client,
+            client.stream("POST", f"{gateway.url}{_CHAT}", json={**body, "stream": True}) as response,
+        ):
+            for line in response.iter_lines():
+                if line.startswith("data:"):
+                    # One at a time, as they arrive: the caller watches the list.
+                    events.append(line)  # noqa: PERF401
+
+    streaming = threading.Thread(target=stream)
+    streaming.start()
+    deadline = time.monotonic() + 30
+    while len(events) < 5 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(events) >= 5, f"the stream on {model} did not start"
+    return streaming, events
+
+
 @pytest.fixture
 def gateway_factory(tmp_path: Path) -> Iterator[list[ConfigGateway]]:
     started: list[ConfigGateway] = []
@@ -198,30 +222,7 @@ def test_lazy_single_flight_lru_eviction_replicas_and_aliases(
     assert gateway.states() == {"a": "unloaded", "b": "loaded"}
 
     # While a long stream on b runs, a cannot take b's slot: 503 with the reason, and the stream finishes.
-    events: list[str] = []
-
-    def stream_on_b() -> None:
-        body = {
-            "model": "b",
-            "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": 3000,
-            "stream": True,
-        }
-        with (
-            httpx.Client(trust_env=False, timeout=120) as client,
-            client.stream("POST", f"{gateway.url}{_CHAT}", json=body) as response,
-        ):
-            for line in response.iter_lines():
-                if line.startswith("data:"):
-                    # One at a time, as they arrive: the main thread watches the count.
-                    events.append(line)  # noqa: PERF401
-
-    streaming = threading.Thread(target=stream_on_b)
-    streaming.start()
-    deadline = time.monotonic() + 30
-    while len(events) < 5 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert len(events) >= 5, "the stream on b did not start"
+    streaming, events = _start_stream(gateway, "b", max_tokens=3000)
     refused = gateway.chat("a")
     still_streaming = streaming.is_alive()
     streaming.join(120)
@@ -294,29 +295,7 @@ def test_failed_replica_leaves_rotation_and_its_request_is_not_retried(
     logs = engine_home() / "logs"
     before = {i: _requests_in(logs / f"{ENGINE}--pair-{i}.log") for i in (0, 1)}
 
-    events: list[str] = []
-
-    def stream() -> None:
-        body = {
-            "model": "pair",
-            "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": 5000,
-            "stream": True,
-        }
-        with (
-            httpx.Client(trust_env=False, timeout=120) as client,
-            client.stream("POST", f"{gateway.url}{_CHAT}", json=body) as response,
-        ):
-            for line in response.iter_lines():
-                if line.startswith("data:"):
-                    events.append(line)  # noqa: PERF401 - watched as they arrive
-
-    streaming = threading.Thread(target=stream)
-    streaming.start()
-    deadline = time.monotonic() + 30
-    while len(events) < 5 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert len(events) >= 5, "the stream did not start"
+    streaming, events = _start_stream(gateway, "pair", max_tokens=5000)
     during = {i: _requests_in(logs / f"{ENGINE}--pair-{i}.log") - before[i] for i in (0, 1)}
     assert sorted(during.values()) == [0, 1], during
     victim = 0 if during[0] else 1
@@ -359,29 +338,7 @@ def test_reload_restarts_only_the_changed_model(
     gateway.wait_state("x", "loaded", timeout_s=_READY_TIMEOUT_S)
     gateway.wait_state("y", "loaded", timeout_s=_READY_TIMEOUT_S)
     old_y = _replica_pids(gateway, "y", 1)[0]
-    events: list[str] = []
-
-    def stream_on_x() -> None:
-        body = {
-            "model": "x",
-            "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": 3000,
-            "stream": True,
-        }
-        with (
-            httpx.Client(trust_env=False, timeout=120) as client,
-            client.stream("POST", f"{gateway.url}{_CHAT}", json=body) as response,
-        ):
-            for line in response.iter_lines():
-                if line.startswith("data:"):
-                    events.append(line)  # noqa: PERF401 - watched as they arrive
-
-    streaming = threading.Thread(target=stream_on_x)
-    streaming.start()
-    deadline = time.monotonic() + 30
-    while len(events) < 5 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert len(events) >= 5, "the stream on x did not start"
+    streaming, events = _start_stream(gateway, "x", max_tokens=3000)
     gateway.config_path.write_text(
         _model_table("x", demo_model, always_loaded=True)
         + _model_table("y", demo_model, always_loaded=True, engine_args=["--max-tokens", "64"])

@@ -35,6 +35,16 @@ def served(tmp_path: Path, name: str, lifetime: Lifetime | None = None, replicas
     return ServedModel(name, children, lifetime or Lifetime())
 
 
+def slow_fake_engine(port: int, delay_s: float) -> list[str]:
+    """The argv of a fake engine that takes ``delay_s`` to start listening on ``port`` (a slow load)."""
+    return [
+        sys.executable,
+        "-c",
+        f"import time, runpy, sys; time.sleep({delay_s}); sys.argv = ['x', '--port', '{port}']; "
+        "runpy.run_module('tests.fake_engine', run_name='__main__')",
+    ]
+
+
 async def test_fifty_concurrent_first_requests_start_exactly_one_child(tmp_path: Path) -> None:
     """50 requests for a cold model at once all wait for one start, and all find it ready."""
     model = served(tmp_path, "cold")
@@ -314,12 +324,7 @@ async def test_shutdown_stops_the_children_of_models_being_retired(tmp_path: Pat
 async def test_requests_waiting_on_a_load_cancelled_by_a_reload_get_a_503_not_a_500(tmp_path: Path) -> None:
     """A shared load ended by a reload answers its waiters with LoadFailed (503), not CancelledError."""
     port = free_port()
-    slow = [
-        sys.executable,
-        "-c",
-        f"import time, runpy, sys; time.sleep(2); sys.argv = ['x', '--port', '{port}']; "
-        "runpy.run_module('tests.fake_engine', run_name='__main__')",
-    ]
+    slow = slow_fake_engine(port, delay_s=2)
     model = ServedModel("s", [Child(config(tmp_path, argv=slow, port=port))])
     registry = Registry([model])
     await registry.start()
@@ -410,12 +415,7 @@ async def test_unload_never_cuts_a_request_that_outlasts_the_wait(tmp_path: Path
 async def test_clients_that_leave_while_their_model_loads_are_not_relayed(tmp_path: Path) -> None:
     """A request whose client is gone stops waiting for the load; the engine never receives it."""
     port = free_port()
-    slow = [
-        sys.executable,
-        "-c",
-        f"import time, runpy, sys; time.sleep(1.5); sys.argv = ['x', '--port', '{port}']; "
-        "runpy.run_module('tests.fake_engine', run_name='__main__')",
-    ]
+    slow = slow_fake_engine(port, delay_s=1.5)
     model = ServedModel("g", [Child(config(tmp_path, argv=slow, port=port))])
     registry = Registry([model])
     await registry.start()
@@ -436,12 +436,7 @@ async def test_clients_that_leave_while_their_model_loads_are_not_relayed(tmp_pa
 async def test_requests_waiting_for_a_load_are_bounded_by_max_queued(tmp_path: Path) -> None:
     """Past --max-queued, a request for a model that is still loading gets 429 instead of waiting too."""
     port = free_port()
-    slow = [
-        sys.executable,
-        "-c",
-        f"import time, runpy, sys; time.sleep(1.5); sys.argv = ['x', '--port', '{port}']; "
-        "runpy.run_module('tests.fake_engine', run_name='__main__')",
-    ]
+    slow = slow_fake_engine(port, delay_s=1.5)
     model = ServedModel("q", [Child(config(tmp_path, argv=slow, port=port))])
     registry = Registry([model])
     await registry.start()
@@ -459,12 +454,7 @@ async def test_requests_waiting_for_a_load_are_bounded_by_max_queued(tmp_path: P
 async def test_a_drain_that_ends_answers_requests_waiting_for_a_load(tmp_path: Path) -> None:
     """abort_all (drain timeout, second signal) answers a request waiting for a load with 503 draining."""
     port = free_port()
-    slow = [
-        sys.executable,
-        "-c",
-        f"import time, runpy, sys; time.sleep(30); sys.argv = ['x', '--port', '{port}']; "
-        "runpy.run_module('tests.fake_engine', run_name='__main__')",
-    ]
+    slow = slow_fake_engine(port, delay_s=30)
     model = ServedModel("d", [Child(config(tmp_path, argv=slow, port=port))])
     registry = Registry([model])
     await registry.start()
