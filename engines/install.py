@@ -11,7 +11,7 @@ before the next attempt. A file lock keeps two processes from installing the
 same engine at once.
 
 Some engines are compiled at install (llama-cpp-python has only an sdist on
-PyPI: cmake and g++ build llama.cpp, 6-7 minutes on two cores). The installer's
+PyPI: cmake and g++ build llama.cpp, 4-7 minutes on two cores). The installer's
 output is passed on line by line while it runs, and a line every
 ``HEARTBEAT_S`` says how long the build has taken and which build step it is
 at, so a long build never looks hung. uv keeps the built wheel in its cache
@@ -253,7 +253,7 @@ def _make_venv_and_install(
         ):
             if builds_from_source:
                 progress(
-                    f"{builds_from_source} is compiled from source: minutes (6-7 on two cores); "
+                    f"{builds_from_source} is compiled from source: minutes (4-7 on two cores); "
                     f"the wheel is kept in uv's cache ({_uv_cache_dir(uv)}) for the next install"
                 )
             progress(f"installing {' '.join(packages)}")
