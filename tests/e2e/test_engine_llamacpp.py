@@ -1,6 +1,6 @@
 """The real llama.cpp engine: llamacpp-0.3.36 (llama_cpp.server) on the CPU, behind the gateway.
 
-The engine is compiled from source at install (6-7 min on two cores), so these
+The engine is compiled from source at install (4-7 min on two cores), so these
 tests do not install it: scripts/test does, into BLAZAR_TEST_HOME (default
 ~/.cache/blazar-test), and sets BLAZAR_TEST_LLAMACPP=required so that a
 missing engine fails the run instead of skipping. Run alone, without the
