@@ -188,10 +188,3 @@ class ServedModel:
     @property
     def busy(self) -> bool:
         return self.in_flight > 0
-
-    def replicas(self) -> list[dict[str, object]]:
-        """Each child's state, for the admin view."""
-        return [
-            {"name": c.config.name, "state": c.state.value, "port": c.config.port, "pid": c.pid}
-            for c in self.children
-        ]

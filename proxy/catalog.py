@@ -72,9 +72,6 @@ class Catalog:
         # Child name → the model it serves.
         self._child_owners: dict[str, str] = {}
 
-    def table(self) -> RoutingTable:
-        return RoutingTable(route for _, route in self.entries.values())
-
     # -- building -------------------------------------------------------------
 
     def prepare(self, config: ModelConfig) -> _Prepared | Route:

@@ -29,7 +29,7 @@ from proxy.cors import Cors
 from proxy.metrics import EngineSample, Metrics
 from proxy.protocol import protocol_class
 from proxy.relay import RelaySettings
-from proxy.routing import RoutingTable, UpstreamSpecError, parse_upstream_url
+from proxy.routing import RoutingTable, UpstreamSpecError, parse_upstream_spec
 from proxy.server import GatewayServer
 
 if TYPE_CHECKING:
@@ -387,17 +387,12 @@ def main(
         raise click.UsageError("--model and --served-name need --engine")
     configs = []
     for spec in upstreams:
-        name, sep, url = spec.partition("=")
-        if not sep or not name.strip() or not url.strip():
-            raise click.BadParameter(
-                f"upstream {spec!r}: expected NAME=URL, e.g. qwen=http://127.0.0.1:8080",
-                param_hint="--upstream",
-            )
         try:
-            parse_upstream_url(url)
+            route = parse_upstream_spec(spec)
         except UpstreamSpecError as exc:
             raise click.BadParameter(str(exc), param_hint="--upstream") from None
-        configs.append(ModelConfig(name=name.strip(), upstream=url.strip(), source=f"--upstream {spec}"))
+        url = spec.partition("=")[2].strip()
+        configs.append(ModelConfig(name=route.model, upstream=url, source=f"--upstream {spec}"))
     if engine:
         # The one-line start: its model starts with the gateway.
         configs.append(
@@ -626,37 +621,28 @@ def _read_config(ctx: click.Context, value: Path | None) -> FileConfig | None:
 def _gateway_option(ctx: click.Context, key: str, value: object) -> tuple[str, object]:
     """One [gateway] entry as (option name, value), checked by the option's own type."""
     wanted = key.replace("-", "_")
-    for param in ctx.command.params:
-        if not isinstance(param, click.Option) or param.name is None:
+    options = [
+        p
+        for p in ctx.command.params
+        if isinstance(p, click.Option) and p.name is not None and p.name not in ("help", "version")
+    ]
+    for param in options:
+        longs = {opt.lstrip("-").replace("-", "_") for opt in param.opts if opt.startswith("--")}
+        if wanted != param.name and wanted not in longs:
             continue
-        longs = [opt.lstrip("-").replace("-", "_") for opt in param.opts if opt.startswith("--")]
-        if wanted == param.name or wanted in longs:
-            if param.name in _NOT_IN_GATEWAY_TABLE or param.name in ("help", "version"):
-                break
-            if param.multiple and not isinstance(value, list):
-                value = [value]
-            try:
-                param.type_cast_value(ctx, value)
-            except click.BadParameter as exc:
-                raise ValueError(exc.message) from None
-            return param.name, value
-    known = sorted(
-        (
-            p.opts[0].lstrip("-")
-            for p in ctx.command.params
-            if isinstance(p, click.Option)
-            and p.name
-            and p.name not in _NOT_IN_GATEWAY_TABLE
-            and p.name not in ("help", "version")
-        ),
-    )
+        if param.name in _NOT_IN_GATEWAY_TABLE:
+            raise ValueError("not a gateway setting; models go in [models.NAME] tables")
+        if param.multiple and not isinstance(value, list):
+            value = [value]
+        try:
+            param.type_cast_value(ctx, value)
+        except click.BadParameter as exc:
+            raise ValueError(exc.message) from None
+        assert param.name is not None
+        return param.name, value
+    known = sorted(p.opts[0].lstrip("-") for p in options if p.name not in _NOT_IN_GATEWAY_TABLE)
     hint = difflib.get_close_matches(key, known, n=1)
-    serving = {"config", "upstream", "upstreams", "engine", "model", "served_name", "engine_variant"}
-    raise ValueError(
-        "not a gateway setting"
-        + ("; models go in [models.NAME] tables" if wanted in serving else "")
-        + (f" (did you mean {hint[0]!r}?)" if hint and wanted not in serving else "")
-    )
+    raise ValueError("not a gateway setting" + (f" (did you mean {hint[0]!r}?)" if hint else ""))
 
 
 class _Reloader:
