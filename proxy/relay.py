@@ -256,9 +256,13 @@ class Relay:
                     stats.queue_time.observe(perf_counter() - queued_at)
                 # Waiting for a slot is not the gateway's own time either.
                 started = perf_counter()
+                if gate is not None and not gate.ready:
+                    # Its children went away while this request was queued.
+                    admission.leave()
+                    raise _loading(gate.not_ready_reason())
             replica = replicas[0] if len(replicas) == 1 else _least_busy(replicas)
-            if replica is None or (gate is not None and not gate.ready):
-                # Its children went away while this request was queued.
+            if replica is None:
+                # No replica is ready (only a model with several can get here).
                 admission.leave()
                 assert gate is not None
                 raise _loading(gate.not_ready_reason())
