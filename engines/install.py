@@ -27,6 +27,7 @@ would reuse the CPU wheel without a word). Nothing here passes ``--no-cache``,
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import fcntl
 import json
@@ -57,6 +58,8 @@ HEARTBEAT_S = 30.0
 _BUILD_STEP = re.compile(r"\[(\d+)/(\d+)\]")
 # uv's own line as it starts building an sdist: "   Building llama-cpp-python==0.3.36".
 _BUILDING = re.compile(r"\s*Building \S+==")
+# Installer lines kept for a failure's report.
+_TAIL_LINES = 60
 
 
 class InstallError(RuntimeError):
@@ -318,14 +321,16 @@ def _stream(
     output: IO[str] | None = None,
     hold: bool = False,
 ) -> tuple[int, bool]:
-    """Run an installer command, passing its output on as it comes; its exit code and whether it built.
+    """Run an installer command quietly; its exit code and whether it built.
 
-    Its lines (but uv's DEBUG and TRACE lines) go to ``output`` (stderr): they
-    are the progress display. Every ``heartbeat_s`` a line through
+    The installer's lines (but uv's DEBUG and TRACE lines) are kept, the
+    last ``_TAIL_LINES`` of them, and written to ``output`` (stderr) only
+    when the command fails: a user sees our own progress lines, not uv's
+    package list and warnings. Every ``heartbeat_s`` a line through
     ``progress`` says the command is still busy, with the last build step
     seen (``[n/N]``), so a build that prints nothing for minutes is visibly
-    alive. With ``hold``, lines wait until a build starts or the command
-    succeeds: a failing attempt that built nothing leaves no output.
+    alive. With ``hold``, a failing attempt that built nothing leaves no
+    output either (the caller tries another way).
     """
     sink = output if output is not None else sys.stderr
     try:
@@ -342,7 +347,7 @@ def _stream(
         raise InstallError(f"cannot run {argv[0]}: {exc}") from None
     # Written by the reader thread only; read by this one for the heartbeat and after join().
     step: list[str] = []
-    held: list[str] = []
+    tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
     built = threading.Event()
 
     def read(stream: IO[str]) -> None:
@@ -354,13 +359,7 @@ def _stream(
                 continue
             if _BUILDING.match(line):
                 built.set()
-            if hold and not built.is_set():
-                held.append(line)
-                continue
-            sink.writelines(held)
-            held.clear()
-            sink.write(line)
-            sink.flush()
+            tail.append(line)
 
     assert proc.stdout is not None
     reader = threading.Thread(target=read, args=(proc.stdout,), daemon=True)
@@ -381,8 +380,8 @@ def _stream(
     finally:
         reader.join(5)
         proc.stdout.close()
-    if held and proc.returncode == 0:
-        sink.writelines(held)
+    if proc.returncode != 0 and (built.is_set() or not hold):
+        sink.writelines(tail)
         sink.flush()
     return proc.returncode, built.is_set()
 
