@@ -291,6 +291,9 @@ def build_app(
             Route("/admin/models/{model:path}/load", load_model, methods=["POST"]),
             Route("/admin/models/{model:path}/unload", unload_model, methods=["POST"]),
             Route("/livez", livez, methods=["GET"]),
+            # What mlx_lm.server, vLLM and llama.cpp's server answer; benchmark tools
+            # (guidellm) probe it first and give up on a 404.
+            Route("/health", livez, methods=["GET"]),
             Route("/readyz", readyz, methods=["GET"]),
             # A plain route: Mount("/metrics", app) answers 307 and Prometheus scrapes nothing.
             *([Route("/metrics", metrics_route, methods=["GET"])] if metrics is not None else []),

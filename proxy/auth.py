@@ -14,7 +14,7 @@ from pathlib import Path
 from proxy.asgi import Scope
 
 # Paths that answer without a key: liveness and readiness probes.
-PUBLIC_PATHS = frozenset({"/livez", "/readyz"})
+PUBLIC_PATHS = frozenset({"/livez", "/readyz", "/health"})
 CREDENTIAL_HEADERS = frozenset({b"authorization", b"x-api-key"})
 
 

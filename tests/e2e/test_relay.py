@@ -214,8 +214,10 @@ def test_models_endpoints(gateway: Running, http: httpx.Client) -> None:
 
 
 def test_probes(gateway: Running, http: httpx.Client) -> None:
-    """/livez and /readyz answer 200 while the upstream is reachable."""
+    """/livez and /readyz answer 200 while the upstream is reachable; /health as the engines' own does."""
     assert http.get(gateway.url + "/livez").status_code == 200
+    health = http.get(gateway.url + "/health")
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
     ready = http.get(gateway.url + "/readyz")
     assert ready.status_code == 200
     assert ready.json()["models"] == {"fake": "ready", "org/fake-2": "ready"}
