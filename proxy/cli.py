@@ -373,7 +373,10 @@ def main(
     Clients send OpenAI API requests to this gateway; each goes to the
     upstream that serves the request's `model`, and the response bytes come
     back as they arrive. `blazar-proxy --engine mlx-0.32.0` alone installs
-    the engine, starts it with a small demo model and serves it.
+    the engine, starts it with a small built-in model and serves it.
+
+    Engines, models and child logs live in BLAZAR_HOME (default
+    $XDG_DATA_HOME/blazar, i.e. ~/.local/share/blazar).
     """
     if ctx.invoked_subcommand is not None:
         return
@@ -456,7 +459,8 @@ def main(
 
 @main.group()
 def engines() -> None:
-    """Install, list and remove engine versions (in $BLAZAR_HOME/engines)."""
+    """Install, list and remove engine versions (in $BLAZAR_HOME/engines; BLAZAR_HOME defaults to
+    ~/.local/share/blazar)."""
 
 
 @engines.command("install")
@@ -476,20 +480,28 @@ def engines_install(engine: str, variant: str) -> None:
 
 @engines.command("list")
 def engines_list() -> None:
-    """Show installed engines with their variant, size and path."""
+    """Show the engine versions that can be installed, and which are, with variant, size and path."""
     from engines import install as installing
     from engines import spec as specs
     from engines.home import Home, blazar_home
 
     home = Home(blazar_home())
-    found = installing.installed(home)
-    if not found:
-        click.echo(f"no engines installed in {home.root / 'engines'}; known: {', '.join(specs.available())}")
-        return
-    click.echo(f"{'ENGINE':<16} {'VARIANT':<8} {'SIZE':>9}  PATH")
-    for item in found:
-        size_mb = installing.size_bytes(home.engine_dir(item.name)) / 1e6
-        click.echo(f"{item.name:<16} {item.variant:<8} {size_mb:>7.0f}MB  {item.venv}")
+    found = {item.name: item for item in installing.installed(home)}
+    click.echo(f"{'ENGINE':<16} {'VARIANTS':<26} {'INSTALLED':<24} SUMMARY")
+    for name in sorted({*specs.available(), *found}):
+        try:
+            spec = specs.load(name)
+            variants, summary = " ".join(spec.packages), spec.summary
+        except specs.SpecError:
+            variants, summary = "-", "(installed; its spec is no longer shipped)"
+        item = found.get(name)
+        state = "no"
+        if item is not None:
+            size_mb = installing.size_bytes(home.engine_dir(name)) / 1e6
+            state = f"{item.variant}, {size_mb:.0f} MB"
+        click.echo(f"{name:<16} {variants:<26} {state:<24} {summary}")
+    click.echo(f"engines live in {home.root / 'engines'} (BLAZAR_HOME); install one with")
+    click.echo("`blazar-proxy engines install ENGINE`, or just start it: `blazar-proxy --engine ENGINE`")
 
 
 @engines.command("remove")

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
@@ -39,6 +40,18 @@ def test_help_shows_every_flags_variable() -> None:
     ):
         assert variable in text, variable
     assert "default: 127.0.0.1" in text
+    assert "BLAZAR_HOME" in text and "~/.local/share/blazar" in text
+
+
+def test_engines_list_shows_what_can_be_installed(tmp_path: Path) -> None:
+    """`engines list` on an empty home lists every shipped engine version as not installed, and the home."""
+    result = run_cli("engines", "list", env={"BLAZAR_HOME": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[0]: line for line in result.stdout.splitlines()[1:] if line.split()}
+    for engine in ("mlx-0.32.0", "llamacpp-0.3.36"):
+        assert engine in rows and " no " in rows[engine], result.stdout
+    assert "cuda12" in rows["mlx-0.32.0"]
+    assert str(tmp_path / "engines") in result.stdout
 
 
 def test_nothing_to_serve_is_a_usage_error() -> None:
