@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
+import orjson
 import uvicorn
 
 from proxy import __version__, configfile
@@ -532,7 +533,15 @@ def serve(settings: Settings, *, registry: Registry | None = None, reloader: _Re
         if reloader is not None:
             reloader.stop()
         if registry is not None:
+            running = [
+                (child.config.name, child.pid)
+                for model in registry.models.values()
+                for child in model.children
+                if child.pid is not None
+            ]
             await registry.shutdown()
+            for name, pid in running:
+                _echo(f"stopped engine child {name} (pid {pid})")
 
     app = build_app(
         RoutingTable(settings.routes),
@@ -579,17 +588,56 @@ def serve(settings: Settings, *, registry: Registry | None = None, reloader: _Re
         log_level=settings.log_level,
     )
     on_hangup = reloader.reload_soon if reloader is not None else None
+    announcing: set[asyncio.Task[None]] = set()
+
+    def on_listening(bound: list[tuple[str, int]]) -> None:
+        keyed = bool(settings.api_keys)
+        task = asyncio.ensure_future(_announce_ready(bound, app.relay.table, registry, keyed=keyed))
+        announcing.add(task)
+        task.add_done_callback(announcing.discard)
+
     server = GatewayServer(
         config,
         app,
         settings.drain_timeout_s,
         on_hangup=on_hangup,
         on_force_exit=registry.kill_now if registry is not None else None,
+        on_listening=on_listening,
     )
     server.run()
     if server.force_exit:
         # A third signal: nothing was drained or stopped in order.
         raise SystemExit(130)
+
+
+# The ready line waits this long for the always-loaded models (their readiness timeout is 600 s).
+_ANNOUNCE_WAIT_S = 3600.0
+
+
+async def _announce_ready(
+    bound: list[tuple[str, int]], table: RoutingTable, registry: Registry | None, *, keyed: bool = False
+) -> None:
+    """Once the always-loaded models serve: the gateway's URL, its models, and a request to copy."""
+    always = [m for m in registry.models.values() if m.lifetime.always_loaded] if registry else []
+    ready = await asyncio.gather(*(model.wait_ready(_ANNOUNCE_WAIT_S) for model in always))
+    if not all(ready) or not bound:
+        return  # a model that cannot start says so itself
+    host, port = bound[0]
+    # A wildcard bind is reached here through the loopback address.
+    shown = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(host, f"[{host}]" if ":" in host else host)
+    base = f"http://{shown}:{port}/v1"
+    names = [route.model for route in table]
+    first = always[0].name if always else (names[0] if names else "MODEL")
+    _echo(f"ready: {base} serves {', '.join(names) or 'no models yet'}")
+    body = orjson.dumps(
+        {
+            "model": first,
+            "max_tokens": 32,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        }
+    ).decode()
+    key = " -H 'authorization: Bearer YOUR_API_KEY'" if keyed else ""
+    _echo(f"try it: curl -s {base}/chat/completions{key} -H 'content-type: application/json' -d '{body}'")
 
 
 def _engine_samples(table: RoutingTable) -> list[EngineSample]:

@@ -45,8 +45,11 @@ class GatewayServer(uvicorn.Server):
         drain_timeout_s: float,
         on_hangup: Callable[[], None] | None = None,
         on_force_exit: Callable[[], None] | None = None,
+        on_listening: Callable[[list[tuple[str, int]]], None] | None = None,
     ) -> None:
         super().__init__(config)
+        # Told the addresses actually bound (port 0 included), once they listen.
+        self.on_listening = on_listening
         self.gateway = gateway
         self.drain_timeout_s = drain_timeout_s
         self.on_hangup = on_hangup
@@ -63,6 +66,9 @@ class GatewayServer(uvicorn.Server):
             # SIGHUP reloads the configuration (nginx's meaning), in the loop.
             self._loop.add_signal_handler(signal.SIGHUP, self.on_hangup)
         await super().startup(sockets)
+        if self.on_listening is not None and not self.should_exit:
+            bound = [sock.getsockname()[:2] for server in self.servers for sock in server.sockets]
+            self.on_listening(bound)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # A signal handler only records and queues; the loop does the work.

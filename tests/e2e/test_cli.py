@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -10,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.e2e.conftest import ROOT, FakeEngine, Running, free_port
+from tests.e2e.conftest import ROOT, FakeEngine, Running, StartGateway, free_port
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -99,3 +101,25 @@ def test_environment_variables_configure_the_gateway(fake: FakeEngine) -> None:
             assert [m["id"] for m in models.json()["data"]] == ["a", "b"]
     finally:
         gateway.stop()
+
+
+def test_ready_line_names_the_gateways_url_and_a_request_that_works(
+    start_gateway: StartGateway, fake: FakeEngine
+) -> None:
+    """Once serving, the gateway prints its own URL, its models and a curl command that gets a 200."""
+    gateway = start_gateway({"fake": fake.url})
+    for _ in range(100):
+        if "try it: curl" in gateway.log():
+            break
+        time.sleep(0.05)
+    lines = gateway.log().splitlines()
+    ready = next(line for line in lines if "blazar-proxy: ready:" in line)
+    assert f"http://127.0.0.1:{gateway.port}/v1 serves fake" in ready
+    curl = next(line for line in lines if "try it: curl" in line)
+    argv = shlex.split(curl.split("try it: ", 1)[1])
+    url, body = argv[2], argv[argv.index("-d") + 1]
+    assert url == f"http://127.0.0.1:{gateway.port}/v1/chat/completions"
+    sent = json.loads(body)
+    assert sent["model"] == "fake" and sent["max_tokens"] >= 1
+    answer = httpx.post(url, content=body, headers={"content-type": "application/json"}, trust_env=False)
+    assert answer.status_code == 200, answer.text

@@ -403,7 +403,7 @@ def test_source_build_not_in_the_cache_is_built_online(
 def test_source_build_found_in_the_cache_is_not_built_again(
     tmp_path: Path, fake_uv: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """When the offline install works there is no online one; a note says so, and uv's own lines stay quiet."""
+    """When the offline install works there is no online one; a note says so; uv's own lines stay quiet."""
     monkeypatch.setenv("FAKE_UV_OFFLINE", "ok")
     lines: list[str] = []
     install_llamacpp(tmp_path, lines)
