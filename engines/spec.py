@@ -65,6 +65,16 @@ class Guards:
 
 
 @dataclass(frozen=True, slots=True)
+class NonStream:
+    """How non-stream requests reach an engine that cannot notice their client leaving."""
+
+    # Ask the engine for a stream and build the non-stream reply from its events.
+    via_stream: bool = False
+    # Request fields whose answer only a non-stream reply carries: sent as they are.
+    stream_cannot_carry: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class EngineSpec:
     name: str
     kind: str
@@ -85,6 +95,7 @@ class EngineSpec:
     env_drop: tuple[str, ...] = ()
     # What is compiled at install (e.g. llama-cpp-python); empty: wheels only.
     builds_from_source: str = ""
+    nonstream: NonStream = NonStream()
 
     def config_settings_for(self, variant: str) -> tuple[str, ...]:
         """The build's config settings for ``variant`` (none for most engines)."""
@@ -206,6 +217,13 @@ def parse(data: dict[str, Any], *, source: str) -> EngineSpec:
             raise SpecError(f"{source}: {where}{key} must be true or false")
         return value
 
+    nonstream = data.get("nonstream", {})
+    if not isinstance(nonstream, dict):
+        raise SpecError(f"{source}: nonstream must be a table")
+    cannot_carry = nonstream.get("stream_cannot_carry", [])
+    if not isinstance(cannot_carry, list) or not all(isinstance(n, str) and n for n in cannot_carry):
+        raise SpecError(f"{source}: nonstream.stream_cannot_carry must be a list of field names")
+
     spec = EngineSpec(
         name=need(data, "name", str, ""),
         kind=need(data, "kind", str, ""),
@@ -236,6 +254,10 @@ def parse(data: dict[str, Any], *, source: str) -> EngineSpec:
         config_settings=config_settings,
         env_drop=tuple(env_drop),
         builds_from_source=builds_from_source,
+        nonstream=NonStream(
+            via_stream=flag(nonstream, "via_stream", False, "nonstream."),
+            stream_cannot_carry=tuple(cannot_carry),
+        ),
     )
     if source.endswith(".toml") and spec.name != source.removesuffix(".toml"):
         raise SpecError(f"{source}: name {spec.name!r} does not match the file name")

@@ -167,6 +167,8 @@ class Catalog:
                 seed_min=spec.guards.seed_min,
                 top_logprobs_max=spec.guards.top_logprobs_max,
                 completion_logprobs=spec.guards.completion_logprobs,
+                via_stream=spec.nonstream.via_stream,
+                stream_cannot_carry=spec.nonstream.stream_cannot_carry,
             ),
             # The engines generate this many at once; more would only queue inside them.
             max_in_flight=config.max_in_flight or self.max_in_flight or batch,

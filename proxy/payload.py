@@ -39,6 +39,11 @@ class RequestGuards:
     top_logprobs_max: int = 20
     # The legacy completions API's logprobs is a count; mlx takes a flag there too.
     completion_logprobs: str = "count"
+    # The engine never notices that a non-stream client has gone (it writes the
+    # reply only at the end): ask it for a stream and build the reply from it
+    # (proxy/assembly.py), unless the request sets a field a stream cannot carry.
+    via_stream: bool = False
+    stream_cannot_carry: tuple[str, ...] = ()
 
 
 DEFAULT_GUARDS = RequestGuards()
@@ -60,6 +65,26 @@ def parse_request(body: bytes) -> tuple[str, dict[str, Any]]:
     if not isinstance(model, str) or not model:
         raise HTTPError(400, "model must be a non-empty string", param="model", code="invalid_model")
     return model, doc
+
+
+def ask_for_stream(doc: dict[str, Any], endpoint: bytes, guards: RequestGuards) -> bool:
+    """Make a non-stream generation request a stream with usage; whether it was made one.
+
+    Not for embeddings, and not when the request sets a field that the
+    engine's streams do not carry (mlx: logprobs only in non-stream replies).
+    """
+    if endpoint not in _GENERATION_ENDPOINTS:
+        return False
+    for name in guards.stream_cannot_carry:
+        value = doc.get(name)
+        if value is not None and value is not False and value != 0:
+            return False
+    doc["stream"] = True
+    doc["stream_options"] = {"include_usage": True}
+    return True
+
+
+_GENERATION_ENDPOINTS = frozenset({b"/chat/completions", b"/completions"})
 
 
 def check_request(doc: dict[str, Any], endpoint: bytes, guards: RequestGuards) -> bool:

@@ -27,6 +27,7 @@ import orjson
 from proxy.accesslog import AccessLog
 from proxy.admission import Admission
 from proxy.asgi import Message, Receive, Scope, Send, send_json
+from proxy.assembly import AssemblyError, ReplyAssembler
 from proxy.auth import CREDENTIAL_HEADERS
 from proxy.errors import HTTPError, normalize_error, sse_error_event
 from proxy.headers import (
@@ -40,7 +41,7 @@ from proxy.headers import (
     valid_request_id,
 )
 from proxy.metrics import Metrics, ModelMetrics
-from proxy.payload import RequestGuards, check_request, parse_request
+from proxy.payload import RequestGuards, ask_for_stream, check_request, parse_request
 from proxy.routing import Gate, ReplicaGate, Route, RoutingTable, UpstreamAddress
 from proxy.upstream import (
     BodyBroken,
@@ -232,7 +233,12 @@ class Relay:
                     code="model_not_found",
                 )
             replicas, gate, guards, admission, stats, rename = entry
-            rewrite = check_request(doc, ENDPOINTS[scope["path"]], guards)
+            endpoint = ENDPOINTS[scope["path"]]
+            rewrite = check_request(doc, endpoint, guards)
+            streamed = doc.get("stream") is True
+            # An engine that cannot tell that a non-stream client left is asked for a stream.
+            built = guards.via_stream and not streamed and ask_for_stream(doc, endpoint, guards)
+            rewrite = rewrite or built
             if gate is not None:
                 if not gate.ready:
                     admission.wait_for_load(model)
@@ -313,7 +319,9 @@ class Relay:
                 target += b"?" + scope["query_string"]
             head = request_head(b"POST", target, replica.host_header, headers, len(body))
             outcome = _Outcome()
-            outcome.heartbeat = bool(self._heartbeat_s) and doc.get("stream") is True
+            outcome.heartbeat = bool(self._heartbeat_s) and streamed
+            if built:
+                outcome.built = ReplyAssembler(chat=endpoint == b"/chat/completions")
             try:
                 await self._exchange(
                     replica.pool, head, body, receive, send, request_id, started, outcome, scope
@@ -566,6 +574,9 @@ class Relay:
             return
         headers = filter_response_headers(conn.headers)
         sse = is_event_stream(headers)
+        if outcome.built is not None and status == 200 and sse:
+            await self._respond_built(conn, send, request_id, started, sent_at, head_at, outcome)
+            return
         if status >= 400 and not sse:
             try:
                 body = await self._read_error_body(conn)
@@ -594,6 +605,79 @@ class Relay:
             outcome.error = await self._relay_events(conn, send, outcome)
         else:
             outcome.error = await self._relay_body(conn, send, outcome)
+
+    async def _respond_built(
+        self,
+        conn: Connection,
+        send: Send,
+        request_id: bytes,
+        started: float,
+        sent_at: float,
+        head_at: float,
+        outcome: _Outcome,
+    ) -> None:
+        """Read the stream the engine was asked for, and answer with the non-stream reply it makes.
+
+        Nothing reaches the client before the reply is whole: a stream that
+        breaks or ends without ``[DONE]`` (the engine died) is a 502 in the
+        OpenAI envelope, never a short reply. The time to the first event with
+        data is the request's time to first token.
+        """
+        assembler = outcome.built
+        assert assembler is not None
+        own_s = sent_at - started + perf_counter() - head_at
+        try:
+            while chunk := await conn.read(self._read_timeout_s):
+                at = perf_counter()
+                had_data = assembler.first_data
+                assembler.feed(chunk)
+                if not had_data and assembler.first_data:
+                    outcome.head_s = at - started
+                own_s += perf_counter() - at
+                if assembler.done:
+                    break
+            at = perf_counter()
+            if not assembler.done:
+                raise AssemblyError(
+                    "upstream stream ended without [DONE]: the reply is incomplete (the engine may have "
+                    "stopped or crashed)",
+                    code="upstream_truncated",
+                )
+            body = assembler.reply()
+        except UpstreamError as exc:
+            conn.close()
+            outcome.failed(exc)
+            timing = server_timing(started, sent_at, perf_counter())
+            await _send_upstream_error(send, exc, request_id, timing)
+            return
+        except AssemblyError as exc:
+            conn.close()
+            outcome.status, outcome.error = exc.status, exc.code
+            timing = server_timing(started, sent_at, perf_counter())
+            await send_json(
+                send,
+                exc.status,
+                _upstream_error_body(exc.status, str(exc), exc.code),
+                [
+                    (b"x-request-id", request_id),
+                    timing,
+                ],
+            )
+            return
+        if not conn.complete:
+            conn.close()  # bytes after [DONE] are not waited for
+        outcome.status = 200
+        outcome.bytes_out = len(body)
+        own_s += perf_counter() - at
+        outcome.own_s = own_s
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", b"%d" % len(body)),
+            (b"x-request-id", request_id),
+            _timing(own_s, head_at - sent_at),
+        ]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
 
     async def _continue_stream(self, conn: Connection, send: Send, status: int, outcome: _Outcome) -> None:
         """The upstream's head after the gateway's heartbeats: relay its events, or its error as one."""
@@ -799,6 +883,7 @@ class _Outcome:
     """How one relayed request ended, for the metrics."""
 
     __slots__ = (
+        "built",
         "bytes_out",
         "client_gone",
         "error",
@@ -822,6 +907,8 @@ class _Outcome:
         self.head_s = 0.0
         self.error: str | None = None
         self.client_gone = False
+        # A non-stream reply being built from the stream the engine was asked for.
+        self.built: ReplyAssembler | None = None
 
     def failed(self, exc: UpstreamError) -> None:
         if not self.sse_started:

@@ -1,0 +1,198 @@
+"""Non-stream requests to mlx_lm.server go as streams, so a client that leaves frees the real engine.
+
+mlx_lm.server writes a non-stream reply only at the end, so it keeps
+generating for a client that has gone; a stream stops at its next failed
+write. The gateway asks the engine for a stream and builds the non-stream
+reply from its events. These tests run the real engine (the tiny demo model,
+~700 tok/s here) and check the effect: the child's CPU time after the
+client left, and the reply the engine itself would have sent.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from tests.e2e.test_engine_mlx import DEMO, EngineGateway, start_engine_gateway, stop
+from tests.e2e.test_engine_mlx import engine_installed as engine_installed
+
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+# Long enough to run for seconds on the tiny model (~700 tok/s), well inside its context.
+_LONG = 4000
+
+
+@pytest.fixture(scope="module")
+def gateway(engine_installed: None, logs_dir: Path) -> Iterator[EngineGateway]:
+    gw = start_engine_gateway(logs_dir)
+    yield gw
+    stop(gw)
+
+
+def cpu_s(pid: int) -> float:
+    """User and system CPU seconds of a process, all its threads."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S
+
+
+def chat(prompt: str, max_tokens: int = 24, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": DEMO,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        **extra,
+    }
+
+
+def post(url: str, path: str, body: dict[str, Any]) -> httpx.Response:
+    with httpx.Client(trust_env=False, timeout=120) as http:
+        return http.post(url + path, json=body)
+
+
+def leave_after(port: int, body: dict[str, Any], wait_s: float) -> None:
+    """Send a request on a raw socket and close it after ``wait_s`` without reading an answer."""
+    data = orjson.dumps(body)
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n" % len(data)
+    )
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(head + data)
+        time.sleep(wait_s)
+
+
+def wait_idle(pid: int, quiet_s: float = 0.5, limit_s: float = 30.0) -> None:
+    """Wait until the child has used (almost) no CPU for ``quiet_s``."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        before = cpu_s(pid)
+        time.sleep(quiet_s)
+        if cpu_s(pid) - before < 0.05:
+            return
+    raise AssertionError("the child never went idle")
+
+
+def essentials(reply: dict[str, Any]) -> dict[str, Any]:
+    choice = reply["choices"][0]
+    message = choice.get("message") or {}
+    return {
+        "object": reply["object"],
+        "role": message.get("role"),
+        "content": message.get("content", choice.get("text")),
+        "finish_reason": choice["finish_reason"],
+        "prompt_tokens": reply["usage"]["prompt_tokens"],
+        "completion_tokens": reply["usage"]["completion_tokens"],
+    }
+
+
+PARITY = [
+    ("/v1/chat/completions", chat("Explain in two sentences why the sky is blue.")),
+    ("/v1/chat/completions", chat("What is the capital of France?")),
+    ("/v1/chat/completions", chat("Count from 1 to 5.")),
+    ("/v1/completions", {"model": DEMO, "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0}),
+    (
+        "/v1/chat/completions",
+        chat(
+            "What is the weather in Paris?",
+            tools=[
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "get_weather",
+                        "description": "The weather in a city",
+                        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+                    },
+                }
+            ],
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), PARITY, ids=["sky", "capital", "count", "legacy", "tools"])
+def test_built_reply_equals_the_engines_own_non_stream_reply(
+    gateway: EngineGateway, path: str, body: dict[str, Any]
+) -> None:
+    """At temperature 0 the reply built from the stream matches the child's own in every field that counts."""
+    direct = post(f"http://127.0.0.1:{gateway.child_port}", path, body)
+    built = post(gateway.url, path, body)
+    assert direct.status_code == built.status_code == 200, built.text
+    assert built.headers["content-type"] == "application/json"
+    assert int(built.headers["content-length"]) == len(built.content)
+    mine, theirs = built.json(), direct.json()
+    assert essentials(mine) == essentials(theirs)
+    assert mine["model"] == theirs["model"] == DEMO
+    assert set(mine) == set(theirs), (mine, theirs)
+    assert set(mine["usage"]) == set(theirs["usage"])
+
+
+@pytest.mark.fault
+def test_a_client_that_leaves_a_non_stream_request_frees_the_engine(gateway: EngineGateway) -> None:
+    """The child stops generating within about a second of the client leaving (its CPU says so)."""
+    wait_idle(gateway.child_pid)
+    leave_after(gateway.port, chat("Tell me a very long story.", _LONG), 1.5)
+    left = cpu_s(gateway.child_pid)
+    time.sleep(3.0)
+    used = cpu_s(gateway.child_pid) - left
+    assert used < 1.0, f"the child used {used:.2f} s of CPU in the 3 s after its client left"
+
+
+def test_a_request_only_a_non_stream_reply_can_carry_goes_as_it_is(gateway: EngineGateway) -> None:
+    """logprobs go to mlx as a non-stream request, so the engine generates on after the client left.
+
+    This is the measurement above without the gateway's help: it shows that
+    the CPU figure does see an engine generating for nobody.
+    """
+    wait_idle(gateway.child_pid)
+    leave_after(gateway.port, chat("Tell me a very long story.", _LONG, logprobs=True), 1.5)
+    left = cpu_s(gateway.child_pid)
+    time.sleep(3.0)
+    used = cpu_s(gateway.child_pid) - left
+    assert used > 1.5, f"the child used only {used:.2f} s of CPU: it stopped although it cannot notice"
+    wait_idle(gateway.child_pid, limit_s=60)
+    reply = post(gateway.url, "/v1/chat/completions", chat("Say hello.", 4, logprobs=True))
+    assert reply.status_code == 200 and reply.json()["choices"][0]["logprobs"] is not None
+
+
+def test_time_to_first_token_is_real_for_non_stream_requests(gateway: EngineGateway) -> None:
+    """The access log's time to first byte of a built reply is the first token's, well before the end."""
+    reply = post(gateway.url, "/v1/chat/completions", chat("Count to a hundred.", 400))
+    assert reply.status_code == 200
+    request_id = reply.headers["x-request-id"]
+    line = next(line for line in gateway.log().splitlines() if request_id in line)
+    match = re.search(r" ([\d.]+)ms ttfb=([\d.]+)ms ", line)
+    assert match is not None, line
+    total_ms, ttfb_ms = float(match.group(1)), float(match.group(2))
+    assert ttfb_ms < total_ms / 2, line
+
+
+@pytest.mark.fault
+def test_a_child_that_dies_under_a_built_reply_is_a_502_not_a_short_reply(gateway: EngineGateway) -> None:
+    """SIGKILL of the child mid-generation: the client gets 502 in OpenAI's envelope, not part of a reply."""
+    wait_idle(gateway.child_pid)
+    with httpx.Client(trust_env=False, timeout=60) as http:
+        pid = gateway.child_pid
+
+        def kill_soon() -> None:
+            time.sleep(1.0)
+            os.kill(pid, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_soon)
+        killer.start()
+        reply = http.post(gateway.url + "/v1/chat/completions", json=chat("Tell me a long story.", _LONG))
+        killer.join()
+    assert reply.status_code == 502, reply.text
+    error = reply.json()["error"]
+    assert error["code"] in ("upstream_truncated", "upstream_empty_reply") and error["message"]
