@@ -6,6 +6,7 @@ knows about any particular engine.
 
 from __future__ import annotations
 
+import os
 import re
 import string
 import tomllib
@@ -21,7 +22,7 @@ CUDA_VARIANTS = frozenset({"cuda12", "cuda13"})
 # alias: {model} is the model's path and {served_name} its name (an engine
 #   that serves one model, whatever the request's model field says).
 MODEL_FIELD_MODES = frozenset({"run-dir-symlink", "alias"})
-_PLACEHOLDERS = frozenset({"python", "model", "served_name", "host", "port"})
+_PLACEHOLDERS = frozenset({"python", "model", "served_name", "host", "port", "half_the_cores"})
 # A PEP 517 config setting, KEY=VALUE, such as cmake.args=-DGGML_CUDA=on.
 _CONFIG_SETTING = re.compile(r"[A-Za-z_][\w.-]*=")
 
@@ -114,6 +115,8 @@ class EngineSpec:
     ) -> list[str]:
         """The child's command line, with the template's placeholders filled."""
         values = {
+            # For engines that would take every core and stall under other load.
+            "half_the_cores": str(max(1, (os.cpu_count() or 2) // 2)),
             "python": python,
             "model": model,
             "served_name": model if served_name is None else served_name,

@@ -89,6 +89,16 @@ def test_server_argv_fills_the_placeholders() -> None:
     ]
 
 
+def test_half_the_cores_placeholder_is_at_least_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """{half_the_cores} is the core count halved, and 1 on a one-core machine (llama.cpp's threads)."""
+    spec = load("llamacpp-0.3.36")
+    for cores, want in ((1, "1"), (2, "1"), (16, "8")):
+        monkeypatch.setattr("os.cpu_count", lambda n=cores: n)
+        argv = spec.server_argv(python="p", model="m.gguf", host="h", port=1, served_name="m")
+        assert argv[argv.index("--n_threads_batch") + 1] == want
+        assert argv[argv.index("--n_threads") + 1] == want
+
+
 def test_guards_are_read_from_the_toml() -> None:
     """The guards table (min_max_tokens 1, require_input true) reaches the spec."""
     assert load(SHIPPED).guards == Guards(
