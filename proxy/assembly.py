@@ -79,6 +79,11 @@ class ReplyAssembler:
         self._size += len(chunk)
         if self._size > LIMIT_BYTES:
             raise AssemblyError(f"the upstream's reply is larger than {LIMIT_BYTES} bytes")
+        # The common read: one whole event of one data line ("data: {...}\n\n").
+        if not self._buffer and chunk.startswith(b"data: ") and chunk.find(b"\n") == len(chunk) - 2:
+            self._data.append(chunk[6:-2])
+            self._dispatch()
+            return
         buffer = self._buffer + chunk if self._buffer else chunk
         start = 0
         while (end := buffer.find(b"\n", start)) >= 0:
