@@ -80,7 +80,12 @@ class ReplyAssembler:
         if self._size > LIMIT_BYTES:
             raise AssemblyError(f"the upstream's reply is larger than {LIMIT_BYTES} bytes")
         # The common read: one whole event of one data line ("data: {...}\n\n").
-        if not self._buffer and chunk.startswith(b"data: ") and chunk.find(b"\n") == len(chunk) - 2:
+        if (
+            not self._buffer
+            and chunk.startswith(b"data: ")
+            and chunk.endswith(b"\n\n")
+            and chunk.find(b"\n") == len(chunk) - 2
+        ):
             self._data.append(chunk[6:-2])
             self._dispatch()
             return
