@@ -214,3 +214,25 @@ def test_an_engine_without_mlx_or_gguf_has_no_builtin(home: Home, monkeypatch: p
         builtin.BuiltinError, match="serves onnx models: there is no built-in one; give --model"
     ):
         builtin.ensure_builtin("tiny", installation(home, MLX), home, progress=lambda line: None)
+
+
+def test_the_catalog_refuses_an_unknown_builtin_before_installing(
+    home: Home, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--model builtin:huge fails at once, naming the built-in models, with no engine installed first."""
+    from engines import install
+    from proxy.catalog import Catalog
+    from proxy.configfile import ConfigError, ModelConfig
+
+    def not_now(*args: Any, **options: Any) -> None:
+        raise AssertionError("installed before the model name was checked")
+
+    monkeypatch.setattr(install, "ensure_installed", not_now)
+    catalog = Catalog(home=home, registry=None)
+    for engine in (MLX, "auto"):
+        config = ModelConfig(name=None, engine=engine, model="builtin:huge", source=f"--engine {engine}")
+        with pytest.raises(ConfigError, match="there is no built-in model 'builtin:huge'; built-in models: "):
+            catalog._prepare_checked(config)
+    config = ModelConfig(name=None, engine="auto", model="builtin:tiny", source="--engine auto")
+    with pytest.raises(ConfigError, match='engine "auto" picks the engine from a model\'s format'):
+        catalog._prepare_checked(config)
