@@ -20,8 +20,9 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import subprocess
+import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -209,3 +210,35 @@ def _locked(home: Home) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m engines.builtin [ENGINE ...]``: make SmolLM2 ready ahead of a start (scripts/test does).
+
+    Fetches the GGUF into ``$BLAZAR_HOME/models`` once, and makes it for each
+    installed ENGINE named (for mlx: converts it).
+    """
+    from engines.home import blazar_home
+    from engines.install import read_manifest
+
+    home = Home(blazar_home())
+
+    def say(line: str) -> None:
+        print(f"blazar-proxy: {line}", file=sys.stderr)
+
+    try:
+        with _locked(home):
+            _smollm2_gguf(home, say)
+        for name in sys.argv[1:] if argv is None else argv:
+            installation = read_manifest(home, name)
+            if installation is None:
+                raise BuiltinError(f"{name} is not installed in {home.root}")
+            ensure_builtin(DEFAULT, installation, home, say)
+    except BuiltinError as exc:
+        say(f"error: {exc}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

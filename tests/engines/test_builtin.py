@@ -236,3 +236,19 @@ def test_the_catalog_refuses_an_unknown_builtin_before_installing(
     config = ModelConfig(name=None, engine="auto", model="builtin:tiny", source="--engine auto")
     with pytest.raises(ConfigError, match='engine "auto" picks the engine from a model\'s format'):
         catalog._prepare_checked(config)
+
+
+def test_the_module_fetches_ahead_of_a_start_and_fails_in_one_line(
+    home: Home,
+    no_fetch: list[dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`python -m engines.builtin` fetches SmolLM2 into $BLAZAR_HOME; an engine not installed: exit 1."""
+    monkeypatch.setenv("BLAZAR_HOME", str(home.root))
+    assert builtin.main([]) == 0
+    assert len(no_fetch) == 1 and (home.models / builtin.SMOLLM2_GGUF).is_file()
+    assert builtin.main([LLAMACPP]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"blazar-proxy: error: {LLAMACPP} is not installed in {home.root}"
+    )
