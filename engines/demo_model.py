@@ -395,7 +395,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.seed < 0:
         parser.error("--seed must be >= 0")
     write_demo_model(args.out, args.preset, args.seed)
-    print(args.out)
     return 0
 
 

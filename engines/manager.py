@@ -1,6 +1,6 @@
-"""From "engine E, model M" to a planned child, and the demo models.
+"""From "engine E, model M" to a planned child.
 
-``plan`` resolves everything before the event loop runs (install, demo model,
+``plan`` resolves everything before the event loop runs (install, built-in model,
 run directory, port, argv, environment) into frozen ``ChildConfig`` objects.
 In the loop, ``served.ServedModel`` holds the ``Child`` objects of a model and
 ``registry.Registry`` decides when they run.
@@ -15,13 +15,11 @@ import os
 import random
 import re
 import socket
-import subprocess
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from engines import demo_model, gguf_model
-from engines import spec as specs
+from engines import builtin
 from engines.child import ChildConfig
 from engines.environment import check_served_name, child_env, prepare_run_dir
 from engines.formats import FormatError, detect_format
@@ -87,28 +85,14 @@ def free_port(host: str = "127.0.0.1", exclude: Collection[int] = ()) -> int:
 
 
 def ensure_demo_model(installation: Installation, home: Home, preset: str = "tiny") -> Path:
-    """Generate the built-in demo model in the engine's model format, with the engine's own Python, once.
+    """The random-weight built-in model ``preset`` (tiny, bench) in the engine's format, made once.
 
-    An MLX directory (``demo_model.py``) for engines serving MLX models, a GGUF
-    file (``gguf_model.py``) for those serving GGUF.
+    What the benchmarks serve; ``builtin.ensure_builtin`` makes every built-in model.
     """
-    formats = specs.load(installation.name).model_formats
-    if "mlx" in formats:
-        script, target = demo_model.__file__, home.models / demo_model.demo_model_dir_name(preset)
-    elif "gguf" in formats:
-        script, target = gguf_model.__file__, home.models / gguf_model.demo_model_file_name(preset)
-    else:
-        raise PlanError(
-            f"{installation.name} serves {', '.join(formats)} models: there is no demo; give --model"
-        )
-    result = subprocess.run(
-        [str(installation.python), str(Path(script).resolve()), "--out", str(target), "--preset", preset],
-        stdin=subprocess.DEVNULL,
-        check=False,
-    )
-    if result.returncode != 0:
-        raise PlanError(f"generating the demo model into {target} failed (exit code {result.returncode})")
-    return target
+    try:
+        return builtin.ensure_builtin(preset, installation, home, progress=log.info)
+    except builtin.BuiltinError as exc:
+        raise PlanError(str(exc)) from None
 
 
 def plan(

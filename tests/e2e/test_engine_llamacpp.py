@@ -302,9 +302,9 @@ def test_a_waiting_request_does_not_cut_a_stream_short(gateway: EngineGateway) -
     assert received[0].count('"content"') == 800
 
 
-def test_demo_model_without_model_then_sigterm_reaps_the_child(engine_python: Path, logs_dir: Path) -> None:
-    """`--engine llamacpp-0.3.36` alone serves the GGUF demo model; SIGTERM exits 0 and the child is gone."""
-    gateway = start_gateway(logs_dir, "--engine", ENGINE)
+def test_builtin_tiny_then_sigterm_reaps_the_child(engine_python: Path, logs_dir: Path) -> None:
+    """`--model builtin:tiny` serves the GGUF demo model; SIGTERM exits 0 and the child is gone."""
+    gateway = start_gateway(logs_dir, "--engine", ENGINE, "--model", "builtin:tiny")
     try:
         assert "serving 'blazar-demo-llama-tiny'" in gateway.log()
         assert (engine_home() / "models" / "blazar-demo-llama-tiny.gguf").is_file()

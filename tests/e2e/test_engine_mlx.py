@@ -1,8 +1,9 @@
 """The real engine: mlx-0.32.0 on the CPU, installed in its own venv, behind the gateway.
 
-`blazar-proxy --engine mlx-0.32.0` with no model serves the built-in demo
-model (a random-weight Qwen2 generated locally), so these tests need no model
-hub. The engine venv lives in BLAZAR_TEST_HOME (default ~/.cache/blazar-test),
+`blazar-proxy --engine mlx-0.32.0 --model builtin:tiny` serves the tiny
+built-in model (a random-weight Qwen2 generated locally, ~700 tok/s), so these
+tests need no model hub and stay fast; test_engine_smollm2.py runs the real
+default model. The engine venv lives in BLAZAR_TEST_HOME (default ~/.cache/blazar-test),
 so a second run on the same machine installs nothing; a fresh machine
 installs it from PyPI.
 """
@@ -66,8 +67,11 @@ def _pid_alive(pid: int) -> bool:
         return False
 
 
-def start_engine_gateway(log_dir: Path, *args: str) -> EngineGateway:
-    """Start `blazar-proxy --engine mlx-0.32.0` and wait until its child is ready."""
+def start_engine_gateway(log_dir: Path, *args: str, model: str | None = "builtin:tiny") -> EngineGateway:
+    """Start `blazar-proxy --engine mlx-0.32.0 --model MODEL` and wait until its child is ready.
+
+    ``model`` None starts it without --model: the default built-in model.
+    """
     port = free_port()
     log_path = log_dir / f"engine-gateway-{port}.log"
     with log_path.open("wb") as log:
@@ -82,6 +86,7 @@ def start_engine_gateway(log_dir: Path, *args: str) -> EngineGateway:
                 "cpu",
                 "--port",
                 str(port),
+                *(("--model", model) if model is not None else ()),
                 *args,
             ],
             cwd=ROOT,

@@ -124,7 +124,7 @@ class ConfigGateway:
                 self.proc.wait()
 
 
-def _model_table(name: str, model: Path, engine: str = ENGINE, **extra: object) -> str:
+def _model_table(name: str, model: Path | str, engine: str = ENGINE, **extra: object) -> str:
     lines = [f"[models.{name}]", f'engine = "{engine}"', 'variant = "cpu"', f'model = "{model}"']
     for key, value in extra.items():
         rendered = str(value).lower() if isinstance(value, bool) else repr(value).replace("'", '"')
@@ -258,10 +258,10 @@ def test_idle_model_is_unloaded_after_its_ttl_and_loads_again(
 
 
 def test_always_loaded_model_starts_with_the_gateway(
-    demo_model: Path, tmp_path: Path, gateway_factory: list[ConfigGateway]
+    engine_installed: None, tmp_path: Path, gateway_factory: list[ConfigGateway]
 ) -> None:
-    """always-loaded = true starts the child at startup, and /v1/models shows it loading, then loaded."""
-    gateway = ConfigGateway(_model_table("eager", demo_model, always_loaded=True), tmp_path)
+    """always-loaded = true starts the child at startup (here model = "builtin:tiny", by name)."""
+    gateway = ConfigGateway(_model_table("eager", "builtin:tiny", always_loaded=True), tmp_path)
     gateway_factory.append(gateway)
     assert gateway.states()["eager"] in ("loading", "loaded")
     gateway.wait_state("eager", "loaded", timeout_s=_READY_TIMEOUT_S)

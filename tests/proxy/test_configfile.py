@@ -102,8 +102,8 @@ def test_empty_file_has_no_gateway_settings_and_no_models(tmp_path: Path) -> Non
     assert dict(config.gateway) == {} and config.models == ()
 
 
-def test_engine_without_model_means_the_demo_model(tmp_path: Path) -> None:
-    """An engine given by version needs no model (the demo model); defaults fill the rest."""
+def test_engine_without_model_means_the_default_builtin_model(tmp_path: Path) -> None:
+    """An engine given by version needs no model (the built-in SmolLM2); defaults fill the rest."""
     (config,) = load_text(tmp_path, '[models.demo]\nengine = "mlx-0.32.0"\n').models
     assert config == ModelConfig(name="demo", engine="mlx-0.32.0")
     assert (config.replicas, config.ttl_s, config.always_loaded, config.variant) == (1, 0.0, False, "auto")
