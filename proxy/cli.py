@@ -46,6 +46,13 @@ def _echo(line: str) -> None:
     click.echo(f"blazar-proxy: {line}", err=True)
 
 
+class _Failed(click.ClickException):
+    """An error that ends the command: one line, prefixed like the gateway's others; exit code 1."""
+
+    def show(self, file: Any = None) -> None:
+        _echo(self.format_message())
+
+
 @click.group(invoke_without_command=True, context_settings={"show_default": True})
 @click.option(
     "--config",
@@ -418,7 +425,7 @@ def main(
     try:
         catalog.build(configs)
     except ConfigError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise _Failed(str(exc)) from None
     keep = list(catalog.entries)[:from_command_line]
     for served in catalog.served_models():
         registry.add(served)
@@ -471,7 +478,7 @@ def engines_install(engine: str, variant: str) -> None:
     try:
         installing.ensure_installed(engine, variant, Home(blazar_home()), progress=_echo)
     except (specs.SpecError, installing.InstallError) as exc:
-        raise click.ClickException(str(exc)) from None
+        raise _Failed(str(exc)) from None
 
 
 @engines.command("list")
@@ -500,7 +507,7 @@ def engines_remove(engine: str) -> None:
     from engines.home import Home, blazar_home
 
     if not installing.remove(Home(blazar_home()), engine):
-        raise click.ClickException(f"{engine} is not installed")
+        raise _Failed(f"{engine} is not installed")
     click.echo(f"removed {engine}")
 
 
@@ -613,7 +620,7 @@ def _read_config(ctx: click.Context, value: Path | None) -> FileConfig | None:
     try:
         file = configfile.load(value, lambda key, item: _gateway_option(ctx, key, item))
     except ConfigError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise _Failed(str(exc)) from None
     ctx.default_map = {**(ctx.default_map or {}), **file.gateway}
     return file
 
