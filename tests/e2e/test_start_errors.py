@@ -1,0 +1,175 @@
+"""Errors at start say what went wrong, at once: before any engine is installed, with no traceback.
+
+Each case runs `blazar-proxy` as a user does, with a fresh BLAZAR_HOME: an
+error found before the install leaves that home without an engines/ folder.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import ROOT, free_port
+
+
+def run_to_exit(
+    *args: str, home: Path, cwd: Path = ROOT, timeout_s: float = 60
+) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Run the gateway until it exits; its result and how long it took."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BLAZAR_") or k.startswith("BLAZAR_TEST")}
+    env.update({"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "BLAZAR_HOME": str(home)})
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "proxy", "--port", str(free_port()), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    return result, time.monotonic() - started
+
+
+def assert_failed_before_install(
+    result: subprocess.CompletedProcess[str], home: Path, *expected: str
+) -> None:
+    """Exit code 1, one blazar-proxy line holding each of ``expected``, no traceback, nothing installed."""
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("blazar-proxy: "), result.stderr
+    for part in expected:
+        assert part in lines[0], lines[0]
+    assert "Traceback" not in result.stderr
+    assert not (home / "engines").exists(), "an engine was installed before the error"
+
+
+# -- the model, checked before the install ------------------------------------------
+
+
+@pytest.mark.parametrize("model", ["./nope", "nope", "x.gguf", "../nope/model", "~/nope"])
+def test_a_model_path_that_names_nothing_does_not_exist_before_any_install(
+    tmp_path: Path, model: str
+) -> None:
+    """--model naming no path, not shaped org/name: "does not exist" with the resolved path, at once."""
+    work = tmp_path / "work"
+    work.mkdir()
+    result, took_s = run_to_exit("--engine", "mlx-0.32.0", "--model", model, home=tmp_path / "home", cwd=work)
+    resolved = Path(os.path.expanduser(model)) if model.startswith("~") else (work / model).resolve()
+    assert_failed_before_install(result, tmp_path / "home", f"--model {model}: {resolved} does not exist")
+    assert took_s < 5
+
+
+def test_a_hub_shaped_path_under_an_existing_directory_does_not_exist(tmp_path: Path) -> None:
+    """models/x, where models/ is a local directory, is a path that does not exist, not a hub repo."""
+    (tmp_path / "models").mkdir()
+    result, _ = run_to_exit(
+        "--engine", "mlx-0.32.0", "--model", "models/x", home=tmp_path / "home", cwd=tmp_path
+    )
+    assert_failed_before_install(result, tmp_path / "home", f"{tmp_path / 'models' / 'x'} does not exist")
+
+
+def test_a_text_file_for_llamacpp_is_not_gguf_before_the_build(tmp_path: Path) -> None:
+    """llamacpp-0.3.36 with --model notes.txt says the file is not GGUF at once, compiling nothing."""
+    (tmp_path / "notes.txt").write_text("shopping list\n")
+    result, took_s = run_to_exit(
+        "--engine", "llamacpp-0.3.36", "--model", "notes.txt", home=tmp_path / "home", cwd=tmp_path
+    )
+    assert_failed_before_install(
+        result, tmp_path / "home", "notes.txt is not a GGUF file", "serves a GGUF file"
+    )
+    assert took_s < 5
+
+
+def test_a_gguf_file_for_mlx_names_the_engine_that_serves_it(tmp_path: Path) -> None:
+    """A GGUF file given to the mlx engine: the error says it is GGUF and which engine serves it."""
+    (tmp_path / "m.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(24))
+    result, _ = run_to_exit(
+        "--engine", "mlx-0.32.0", "--model", "m.gguf", home=tmp_path / "home", cwd=tmp_path
+    )
+    assert_failed_before_install(result, tmp_path / "home", "is a GGUF file", "llamacpp-0.3.36")
+
+
+def test_a_hub_repo_for_llamacpp_does_not_exist(tmp_path: Path) -> None:
+    """llama.cpp downloads nothing: org/name is a local path for it, and it does not exist."""
+    result, _ = run_to_exit(
+        "--engine", "llamacpp-0.3.36", "--model", "org/name", home=tmp_path / "home", cwd=tmp_path
+    )
+    assert_failed_before_install(result, tmp_path / "home", "does not exist", "it downloads nothing")
+
+
+def test_served_name_for_a_hub_model_says_how_to_serve_it_under_that_name(tmp_path: Path) -> None:
+    """--served-name with a hub repo id: the error names the flag and says to download the model."""
+    result, _ = run_to_exit(
+        "--engine", "mlx-0.32.0", "--model", "org/name", "--served-name", "qwen", home=tmp_path / "home"
+    )
+    assert_failed_before_install(result, tmp_path / "home", "--served-name qwen:", "repo id 'org/name'")
+
+
+# -- the config file, checked whole -----------------------------------------------
+
+
+def readme_toml() -> str:
+    """The TOML example of the README's "Many models" section, as written."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    match = re.search(r"```toml\n(.*?)```", text, re.DOTALL)
+    assert match is not None
+    return match.group(1)
+
+
+def test_the_readme_config_example_fails_naming_file_table_and_key(tmp_path: Path) -> None:
+    """The README's TOML, its model paths missing here, fails with "does not exist" before any install."""
+    path = tmp_path / "blazar.toml"
+    path.write_text(readme_toml())
+    result, took_s = run_to_exit("--config", str(path), home=tmp_path / "home", cwd=tmp_path)
+    assert_failed_before_install(
+        result, tmp_path / "home", f"{path}: [models.qwen] model: ", "does not exist"
+    )
+    assert "--served-name" not in result.stderr
+    assert took_s < 5
+
+
+def test_a_later_model_in_the_file_is_checked_before_the_first_is_installed(tmp_path: Path) -> None:
+    """A file whose first model is fine and whose second names no path installs nothing."""
+    model = tmp_path / "mlx-model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "qwen2"}')
+    (model / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    path = tmp_path / "blazar.toml"
+    path.write_text(
+        f'[models.good]\nengine = "mlx-0.32.0"\nmodel = "{model}"\n\n'
+        '[models.bad]\nengine = "llamacpp-0.3.36"\nmodel = "missing.gguf"\n'
+    )
+    result, _ = run_to_exit("--config", str(path), home=tmp_path / "home", cwd=tmp_path)
+    assert_failed_before_install(result, tmp_path / "home", f"{path}: [models.bad] model: ", "does not exist")
+
+
+def test_a_hub_model_in_a_table_of_another_name_says_how_to_name_it(tmp_path: Path) -> None:
+    """[models.qwen] with a hub repo: the error names the table and suggests the repo id as its name."""
+    path = tmp_path / "blazar.toml"
+    path.write_text('[models.qwen]\nengine = "mlx-0.32.0"\nmodel = "org/name"\n')
+    result, _ = run_to_exit("--config", str(path), home=tmp_path / "home")
+    assert_failed_before_install(
+        result, tmp_path / "home", f"{path}: [models.qwen]:", '[models."org/name"]', 'aliases = ["qwen"]'
+    )
+    assert "--served-name" not in result.stderr
+
+
+def test_an_unknown_variant_and_a_reserved_engine_argument_are_found_before_the_install(
+    tmp_path: Path,
+) -> None:
+    """A variant the engine lacks, an engine argument the gateway sets itself: errors before any install."""
+    path = tmp_path / "blazar.toml"
+    path.write_text('[models.a]\nengine = "llamacpp-0.3.36"\nvariant = "cuda12"\nmodel = "x.gguf"\n')
+    result, _ = run_to_exit("--config", str(path), home=tmp_path / "home")
+    assert_failed_before_install(
+        result, tmp_path / "home", f"{path}: [models.a] variant:", "no 'cuda12' variant"
+    )
+    path.write_text('[models.a]\nengine = "mlx-0.32.0"\nengine-args = ["--port", "1"]\nmodel = "org/a"\n')
+    result, _ = run_to_exit("--config", str(path), home=tmp_path / "home")
+    assert_failed_before_install(result, tmp_path / "home", f"{path}: [models.a] engine-args:", "'--port'")
