@@ -519,7 +519,7 @@ def serve(settings: Settings, *, registry: Registry | None = None, reloader: _Re
 
     async def startup() -> None:
         if registry is not None:
-            await registry.start()
+            await registry.start(on_start_failed=server.fail)
         if reloader is not None:
             reloader.start(app.relay)
 
@@ -585,6 +585,9 @@ def serve(settings: Settings, *, registry: Registry | None = None, reloader: _Re
     if server.force_exit:
         # A third signal: nothing was drained or stopped in order.
         raise SystemExit(130)
+    if server.failure is not None:
+        _echo(f"stopped: {server.failure}")
+        raise SystemExit(1)
 
 
 def _engine_samples(table: RoutingTable) -> list[EngineSample]:
