@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import difflib
+import errno
 import logging
+import socket
 import sys
 from collections.abc import Coroutine
 from pathlib import Path
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 import uvicorn
+from click.core import ParameterSource
 
 from proxy import __version__, configfile
 from proxy.accesslog import AccessLog
@@ -414,6 +417,8 @@ def main(
         )
     from_command_line = len(configs)
     configs.extend(file_models)
+    # Before any engine is installed or started: a port in use would only show then.
+    _check_listen(ctx, host, port)
     from engines.home import Home, blazar_home
     from engines.registry import Registry
 
@@ -581,13 +586,84 @@ def serve(settings: Settings, *, registry: Registry | None = None, reloader: _Re
         on_hangup=on_hangup,
         on_force_exit=registry.kill_now if registry is not None else None,
     )
-    server.run()
+    try:
+        server.run()
+    except SystemExit as exc:
+        if exc.code != uvicorn.config.STARTUP_FAILURE:
+            raise
+        # uvicorn logged why just above (and stopped the children it had).
+        lifespan = getattr(server, "lifespan", None)
+        if lifespan is not None and getattr(lifespan, "startup_failed", False):
+            _echo("stopped: the gateway's startup failed (the error is above)")
+        else:
+            _echo(
+                f"stopped: cannot listen on {settings.host}:{settings.port} (the error is above); "
+                "free it, or give another --port (BLAZAR_PORT, or port in the config file's [gateway])"
+            )
+        raise SystemExit(1) from None
     if server.force_exit:
         # A third signal: nothing was drained or stopped in order.
         raise SystemExit(130)
     if server.failure is not None:
         _echo(f"stopped: {server.failure}")
         raise SystemExit(1)
+
+
+def _check_listen(ctx: click.Context, host: str, port: int) -> None:
+    """Bind ``host:port`` as uvicorn will, and let go: say now what would stop it listening."""
+    if port == 0:
+        return  # any free port
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise _Failed(
+            f"{_given_as(ctx, 'host')} {host}: {exc.strerror}; give an address of this machine "
+            "(127.0.0.1, or 0.0.0.0 for all)"
+        ) from None
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as sock:
+            # As asyncio's create_server: a port left in TIME_WAIT is free.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                raise _Failed(_bind_error(exc, ctx, host, port)) from None
+
+
+def _bind_error(exc: OSError, ctx: click.Context, host: str, port: int) -> str:
+    """What keeps the gateway from binding, and which setting to change."""
+    if exc.errno == errno.EADDRINUSE:
+        return (
+            f"port {port} on {host} is already in use (another blazar-proxy, or another server); "
+            f"stop that one, or choose another port with {_given_as(ctx, 'port')}"
+        )
+    if exc.errno == errno.EACCES:
+        return (
+            f"port {port} on {host} needs privileges to bind (ports below 1024 do); "
+            f"choose one from 1024 with {_given_as(ctx, 'port')}"
+        )
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return (
+            f"{host} is not an address of this machine; give one of its own (127.0.0.1, or 0.0.0.0 for "
+            f"all) with {_given_as(ctx, 'host')}"
+        )
+    return f"cannot listen on {host}:{port}: {exc.strerror or exc}; check {_given_as(ctx, 'host')} and --port"
+
+
+def _given_as(ctx: click.Context, name: str) -> str:
+    """How option ``name`` was set, to say which one to change: its flag, its variable or the file's key."""
+    source = ctx.get_parameter_source(name)
+    variable = f"BLAZAR_{name.upper()}"
+    if source is ParameterSource.COMMANDLINE:
+        return f"--{name}"
+    if source is ParameterSource.ENVIRONMENT:
+        return variable
+    if source is ParameterSource.DEFAULT_MAP:
+        config: FileConfig | None = ctx.params.get("config_file")
+        return f"{name} in {config.path if config else 'the config file'}'s [gateway] table"
+    return f"--{name} (or {variable}, or {name} in a config file's [gateway])"
 
 
 def _engine_samples(table: RoutingTable) -> list[EngineSample]:

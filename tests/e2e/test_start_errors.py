@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,16 +21,25 @@ from tests.e2e.conftest import ROOT, free_port
 
 
 def run_to_exit(
-    *args: str, home: Path, cwd: Path = ROOT, timeout_s: float = 60
+    *args: str, home: Path, cwd: Path = ROOT, env: dict[str, str] | None = None, timeout_s: float = 60
 ) -> tuple[subprocess.CompletedProcess[str], float]:
-    """Run the gateway until it exits; its result and how long it took."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BLAZAR_") or k.startswith("BLAZAR_TEST")}
-    env.update({"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "BLAZAR_HOME": str(home)})
+    """Run the gateway (on a free port unless told one) until it exits; its result and how long it took."""
+    environ = {
+        k: v for k, v in os.environ.items() if not k.startswith("BLAZAR_") or k.startswith("BLAZAR_TEST")
+    }
+    environ.update(
+        {"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "BLAZAR_HOME": str(home), **(env or {})}
+    )
+    port = (
+        []
+        if "--port" in args or "BLAZAR_PORT" in environ or "--config" in args
+        else ["--port", str(free_port())]
+    )
     started = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-m", "proxy", "--port", str(free_port()), *args],
+        [sys.executable, "-m", "proxy", *port, *args],
         cwd=cwd,
-        env=env,
+        env=environ,
         capture_output=True,
         text=True,
         timeout=timeout_s,
@@ -173,3 +184,68 @@ def test_an_unknown_variant_and_a_reserved_engine_argument_are_found_before_the_
     path.write_text('[models.a]\nengine = "mlx-0.32.0"\nengine-args = ["--port", "1"]\nmodel = "org/a"\n')
     result, _ = run_to_exit("--config", str(path), home=tmp_path / "home")
     assert_failed_before_install(result, tmp_path / "home", f"{path}: [models.a] engine-args:", "'--port'")
+
+
+# -- the port -------------------------------------------------------------------
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    """A port another server listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def test_a_port_in_use_names_the_flag_before_any_engine_is_installed(tmp_path: Path, taken_port: int) -> None:
+    """--port naming a port in use: one line that says to change --port; no engine installed or started."""
+    result, took_s = run_to_exit("--engine", "mlx-0.32.0", "--port", str(taken_port), home=tmp_path / "home")
+    assert_failed_before_install(
+        result,
+        tmp_path / "home",
+        f"port {taken_port} on 127.0.0.1 is already in use",
+        "another port with --port",
+    )
+    assert took_s < 5
+
+
+def test_a_port_in_use_names_the_variable_or_the_file_it_came_from(tmp_path: Path, taken_port: int) -> None:
+    """A port from BLAZAR_PORT names that variable; one from [gateway] names the file's key."""
+    upstream = "a=http://127.0.0.1:9/v1"
+    result, _ = run_to_exit("--upstream", upstream, home=tmp_path, env={"BLAZAR_PORT": str(taken_port)})
+    assert_failed_before_install(result, tmp_path, "already in use", "another port with BLAZAR_PORT")
+    path = tmp_path / "blazar.toml"
+    path.write_text(f'[gateway]\nport = {taken_port}\n\n[models.a]\nupstream = "http://127.0.0.1:9/v1"\n')
+    result, _ = run_to_exit("--config", str(path), home=tmp_path)
+    assert_failed_before_install(
+        result, tmp_path, "already in use", f"another port with port in {path}'s [gateway] table"
+    )
+
+
+def test_an_address_of_another_machine_names_the_host_flag(tmp_path: Path) -> None:
+    """--host that is no address of this machine: one line saying to give one of its own with --host."""
+    result, _ = run_to_exit("--upstream", "a=http://127.0.0.1:9/v1", "--host", "192.0.2.1", home=tmp_path)
+    assert_failed_before_install(
+        result, tmp_path, "192.0.2.1 is not an address of this machine", "with --host"
+    )
+
+
+def test_a_port_taken_after_the_check_is_one_line_and_exit_code_1(tmp_path: Path, taken_port: int) -> None:
+    """uvicorn's own failure to bind (the port taken between the check and the bind): a line, exit 1."""
+    code = (
+        "from proxy.cli import serve; from proxy.config import Settings; "
+        f"serve(Settings(routes=(), port={taken_port}, log_level='warning'))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 1, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"blazar-proxy: stopped: cannot listen on 127.0.0.1:{taken_port}"), result.stderr
+    assert "--port" in last and "Traceback" not in result.stderr
