@@ -431,6 +431,10 @@ def main(
         catalog.build(configs)
     except ConfigError as exc:
         raise _Failed(str(exc)) from None
+    except KeyboardInterrupt:
+        # Ctrl-C while an engine installs (the installer is killed) or a demo model is made.
+        _echo("interrupted before the gateway started; no engine child was started")
+        raise SystemExit(130) from None
     keep = list(catalog.entries)[:from_command_line]
     for served in catalog.served_models():
         registry.add(served)
@@ -484,6 +488,9 @@ def engines_install(engine: str, variant: str) -> None:
         installing.ensure_installed(engine, variant, Home(blazar_home()), progress=_echo)
     except (specs.SpecError, installing.InstallError) as exc:
         raise _Failed(str(exc)) from None
+    except KeyboardInterrupt:
+        _echo(f"interrupted; {engine} is not installed (the next install starts over)")
+        raise SystemExit(130) from None
 
 
 @engines.command("list")

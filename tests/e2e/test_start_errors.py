@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -249,3 +250,56 @@ def test_a_port_taken_after_the_check_is_one_line_and_exit_code_1(tmp_path: Path
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"blazar-proxy: stopped: cannot listen on 127.0.0.1:{taken_port}"), result.stderr
     assert "--port" in last and "Traceback" not in result.stderr
+
+
+# -- interrupted ------------------------------------------------------------------
+
+
+def test_ctrl_c_while_an_engine_installs_exits_130_without_a_traceback(tmp_path: Path) -> None:
+    """Ctrl-C during the install (here one stuck on an index that never answers): a line, exit code 130."""
+    with socket.socket() as index:
+        # Accepts connections (the kernel's backlog) and never answers: the install waits.
+        index.bind(("127.0.0.1", 0))
+        index.listen()
+        url = f"http://127.0.0.1:{index.getsockname()[1]}/simple"
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("BLAZAR_", "UV_"))}
+        env.update(
+            {
+                "PYTHONPATH": str(ROOT),
+                "PYTHONUNBUFFERED": "1",
+                "BLAZAR_HOME": str(tmp_path / "home"),
+                "UV_CACHE_DIR": str(tmp_path / "uv-cache"),
+                "UV_DEFAULT_INDEX": url,
+                "UV_INDEX_URL": url,
+            }
+        )
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "proxy", "--engine", "mlx-0.32.0", "--port", str(free_port())],
+            cwd=ROOT,
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # its own process group, as a terminal's foreground job
+        )
+        assert proc.stderr is not None
+        seen = []
+        try:
+            for line in proc.stderr:
+                seen.append(line)
+                if line.startswith("blazar-proxy: installing "):
+                    break
+            time.sleep(0.5)
+            os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends: the whole group
+            rest = proc.stderr.read()
+            proc.wait(30)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            proc.stderr.close()
+    output = "".join(seen) + rest
+    assert proc.returncode == 130, output
+    assert output.strip().splitlines()[-1] == (
+        "blazar-proxy: interrupted before the gateway started; no engine child was started"
+    )
+    assert "Traceback" not in output and "Aborted" not in output
