@@ -56,7 +56,14 @@ class _Failed(click.ClickException):
         _echo(self.format_message())
 
 
-@click.group(invoke_without_command=True, context_settings={"show_default": True})
+_EXIT_CODES = """\b
+Exit codes: 0 stopped by SIGTERM or SIGINT (after the drain); 1 an error at
+start (a bad value, config file, model or port; an engine that failed to
+install or to become ready); 2 a usage error; 130 interrupted before
+serving, or a third signal."""
+
+
+@click.group(invoke_without_command=True, context_settings={"show_default": True}, epilog=_EXIT_CODES)
 @click.option(
     "--config",
     "config_file",
