@@ -424,8 +424,6 @@ def main(
         )
     from_command_line = len(configs)
     configs.extend(file_models)
-    # Before any engine is installed or started: a port in use would only show then.
-    _check_listen(ctx, host, port)
     from engines.home import Home, blazar_home
     from engines.registry import Registry
 
@@ -435,6 +433,9 @@ def main(
         home=Home(blazar_home()), registry=registry, max_in_flight=max_in_flight, announce=_echo
     )
     try:
+        catalog.check(configs)
+        # Before any engine is installed or started: a port in use would only show then.
+        _check_listen(ctx, host, port)
         catalog.build(configs)
     except ConfigError as exc:
         raise _Failed(str(exc)) from None
