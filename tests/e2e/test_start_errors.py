@@ -64,7 +64,7 @@ def assert_failed_before_install(
 # -- the model, checked before the install ------------------------------------------
 
 
-@pytest.mark.parametrize("model", ["./nope", "nope", "x.gguf", "../nope/model", "~/nope"])
+@pytest.mark.parametrize("model", ["./nope", "nope", "x.gguf", "../nope/model", "~/nope", "/no/such/model"])
 def test_a_model_path_that_names_nothing_does_not_exist_before_any_install(
     tmp_path: Path, model: str
 ) -> None:
@@ -72,7 +72,7 @@ def test_a_model_path_that_names_nothing_does_not_exist_before_any_install(
     work = tmp_path / "work"
     work.mkdir()
     result, took_s = run_to_exit("--engine", "mlx-0.32.0", "--model", model, home=tmp_path / "home", cwd=work)
-    resolved = Path(os.path.expanduser(model)) if model.startswith("~") else (work / model).resolve()
+    resolved = (work / os.path.expanduser(model)).resolve()
     assert_failed_before_install(result, tmp_path / "home", f"--model {model}: {resolved} does not exist")
     assert took_s < 5
 

@@ -530,3 +530,23 @@ async def test_a_replica_that_cannot_start_beside_one_that_serves_is_not_a_start
         assert failures == [] and model.state == "loaded"
     finally:
         await registry.shutdown()
+
+
+async def test_an_always_loaded_model_added_by_a_reload_that_cannot_start_does_not_stop_the_gateway(
+    tmp_path: Path,
+) -> None:
+    """Only a model started with the registry stops the gateway; one from a reload stops with its reason."""
+    argv = [sys.executable, "-c", "print('bad weights'); raise SystemExit(3)"]
+    child = Child(config(tmp_path, argv=argv))
+    model = ServedModel("late", [child], Lifetime(always_loaded=True))
+    lines: list[str] = []
+    failures: list[str] = []
+    registry = Registry(announce=lines.append)
+    await registry.start(on_start_failed=failures.append)
+    try:
+        await registry.replace(added=[model], removed=[])
+        await wait_until(lambda: "model 'late' cannot start" in " ".join(lines), timeout_s=15)
+        assert failures == []
+        assert not model.wanted and "bad weights" in model.not_ready_reason()
+    finally:
+        await registry.shutdown()
