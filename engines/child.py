@@ -27,10 +27,11 @@ import ctypes
 import enum
 import logging
 import os
+import re
 import signal
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,19 @@ log = logging.getLogger("blazar.engines")
 _TAIL_LINES = 200
 _TAIL_LINE_CHARS = 2000
 _PR_SET_PDEATHSIG = 1
+# Readiness generations answered with the same error this many times in a
+# row (0.2 s apart) end the start: an engine whose generation thread died
+# (mlx after a failed download or load) answers 404 for ever, and waiting
+# out the readiness deadline would only hide why.
+_SAME_FAILURES = 5
+# Statuses that mean "not yet" (loading, busy), never counted as failures.
+_NOT_YET = frozenset({429, 503})
+# What says nothing about why a child failed: HTTP access lines (the
+# readiness probe's own), traceback frames and chaining notes.
+_NOISE = re.compile(
+    r"^\s|^Traceback \(most recent call last\):|^(The above exception|During handling of the above)"
+    r'|"(GET|POST|HEAD|PUT|DELETE|OPTIONS) \S+ HTTP/\d(\.\d)?" \d{3}'
+)
 
 
 class ChildState(enum.Enum):
@@ -66,6 +80,16 @@ TRANSITIONS: Mapping[ChildState, frozenset[ChildState]] = {
 
 class ChildFailed(RuntimeError):
     """A start attempt ended without the child becoming ready."""
+
+
+def last_words(lines: Iterable[str], count: int) -> list[str]:
+    """The last ``count`` lines of a child's output that can say why it failed.
+
+    Blank lines, traceback frames and HTTP access lines (the probes') are
+    left out: what remains are the engine's own messages and exceptions.
+    """
+    telling = [line.rstrip() for line in lines if line.strip() and not _NOISE.search(line)]
+    return telling[-count:] if count > 0 else []
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +131,7 @@ class _Command(enum.Enum):
 class _Outcome:
     """What ended a wait in the owner loop."""
 
-    kind: str  # "ready", "exited", "unhealthy", "timeout", "failed", "command"
+    kind: str  # "ready", "exited", "broken", "unhealthy", "timeout", "failed", "command"
     detail: str = ""
     command: _Command | None = None
     was_ready: bool = False
@@ -138,12 +162,22 @@ class Child:
         # Processes spawned, for any reason (a lazy load, a restart).
         self.starts = 0
         self.last_error: str | None = None
+        # Why the last start attempt failed, without the output (None: it did not).
+        self.failure: str | None = None
         self.ready_in_s: float | None = None
         self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
+        # Lines ever added to the tail, and how many there were when the last process started.
+        self._lines = 0
+        self._lines_before = 0
+        # The last failed attempt, as compared with the next (``_signature``).
+        self._last_failure: tuple[str, ...] | None = None
         self._on_ready = on_ready
         self._commands: asyncio.Queue[_Command] = asyncio.Queue(maxsize=16)
         self._changed = asyncio.Condition()
         self._attempts = 0  # start attempts that have ended, ready or not
+        # Whether the last attempt failed in a way another start would repeat
+        # (a generation that fails the same way every time, the deadline).
+        self.hopeless = False
         self._owner: asyncio.Task[None] | None = None
 
     def __repr__(self) -> str:
@@ -183,19 +217,28 @@ class Child:
             return False
         return self.ready
 
-    async def ensure_ready(self, timeout_s: float | None = None) -> None:
+    async def ensure_ready(self, timeout_s: float | None = None, *, attempts: int = 1) -> None:
         """Start the child if needed and wait until it is ready.
 
-        Raises ChildFailed when the start attempt under way (or the next one)
-        ends without readiness, and TimeoutError after ``timeout_s``.
+        Raises ChildFailed when ``attempts`` start attempts in a row (the
+        one under way counts) end without readiness, the child restarting
+        with its backoff in between; at once after an attempt that another
+        would only repeat (``hopeless``). TimeoutError after ``timeout_s``.
         """
         self._spawn_owner()
-        attempts = self._attempts
+        ended = self._attempts
         await self._commands.put(_Command.RUN)
-        async with asyncio.timeout(timeout_s), self._changed:
-            await self._changed.wait_for(
-                lambda: self.state in (ChildState.READY, ChildState.SHUTDOWN) or self._attempts > attempts
+
+        def settled() -> bool:
+            failed = self._attempts - ended
+            return (
+                self.state in (ChildState.READY, ChildState.SHUTDOWN)
+                or failed >= attempts
+                or (failed > 0 and self.hopeless)
             )
+
+        async with asyncio.timeout(timeout_s), self._changed:
+            await self._changed.wait_for(settled)
             if self.state is not ChildState.READY:
                 raise ChildFailed(self.last_error or f"child {self.config.name} is {self.state.value}")
 
@@ -236,9 +279,18 @@ class Child:
             self.state = to
             self._changed.notify_all()
 
-    async def _attempt_ended(self, error: str | None) -> None:
+    def output(self) -> list[str]:
+        """The tail's lines written by the last process started (all it still holds of them)."""
+        count = min(self._lines - self._lines_before, len(self.tail))
+        return list(self.tail)[-count:] if count > 0 else []
+
+    async def _attempt_ended(
+        self, error: str | None, *, failure: str | None = None, hopeless: bool = False
+    ) -> None:
         async with self._changed:
             self.last_error = error
+            self.failure = failure if error else None
+            self.hopeless = hopeless
             self._attempts += 1
             self._changed.notify_all()
 
@@ -252,6 +304,7 @@ class Child:
                     await self._move(ChildState.SHUTDOWN)
                     return
                 want_running = command is _Command.RUN
+                self._last_failure = None  # a new run: nothing to repeat yet
                 continue
             control = asyncio.ensure_future(self._next_control())
             try:
@@ -302,7 +355,7 @@ class Child:
         except OSError as exc:
             detail = f"cannot start {self.config.argv[0]}: {exc}"
             await self._move(ChildState.STOPPED)
-            await self._attempt_ended(detail)
+            await self._attempt_ended(detail, failure=detail)
             return _Outcome("failed", detail)
         self.pid = proc.pid
         drain = asyncio.ensure_future(self._drain(proc))
@@ -311,6 +364,7 @@ class Child:
             outcome = await _first(exited, self._await_ready(), control, self.config.ready_timeout_s)
             if outcome.kind == "ready":
                 self.ready_in_s = time.monotonic() - started
+                self._last_failure = None
                 await self._move(ChildState.READY)
                 await self._attempt_ended(None)
                 if self._on_ready is not None:
@@ -318,9 +372,20 @@ class Child:
                 outcome = await _first(exited, self._watch_health(), control)
                 outcome.was_ready = True
             elif outcome.command is None:
-                await _settle(exited, drain)
-                outcome.detail += f"; last output: {' | '.join(list(self.tail)[-5:]) or '(none)'}"
-                await self._attempt_ended(f"child {self.config.name} did not become ready: {outcome.detail}")
+                if outcome.kind == "exited":
+                    await _settle(exited, drain)
+                failure = outcome.detail
+                words = last_words(self.output(), 3)
+                # A process that ends as the one before it did will end so again.
+                signature = _signature(failure, words)
+                repeated = outcome.kind == "exited" and signature == self._last_failure
+                self._last_failure = signature
+                outcome.detail += f"; last output: {' | '.join(words) or '(none)'}"
+                await self._attempt_ended(
+                    f"child {self.config.name} did not become ready: {outcome.detail}",
+                    failure=failure,
+                    hopeless=repeated or outcome.kind in ("broken", "timeout"),
+                )
             else:
                 await self._attempt_ended(f"child {self.config.name} was stopped before it was ready")
             if outcome.command is not None:
@@ -338,6 +403,7 @@ class Child:
 
     async def _spawn(self) -> asyncio.subprocess.Process:
         self.config.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._lines_before = self._lines
         parent = os.getpid()
         return await asyncio.create_subprocess_exec(
             *self.config.argv,
@@ -361,12 +427,16 @@ class Child:
                 logfile.flush()
                 *lines, pending = (pending + chunk).split(b"\n")
                 for line in lines:
-                    self.tail.append(line[:_TAIL_LINE_CHARS].decode("utf-8", "replace"))
+                    self._keep(line)
                 if len(pending) > _TAIL_LINE_CHARS:
-                    self.tail.append(pending[:_TAIL_LINE_CHARS].decode("utf-8", "replace"))
+                    self._keep(pending)
                     pending = b""
             if pending:
-                self.tail.append(pending.decode("utf-8", "replace"))
+                self._keep(pending)
+
+    def _keep(self, line: bytes) -> None:
+        self.tail.append(line[:_TAIL_LINE_CHARS].decode("utf-8", "replace"))
+        self._lines += 1
 
     def _probe_body(self) -> dict[str, Any]:
         """A 1-token generation request, as the child's spec says to prove it works."""
@@ -383,16 +453,24 @@ class Child:
         config = self.config
         body = self._probe_body()
         last = "no answer yet"
+        same = 0
         async with _probe_client() as client:
             while True:
                 try:
                     response = await client.post(config.base_url + config.ready_path, json=body)
                     if response.status_code == 200:
                         return _Outcome("ready")
-                    last = f"readiness generation answered {response.status_code}: {response.text[:200]}"
+                    answer = f"readiness generation answered {response.status_code}: {response.text[:200]}"
+                    same = same + 1 if answer == last else 1
+                    if response.status_code in _NOT_YET:
+                        same = 0
+                    last = answer
                 except httpx.TransportError as exc:
-                    last = f"readiness generation failed: {exc!r}"
+                    # Not listening yet, most often: never a verdict.
+                    last, same = f"readiness generation failed: {exc!r}", 0
                 self.last_error = last
+                if same >= _SAME_FAILURES:
+                    return _Outcome("broken", f"{last} ({same} times in a row, the same way)")
                 await asyncio.sleep(0.2)
 
     async def _watch_health(self) -> _Outcome:
@@ -460,6 +538,11 @@ class Child:
         # Whatever the leader left behind in its group goes too.
         _signal_group(proc.pid, signal.SIGKILL)
         await exited
+
+
+def _signature(failure: str, words: list[str]) -> tuple[str, ...]:
+    """A failed attempt, comparable with the next: the numbers in its output (times, ports) left out."""
+    return (failure, *(re.sub(r"\d+", "#", word) for word in words))
 
 
 async def _first(

@@ -9,6 +9,7 @@ must be a JSON object.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from collections.abc import Iterable
@@ -21,6 +22,12 @@ from engines.spec import EngineSpec
 Format = Literal["mlx", "gguf"]
 
 GGUF_MAGIC = b"GGUF"
+# One side of a hub repo id (huggingface_hub's characters): starts with a
+# letter or digit, so nothing a path starts with (~, ., /) passes.
+_HUB_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+# Names that are files, never hub repos.
+_FILE_SUFFIXES = (".gguf", ".safetensors", ".json")
+_FORMAT_NAMES = {"mlx": "an MLX model directory", "gguf": "a GGUF file"}
 
 
 class FormatError(ValueError):
@@ -37,6 +44,65 @@ def detect_format(path: str | Path) -> Format:
     if model.exists():
         raise FormatError(f"{model} is neither a file nor a directory")
     raise FormatError(f"{model} does not exist")
+
+
+def is_hub_repo_id(value: str) -> bool:
+    """Whether ``value`` is shaped like a hub repo id, ``org/name``, rather than like a path.
+
+    Exactly one slash with a name on each side, neither starting with what a
+    path starts with (``~``, ``.``, ``/``), and no file suffix (``x/m.gguf``).
+    ``models/x`` has the shape: whether it is a path is for the caller to
+    find out on disk (``check_model``).
+    """
+    org, slash, name = value.partition("/")
+    if not slash or name.lower().endswith(_FILE_SUFFIXES):
+        return False
+    return all(_HUB_PART.fullmatch(part) and ".." not in part for part in (org, name))
+
+
+def check_model(model: str, engine: EngineSpec | None) -> Format | Literal["hub"]:
+    """What ``model`` is, checked before any engine is installed: ``mlx``, ``gguf`` or ``hub``.
+
+    ``engine`` is the spec of the engine asked for (None: ``auto``, which
+    picks one by the model's format). Raises ``FormatError`` saying what is
+    wrong with ``model`` and what the engine takes instead.
+    """
+    try:
+        path = Path(model).expanduser()
+    except RuntimeError:
+        raise FormatError(f"{model}: there is no such user's home directory") from None
+    # mlx_lm.server downloads what is not a local path; llama_cpp.server serves a local file only.
+    downloads = engine is not None and engine.model_field != "alias"
+    if not path.exists():
+        org = model.partition("/")[0]
+        # An existing first part ("models/x" in a directory holding models/) is a mistyped path.
+        if downloads and is_hub_repo_id(model) and not Path(org).is_dir():
+            return "hub"
+        raise FormatError(f"{path.resolve()} does not exist; {_takes(engine)}")
+    try:
+        found = detect_format(path)
+    except FormatError as exc:
+        raise FormatError(f"{exc}; {_takes(engine)}") from None
+    if engine is not None and found not in engine.model_formats:
+        others = [specs.load(name) for name in specs.available()]
+        hint = ""
+        with contextlib.suppress(FormatError):
+            hint = f" (engine {newest_engine(found, others)}, or auto, serves it)"
+        raise FormatError(
+            f"{path} is {_FORMAT_NAMES[found]}; {engine.name} serves "
+            f"{' or '.join(_FORMAT_NAMES.get(f, f'a {f} model') for f in engine.model_formats)}{hint}"
+        )
+    return found
+
+
+def _takes(engine: EngineSpec | None) -> str:
+    """What an engine takes as its model, for a "does not exist" message."""
+    if engine is None:
+        return "engine auto picks the engine by the format of a local MLX model directory or GGUF file"
+    local = " or ".join(_FORMAT_NAMES.get(f, f"a {f} model") for f in engine.model_formats)
+    if engine.model_field == "alias":
+        return f"{engine.name} serves {local} (it downloads nothing)"
+    return f"{engine.name} serves {local}, or a hub repo id (org/name) that it downloads"
 
 
 def describe(path: str | Path) -> str:

@@ -113,7 +113,7 @@ def plan(
     spec's argv; they may not set what the gateway fills in itself (the
     model, its name, the host and the port).
     """
-    _check_extra_args(spec, extra_args)
+    check_engine_args(spec, extra_args)
     if spec.model_field == "alias":
         return _plan_alias(
             spec, installation, home, model, served_name, host, port, environ, tuple(extra_args)
@@ -129,8 +129,8 @@ def plan(
         name = served_name or model
         if name != model:
             raise PlanError(
-                f"--served-name {name!r} differs from the hub repo {model!r}; download the model "
-                "and pass its directory to serve it under another name"
+                f"the name {name!r} differs from the hub repo {model!r}: a hub model is served under "
+                "its repo id; download it and give its directory to serve it under another name"
             )
     check_served_name(name)
     child_name = f"{spec.name}--{_slug(name)}"
@@ -236,7 +236,7 @@ def _planned(
     return PlannedChild(config, spec.name, installation.variant, installation.venv, installation.cuda_home)
 
 
-def _check_extra_args(spec: EngineSpec, extra_args: Sequence[str]) -> None:
+def check_engine_args(spec: EngineSpec, extra_args: Sequence[str]) -> None:
     """Reject extra engine flags that would override what the gateway sets (address, model, name)."""
     if isinstance(extra_args, str) or not all(isinstance(arg, str) for arg in extra_args):
         raise PlanError(f"engine arguments must be a list of strings, not {extra_args!r}")

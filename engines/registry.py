@@ -28,12 +28,19 @@ import time
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
-from engines.child import Child, ChildFailed
+from engines.child import Child, ChildFailed, last_words
 from engines.served import LoadFailed, ServedModel
 
 log = logging.getLogger("blazar.engines")
 
 _SWEEP_MAX_S = 1.0
+# Start attempts in a row, restarts with backoff between them (1 s, 2 s), after
+# which an always-loaded model that never became ready has failed for good.
+# A start whose failure another would repeat (a generation that fails the
+# same way each time, the readiness deadline) is final at once.
+_START_ATTEMPTS = 3
+# Engine output lines shown when an always-loaded model cannot start.
+_FAILURE_LINES = 8
 # A child's stop is SIGTERM, its grace, SIGKILL and a reap; past this, something is wrong.
 _STOP_MARGIN_S = 10.0
 
@@ -52,6 +59,8 @@ class Registry:
         self.models: dict[str, ServedModel] = {}
         self.max_loaded = max_loaded
         self._announce = announce
+        # Told why, when a model started with the registry can never be ready (start()).
+        self._on_start_failed: Callable[[str], None] | None = None
         self._unload_wait_s = unload_wait_s
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -78,8 +87,13 @@ class Registry:
 
     # -- lifecycle of the whole registry --------------------------------------
 
-    async def start(self) -> None:
-        """Start the always-loaded models (in the background) and the idle sweeper."""
+    async def start(self, on_start_failed: Callable[[str], None] | None = None) -> None:
+        """Start the always-loaded models (in the background) and the idle sweeper.
+
+        ``on_start_failed(reason)`` is called when one of them cannot become
+        ready (the gateway then stops: it cannot serve what it was started for).
+        """
+        self._on_start_failed = on_start_failed
         always = [m for m in self.models.values() if m.lifetime.always_loaded]
         if self.max_loaded and len(always) >= self.max_loaded and len(always) < len(self.models):
             self._announce(
@@ -87,23 +101,45 @@ class Registry:
                 "the other models can never be loaded"
             )
         for model in always:
-            self._start_eagerly(model)
+            self._start_eagerly(model, at_start=True)
         self._sweeper = asyncio.ensure_future(self._sweep())
 
-    def _start_eagerly(self, model: ServedModel) -> None:
+    def _start_eagerly(self, model: ServedModel, *, at_start: bool = False) -> None:
         # Wanted at once, before any request can see the model as unloaded.
         model.wanted = True
         model.last_used = time.monotonic()
-        for child in model.children:
-            self._background(self._start_child(child))
+        self._background(self._start_model(model, at_start=at_start))
 
-    async def _start_child(self, child: Child) -> None:
-        try:
-            await child.ensure_ready()
-        except ChildFailed as exc:
-            # The child keeps retrying with backoff; say why it is not up yet.
-            self._announce(
-                f"engine child {child.config.name} failed to start: {exc} (log: {child.config.log_path})"
+    async def _start_model(self, model: ServedModel, *, at_start: bool) -> None:
+        """Start an always-loaded model's replicas; if none can become ready, stop it and say why."""
+        errors = await asyncio.gather(*(_start_child(child) for child in model.children))
+        failed = [(child, error) for child, error in zip(model.children, errors, strict=True) if error]
+        if len(failed) < len(model.children):
+            for child, error in failed:
+                # It keeps restarting with backoff, out of rotation, while the others serve.
+                log_path = child.config.log_path
+                self._announce(f"engine child {child.config.name} failed to start: {error} (log: {log_path})")
+            return
+        child = failed[-1][0]
+        summary = f"model {model.name!r} cannot start"
+        reason = f"{summary}: its engine did not become ready: {child.failure or child.last_error}"
+        # No crash loop in the background: a request tries again (a lazy load) and gets the reason.
+        model.load_error = (
+            f"model `{model.name}` cannot start: {child.last_error} (log: {child.config.log_path})"
+        )
+        async with self._lock:
+            await self._stop(model)
+        self._announce(reason)
+        lines = last_words(child.output(), _FAILURE_LINES)
+        if lines:
+            self._announce(f"the engine's last lines (its whole output is in {child.config.log_path}):")
+            for line in lines:
+                self._announce(f"  | {line}")
+        else:
+            self._announce(f"the engine wrote nothing (its log: {child.config.log_path})")
+        if at_start and self._on_start_failed is not None:
+            self._on_start_failed(
+                f"{summary}; why is in its engine's last lines above and in {child.config.log_path}"
             )
 
     async def shutdown(self) -> None:
@@ -197,10 +233,11 @@ class Registry:
             return
         reason = f"model `{model.name}` failed to load: {failure}"
         self._announce(reason)
-        if not was_wanted and not model.lifetime.always_loaded:
-            # A lazy model is not left crash-looping in the background; the
-            # next request tries again. One that was already wanted keeps its
-            # children's own restarts with backoff.
+        if not was_wanted:
+            # A model that was not running is not left crash-looping in the
+            # background (an always-loaded one that could not start either);
+            # the next request tries again. One that was already wanted keeps
+            # its children's own restarts with backoff.
             async with self._lock:
                 if not model.busy and not model.ready:
                     await self._stop(model)
@@ -208,16 +245,17 @@ class Registry:
 
     async def _first_ready(self, model: ServedModel) -> str | None:
         """Start every replica; None once one is ready, else the last failure."""
-        starts = {asyncio.ensure_future(child.ensure_ready()) for child in model.children}
+        starts_of = {asyncio.ensure_future(child.ensure_ready()): child for child in model.children}
+        starts = set(starts_of)
         failure = "no replica became ready"
         try:
             while starts:
                 done, starts = await asyncio.wait(starts, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
+                for task, child in ((t, starts_of[t]) for t in done):
                     exc = task.exception()
                     if exc is None:
                         return None
-                    failure = str(exc)
+                    failure = f"{exc} (log: {child.config.log_path})"
             return failure
         finally:
             # The others keep starting under their children's owners; only the waits end.
@@ -352,3 +390,12 @@ class Registry:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+async def _start_child(child: Child) -> str | None:
+    """None once the child is ready, or why it did not become ready within its start attempts."""
+    try:
+        await child.ensure_ready(attempts=_START_ATTEMPTS)
+    except ChildFailed as exc:
+        return str(exc)
+    return None

@@ -203,8 +203,20 @@ class Catalog:
 
         return announce
 
+    def check(self, configs: Sequence[ModelConfig]) -> None:
+        """Check what needs no install, for every model before any is built; or a ``ConfigError``.
+
+        Each engine model's engine, variant and engine arguments (from its
+        spec, which is data), and its model: a path that exists, in a format
+        the engine serves, or a hub repo id for an engine that downloads.
+        """
+        for config in configs:
+            if config.engine is not None:
+                _check_engine_model(config)
+
     def build(self, configs: Sequence[ModelConfig]) -> None:
         """At startup, before the event loop: every model, or a ``ConfigError``."""
+        self.check(configs)
         sources: dict[str, str] = {}
         for config in configs:
             route = self.assemble(self._prepare_checked(config))
@@ -262,6 +274,7 @@ class Catalog:
         if not changed and not removed:
             self.announce(f"reload: {file.path}: no model changed")
             return
+        self.check(rebuilt)
         # Installing and planning may take a while: off the event loop.
         prepared = [await asyncio.to_thread(self._prepare_checked, c) for c in rebuilt]
         entries = dict(self.entries)
@@ -308,6 +321,49 @@ class Catalog:
             f"updated {', '.join(str(c.name) for c in retuned)} (children kept)" if retuned else "",
         ]
         self.announce("reload: " + "; ".join(part for part in report if part))
+
+
+def _check_engine_model(config: ModelConfig) -> None:
+    from engines import spec as specs
+    from engines.formats import FormatError, check_model
+    from engines.manager import PlanError, check_engine_args
+
+    assert config.engine is not None
+    spec = None
+    if config.engine != "auto":
+        try:
+            spec = specs.load(config.engine)
+        except specs.SpecError as exc:
+            raise ConfigError(f"{config.where('engine')}: {exc}") from None
+        if config.variant != "auto":
+            try:
+                spec.packages_for(config.variant)
+            except specs.SpecError as exc:
+                raise ConfigError(f"{config.where('variant')}: {exc}") from None
+        try:
+            check_engine_args(spec, config.engine_args)
+        except PlanError as exc:
+            raise ConfigError(f"{config.where('engine-args')}: {exc}") from None
+    model = config.model
+    # builtin:NAME names a model the gateway makes itself.
+    if model is None or model.startswith("builtin:"):
+        return
+    try:
+        kind = check_model(model, spec)
+    except FormatError as exc:
+        raise ConfigError(f"{config.where('model')}: {exc}") from None
+    if kind == "hub" and config.name is not None and config.name != model:
+        # The child downloads the repo and answers to its id only (engines.manager.plan).
+        if config.source.startswith("--engine"):
+            raise ConfigError(
+                f"--served-name {config.name}: a hub model is served under its repo id {model!r}; "
+                "to serve it under another name, download it and give its directory to --model"
+            )
+        raise ConfigError(
+            f"{config.source}: a hub model is served under its repo id {model!r}, not {config.name!r}: "
+            f'name the table [models."{model}"] (with aliases = ["{config.name}"] to keep this name), '
+            "or download it and give its directory as model"
+        )
 
 
 # What decides a model's children: a change to any of these restarts them.

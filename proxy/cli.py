@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import difflib
+import errno
 import logging
+import socket
 import sys
 from collections.abc import Coroutine
 from pathlib import Path
@@ -18,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import click
 import orjson
 import uvicorn
+from click.core import ParameterSource
 
 from proxy import __version__, configfile
 from proxy.accesslog import AccessLog
@@ -47,7 +50,21 @@ def _echo(line: str) -> None:
     click.echo(f"blazar-proxy: {line}", err=True)
 
 
-@click.group(invoke_without_command=True, context_settings={"show_default": True})
+class _Failed(click.ClickException):
+    """An error that ends the command: one line, prefixed like the gateway's others; exit code 1."""
+
+    def show(self, file: Any = None) -> None:
+        _echo(self.format_message())
+
+
+_EXIT_CODES = """\b
+Exit codes: 0 stopped by SIGTERM or SIGINT (after the drain); 1 an error at
+start (a bad value, config file, model or port; an engine that failed to
+install or to become ready); 2 a usage error; 130 interrupted before
+serving, or a third signal."""
+
+
+@click.group(invoke_without_command=True, context_settings={"show_default": True}, epilog=_EXIT_CODES)
 @click.option(
     "--config",
     "config_file",
@@ -423,9 +440,16 @@ def main(
         home=Home(blazar_home()), registry=registry, max_in_flight=max_in_flight, announce=_echo
     )
     try:
+        catalog.check(configs)
+        # Before any engine is installed or started: a port in use would only show then.
+        _check_listen(ctx, host, port)
         catalog.build(configs)
     except ConfigError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise _Failed(str(exc)) from None
+    except KeyboardInterrupt:
+        # Ctrl-C while an engine installs (the installer is killed) or a demo model is made.
+        _echo("interrupted before the gateway started; no engine child was started")
+        raise SystemExit(130) from None
     keep = list(catalog.entries)[:from_command_line]
     for served in catalog.served_models():
         registry.add(served)
@@ -479,7 +503,10 @@ def engines_install(engine: str, variant: str) -> None:
     try:
         installing.ensure_installed(engine, variant, Home(blazar_home()), progress=_echo)
     except (specs.SpecError, installing.InstallError) as exc:
-        raise click.ClickException(str(exc)) from None
+        raise _Failed(str(exc)) from None
+    except KeyboardInterrupt:
+        _echo(f"interrupted; {engine} is not installed (the next install starts over)")
+        raise SystemExit(130) from None
 
 
 @engines.command("list")
@@ -516,7 +543,7 @@ def engines_remove(engine: str) -> None:
     from engines.home import Home, blazar_home
 
     if not installing.remove(Home(blazar_home()), engine):
-        raise click.ClickException(f"{engine} is not installed")
+        raise _Failed(f"{engine} is not installed")
     click.echo(f"removed {engine}")
 
 
@@ -528,7 +555,7 @@ def serve(settings: Settings, *, registry: Registry | None = None, reloader: _Re
 
     async def startup() -> None:
         if registry is not None:
-            await registry.start()
+            await registry.start(on_start_failed=server.fail)
         if reloader is not None:
             reloader.start(app.relay)
 
@@ -607,10 +634,84 @@ def serve(settings: Settings, *, registry: Registry | None = None, reloader: _Re
         on_force_exit=registry.kill_now if registry is not None else None,
         on_listening=on_listening,
     )
-    server.run()
+    try:
+        server.run()
+    except SystemExit as exc:
+        if exc.code != uvicorn.config.STARTUP_FAILURE:
+            raise
+        # uvicorn logged why just above (and stopped the children it had).
+        lifespan = getattr(server, "lifespan", None)
+        if lifespan is not None and getattr(lifespan, "startup_failed", False):
+            _echo("stopped: the gateway's startup failed (the error is above)")
+        else:
+            _echo(
+                f"stopped: cannot listen on {settings.host}:{settings.port} (the error is above); "
+                "free it, or give another --port (BLAZAR_PORT, or port in the config file's [gateway])"
+            )
+        raise SystemExit(1) from None
     if server.force_exit:
         # A third signal: nothing was drained or stopped in order.
         raise SystemExit(130)
+    if server.failure is not None:
+        _echo(f"stopped: {server.failure}")
+        raise SystemExit(1)
+
+
+def _check_listen(ctx: click.Context, host: str, port: int) -> None:
+    """Bind ``host:port`` as uvicorn will, and let go: say now what would stop it listening."""
+    if port == 0:
+        return  # any free port
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise _Failed(
+            f"{_given_as(ctx, 'host')} {host}: {exc.strerror}; give an address of this machine "
+            "(127.0.0.1, or 0.0.0.0 for all)"
+        ) from None
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as sock:
+            # As asyncio's create_server: a port left in TIME_WAIT is free.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                raise _Failed(_bind_error(exc, ctx, host, port)) from None
+
+
+def _bind_error(exc: OSError, ctx: click.Context, host: str, port: int) -> str:
+    """What keeps the gateway from binding, and which setting to change."""
+    if exc.errno == errno.EADDRINUSE:
+        return (
+            f"port {port} on {host} is already in use (another blazar-proxy, or another server); "
+            f"stop that one, or choose another port with {_given_as(ctx, 'port')}"
+        )
+    if exc.errno == errno.EACCES:
+        return (
+            f"port {port} on {host} needs privileges to bind (ports below 1024 do); "
+            f"choose one from 1024 with {_given_as(ctx, 'port')}"
+        )
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return (
+            f"{host} is not an address of this machine; give one of its own (127.0.0.1, or 0.0.0.0 for "
+            f"all) with {_given_as(ctx, 'host')}"
+        )
+    return f"cannot listen on {host}:{port}: {exc.strerror or exc}; check {_given_as(ctx, 'host')} and --port"
+
+
+def _given_as(ctx: click.Context, name: str) -> str:
+    """How option ``name`` was set, to say which one to change: its flag, its variable or the file's key."""
+    source = ctx.get_parameter_source(name)
+    variable = f"BLAZAR_{name.upper()}"
+    if source is ParameterSource.COMMANDLINE:
+        return f"--{name}"
+    if source is ParameterSource.ENVIRONMENT:
+        return variable
+    if source is ParameterSource.DEFAULT_MAP:
+        config: FileConfig | None = ctx.params.get("config_file")
+        return f"{name} in {config.path if config else 'the config file'}'s [gateway] table"
+    return f"--{name} (or {variable}, or {name} in a config file's [gateway])"
 
 
 # The ready line waits this long for the always-loaded models (their readiness timeout is 600 s).
@@ -676,7 +777,7 @@ def _read_config(ctx: click.Context, value: Path | None) -> FileConfig | None:
     try:
         file = configfile.load(value, lambda key, item: _gateway_option(ctx, key, item))
     except ConfigError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise _Failed(str(exc)) from None
     ctx.default_map = {**(ctx.default_map or {}), **file.gateway}
     return file
 

@@ -65,6 +65,21 @@ class ModelConfig:
     # Where it was given, for error messages; not a setting (a reload ignores it).
     source: str = field(default="", compare=False)
 
+    def where(self, key: str) -> str:
+        """Where setting ``key`` was given, to start an error message with.
+
+        ``FILE: [models.NAME] key`` for the file; for the command line's
+        ``--engine`` model, the flag and its value (``--model ./x``).
+        """
+        flag = _FLAGS.get(key)
+        if flag is not None and self.source.startswith("--engine"):
+            return f"{flag} {getattr(self, key)}"
+        return f"{self.source} {key}" if self.source else key
+
+
+# The command line's flags for the --engine model's settings.
+_FLAGS = {"engine": "--engine", "model": "--model", "variant": "--engine-variant", "name": "--served-name"}
+
 
 @dataclass(frozen=True, slots=True)
 class FileConfig:

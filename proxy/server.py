@@ -55,6 +55,8 @@ class GatewayServer(uvicorn.Server):
         self.on_hangup = on_hangup
         # Kills the children at once: a forced exit skips their orderly stop.
         self.on_force_exit = on_force_exit
+        # Why the gateway stopped on its own (``fail``); None after a signal.
+        self.failure: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._signals = 0
         self._drain_task: asyncio.Future[None] | None = None
@@ -88,6 +90,12 @@ class GatewayServer(uvicorn.Server):
             if self.on_force_exit is not None:
                 # Not left to the parent-death signal, which only Linux has.
                 self.on_force_exit()
+
+    def fail(self, reason: str) -> None:
+        """Stop, because what the gateway was started to serve cannot be served (in the loop)."""
+        if self.failure is None:
+            self.failure = reason
+        self.should_exit = True
 
     def _start_drain(self) -> None:
         self._drain_task = asyncio.ensure_future(self.drain())

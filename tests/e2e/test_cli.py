@@ -56,6 +56,15 @@ def test_engines_list_shows_what_can_be_installed(tmp_path: Path) -> None:
     assert str(tmp_path / "engines") in result.stdout
 
 
+def test_help_documents_the_exit_codes() -> None:
+    """--help ends with what each exit code means: 0, 1, 2 and 130."""
+    result = run_cli("--help")
+    text = " ".join(result.stdout.split())
+    assert "Exit codes: 0 stopped by SIGTERM or SIGINT" in text
+    for code in ("; 1 an error at start", "; 2 a usage error", "; 130 interrupted before serving"):
+        assert code in text, code
+
+
 def test_nothing_to_serve_is_a_usage_error() -> None:
     """Without an upstream the command exits 2 with a message saying what is missing."""
     result = run_cli(env={"BLAZAR_UPSTREAM": ""})

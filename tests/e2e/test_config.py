@@ -614,6 +614,26 @@ def test_reload_adding_an_engine_model_to_an_upstream_only_gateway_reports_error
     assert "[models.z]" in outcome and "unknown engine 'nope-1.0'" in outcome
 
 
+def test_a_reload_naming_a_missing_model_path_changes_nothing_and_installs_nothing(
+    launch: Launch, start_fake_engine: StartFakeEngine, http: httpx.Client, tmp_path: Path
+) -> None:
+    """A reload adding an engine model whose path does not exist says so, installs nothing, keeps serving."""
+    fake = start_fake_engine()
+    path = tmp_path / "blazar.toml"
+    write_config(path, model_table("a", fake))
+    port = free_port()
+    home = tmp_path / "home"
+    gateway = launch("--config", str(path), "--port", str(port), port=port, env={"BLAZAR_HOME": str(home)})
+    write_config(
+        path, model_table("a", fake) + '[models.z]\nengine = "mlx-0.32.0"\nmodel = "/no/such/model"\n'
+    )
+    outcome = hang_up(gateway)
+    assert outcome.startswith("blazar-proxy: reload failed; the running configuration stays: ")
+    assert f"{path}: [models.z] model: /no/such/model does not exist" in outcome
+    assert not (home / "engines").exists()
+    assert served_ids(gateway, http) == ["a"] and ask(gateway, http, "a").status_code == 200
+
+
 def test_reload_says_gateway_settings_wait_for_a_restart(
     start_gateway: StartGateway, start_fake_engine: StartFakeEngine, http: httpx.Client, tmp_path: Path
 ) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engines.child import Child, ChildConfig, ChildFailed, ChildState
+from engines.child import Child, ChildConfig, ChildFailed, ChildState, last_words
 
 pytestmark = pytest.mark.anyio
 
@@ -254,3 +254,87 @@ async def test_shutdown_before_start_is_final(tmp_path: Path) -> None:
     child = Child(config(tmp_path))
     await child.shutdown()
     assert child.state is ChildState.SHUTDOWN
+
+
+async def test_child_whose_generation_fails_the_same_way_every_time_fails_at_once(tmp_path: Path) -> None:
+    """A child that answers every readiness generation with the same error is not left starting."""
+    port = free_port()
+    argv = [sys.executable, "-m", "tests.fake_engine", "--port", str(port), "--broken"]
+    child = Child(config(tmp_path, argv, port=port, ready_timeout_s=60.0))
+    started = time.monotonic()
+    try:
+        with pytest.raises(ChildFailed, match=r"answered 404.*5 times in a row, the same way"):
+            await child.ensure_ready(30, attempts=3)
+        # Well before the readiness deadline, and after one attempt: another would fail the same way.
+        assert time.monotonic() - started < 15
+        assert child.hopeless and child.starts == 1
+        assert child.failure is not None and "404" in child.failure and "last output" not in child.failure
+    finally:
+        await child.shutdown()
+
+
+async def test_child_that_exits_the_same_way_twice_has_failed_for_good(tmp_path: Path) -> None:
+    """Two attempts that exit with the same code and words are enough: a third would only repeat them."""
+    argv = [sys.executable, "-c", "print('model not found: nope'); raise SystemExit(3)"]
+    child = Child(config(tmp_path, argv))
+    try:
+        with pytest.raises(ChildFailed, match="exited with code 3") as info:
+            await child.ensure_ready(15, attempts=3)
+        assert "model not found: nope" in str(info.value)
+        assert child.starts == 2 and child.hopeless
+    finally:
+        await child.shutdown()
+
+
+async def test_child_that_exits_differently_each_time_gets_every_attempt(tmp_path: Path) -> None:
+    """Exits that differ (a transient fault) are retried with backoff up to the attempts asked for."""
+    counter = tmp_path / "count"
+    script = (
+        f"import pathlib; p = pathlib.Path({str(counter)!r}); n = len(p.read_text()) if p.exists() else 0; "
+        "p.write_text('x' * (n + 1)); print('try', 'x' * n); raise SystemExit(1)"
+    )
+    child = Child(config(tmp_path, [sys.executable, "-c", script]))
+    try:
+        with pytest.raises(ChildFailed, match="exited with code 1"):
+            await child.ensure_ready(15, attempts=3)
+        assert child.starts == 3 and not child.hopeless
+    finally:
+        await child.shutdown()
+
+
+async def test_output_is_the_last_process_s_own(tmp_path: Path) -> None:
+    """output() holds what the last process wrote, not the lines of the attempts before it."""
+    counter = tmp_path / "count"
+    script = (
+        f"import pathlib; p = pathlib.Path({str(counter)!r}); n = len(p.read_text()) if p.exists() else 0; "
+        "p.write_text('x' * (n + 1)); print(f'attempt {n}'); raise SystemExit(1)"
+    )
+    child = Child(config(tmp_path, [sys.executable, "-c", script]))
+    try:
+        with pytest.raises(ChildFailed):
+            await child.ensure_ready(15, attempts=2)
+        assert child.output() == ["attempt 1"]
+        assert list(child.tail)[-2:] == ["attempt 0", "attempt 1"]
+    finally:
+        await child.shutdown()
+
+
+def test_last_words_leave_out_access_lines_frames_and_blanks() -> None:
+    """The lines that can say why a child failed: its messages and exceptions, not probes or frames."""
+    lines = [
+        "2026-12-01 09:20:48,226 - ERROR - generation thread died: Got: ConnectError",
+        "Traceback (most recent call last):",
+        '  File "/x/server.py", line 95, in run',
+        "    yield",
+        "",
+        "The above exception was the direct cause of the following exception:",
+        "huggingface_hub.errors.LocalEntryNotFoundError: Got: ConnectError",
+        '127.0.0.1 - - [01/Dec/2026 09:20:48] "POST /v1/chat/completions HTTP/1.1" 404 -',
+        'INFO:     127.0.0.1:5000 - "POST /v1/chat/completions HTTP/1.1" 500 Internal Server Error',
+    ]
+    assert last_words(lines, 5) == [
+        "2026-12-01 09:20:48,226 - ERROR - generation thread died: Got: ConnectError",
+        "huggingface_hub.errors.LocalEntryNotFoundError: Got: ConnectError",
+    ]
+    assert last_words(lines, 1) == ["huggingface_hub.errors.LocalEntryNotFoundError: Got: ConnectError"]
+    assert last_words(lines, 0) == []

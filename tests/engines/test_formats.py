@@ -8,7 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from engines.formats import FormatError, describe, detect_format, newest_engine, pick_engine
+from engines.formats import (
+    FormatError,
+    check_model,
+    describe,
+    detect_format,
+    is_hub_repo_id,
+    newest_engine,
+    pick_engine,
+)
 from engines.spec import available, load
 
 
@@ -132,3 +140,108 @@ def test_no_serving_engine_names_the_format_and_the_engines() -> None:
     """When no engine serves the format, the error names the format and the engines looked at."""
     with pytest.raises(FormatError, match=r"no engine serves gguf models; engines looked at: mlx-0\.32\.0"):
         newest_engine("gguf", [load("mlx-0.32.0")])
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "org/name",
+        "mlx-community/Qwen2.5-0.5B-Instruct-4bit",
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "models/x",
+    ],
+)
+def test_org_slash_name_is_shaped_like_a_hub_repo_id(value: str) -> None:
+    """Exactly one slash with a name on each side is the shape of a hub repo id."""
+    assert is_hub_repo_id(value)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "x",
+        "./x",
+        "../x",
+        "~/x",
+        "~user/x",
+        "/x",
+        "/org/name",
+        "x.gguf",
+        "org/m.gguf",
+        "org/m.safetensors",
+        "a/b/c",
+        "org/",
+        "/name",
+        ".org/name",
+        "org/.name",
+        "org/..",
+        "o rg/name",
+        "builtin:tiny",
+        "",
+    ],
+)
+def test_paths_are_not_shaped_like_hub_repo_ids(value: str) -> None:
+    """What starts like a path (~, ., /), has two slashes, a file suffix or odd characters is no hub id."""
+    assert not is_hub_repo_id(value)
+
+
+def test_a_missing_relative_path_does_not_exist_as_resolved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relative path naming nothing: "does not exist", the path resolved, and what the engine takes."""
+    monkeypatch.chdir(tmp_path)
+    for value in ("./nope", "nope", "x.gguf", "../nope/model"):
+        with pytest.raises(FormatError, match="does not exist") as info:
+            check_model(value, load("mlx-0.32.0"))
+        assert str((tmp_path / value).resolve()) in str(info.value)
+        assert "MLX model directory, or a hub repo id (org/name)" in str(info.value)
+
+
+def test_a_hub_shaped_name_goes_to_the_hub_only_for_an_engine_that_downloads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """org/name is a hub repo for mlx; llama.cpp and auto need a local file, so for them it does not exist."""
+    monkeypatch.chdir(tmp_path)
+    assert check_model("org/name", load("mlx-0.32.0")) == "hub"
+    with pytest.raises(
+        FormatError, match=r"does not exist; llamacpp-0\.3\.36 serves a GGUF file \(it downloads"
+    ):
+        check_model("org/name", load("llamacpp-0.3.36"))
+    with pytest.raises(FormatError, match="does not exist; engine auto picks"):
+        check_model("org/name", None)
+
+
+def test_a_hub_shaped_path_under_an_existing_directory_is_a_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """models/x where models/ is a local directory is a mistyped path, not a hub repo."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    with pytest.raises(FormatError, match="does not exist"):
+        check_model("models/x", load("mlx-0.32.0"))
+
+
+def test_a_model_in_another_format_names_the_engine_that_serves_it(tmp_path: Path) -> None:
+    """A GGUF file for the mlx engine (and an MLX directory for llama.cpp) says which engine serves it."""
+    with pytest.raises(
+        FormatError, match=r"is a GGUF file; mlx-0\.32\.0 serves an MLX model directory"
+    ) as info:
+        check_model(str(gguf_file(tmp_path)), load("mlx-0.32.0"))
+    assert "engine llamacpp-0.3.36, or auto, serves it" in str(info.value)
+    with pytest.raises(FormatError, match=r"is an MLX model directory; llamacpp-0\.3\.36 serves a GGUF file"):
+        check_model(str(mlx_dir(tmp_path)), load("llamacpp-0.3.36"))
+
+
+def test_a_file_in_no_known_format_says_what_the_engine_takes(tmp_path: Path) -> None:
+    """notes.txt for llama.cpp: not a GGUF file, and the engine serves a GGUF file."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("hello")
+    with pytest.raises(FormatError, match=r"not a GGUF file .*; llamacpp-0\.3\.36 serves a GGUF file"):
+        check_model(str(notes), load("llamacpp-0.3.36"))
+
+
+def test_models_in_the_engines_format_pass(tmp_path: Path) -> None:
+    """An MLX directory for mlx, a GGUF file for llama.cpp, and either for auto, are what they are."""
+    assert check_model(str(mlx_dir(tmp_path)), load("mlx-0.32.0")) == "mlx"
+    assert check_model(str(gguf_file(tmp_path)), load("llamacpp-0.3.36")) == "gguf"
+    assert check_model(str(gguf_file(tmp_path)), None) == "gguf"

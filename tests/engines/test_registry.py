@@ -145,6 +145,7 @@ async def test_failed_lazy_load_stops_the_child_and_says_why(tmp_path: Path) -> 
         assert not await model.wait_ready(0)
         assert "failed to load" in model.not_ready_reason()
         assert "no model here" in model.not_ready_reason()
+        assert f"(log: {child.config.log_path})" in model.not_ready_reason()
         assert model.state == "unloaded"
         await asyncio.sleep(0.5)  # longer than the child's backoff: no restart happens
         assert child.state is ChildState.STOPPED and child.starts == 1
@@ -480,5 +481,72 @@ async def test_max_queued_zero_still_lets_the_first_request_start_a_model(tmp_pa
     try:
         status, _ = await _relay_call(relay, "z")
         assert status == 200
+    finally:
+        await registry.shutdown()
+
+
+async def test_an_always_loaded_model_that_cannot_start_is_stopped_and_reported(tmp_path: Path) -> None:
+    """A child that exits the same way twice: the model stops, its reason is kept, the start hook told."""
+    argv = [sys.executable, "-c", "print('weights are broken'); raise SystemExit(3)"]
+    child = Child(config(tmp_path, argv=argv))
+    model = ServedModel("m", [child], Lifetime(always_loaded=True))
+    lines: list[str] = []
+    failures: list[str] = []
+    registry = Registry([model], announce=lines.append)
+    started = time.monotonic()
+    await registry.start(on_start_failed=failures.append)
+    try:
+        await wait_until(lambda: bool(failures), timeout_s=15)
+        assert time.monotonic() - started < 10
+        assert failures == [
+            f"model 'm' cannot start; why is in its engine's last lines above and in {child.config.log_path}"
+        ]
+        assert "model 'm' cannot start: its engine did not become ready: exited with code 3" in lines
+        assert "  | weights are broken" in lines
+        assert not model.wanted and child.state is ChildState.STOPPED and child.starts == 2
+        # Its requests are told why, not to retry shortly.
+        assert "weights are broken" in model.not_ready_reason()
+        assert str(child.config.log_path) in model.not_ready_reason()
+    finally:
+        await registry.shutdown()
+
+
+async def test_a_replica_that_cannot_start_beside_one_that_serves_is_not_a_start_failure(
+    tmp_path: Path,
+) -> None:
+    """One replica of two failing: the model serves on the other, and the gateway is not told to stop."""
+    argv = [sys.executable, "-c", "raise SystemExit(3)"]
+    bad = Child(config(tmp_path, argv=argv, name="m-1", log_path=tmp_path / "logs" / "m-1.log"))
+    good = Child(config(tmp_path, name="m-0", log_path=tmp_path / "logs" / "m-0.log"))
+    model = ServedModel("m", [good, bad], Lifetime(always_loaded=True))
+    lines: list[str] = []
+    failures: list[str] = []
+    registry = Registry([model], announce=lines.append)
+    await registry.start(on_start_failed=failures.append)
+    try:
+        await wait_until(
+            lambda: any("engine child m-1 failed to start" in line for line in lines), timeout_s=15
+        )
+        assert failures == [] and model.state == "loaded"
+    finally:
+        await registry.shutdown()
+
+
+async def test_an_always_loaded_model_added_by_a_reload_that_cannot_start_does_not_stop_the_gateway(
+    tmp_path: Path,
+) -> None:
+    """Only a model started with the registry stops the gateway; one from a reload stops with its reason."""
+    argv = [sys.executable, "-c", "print('bad weights'); raise SystemExit(3)"]
+    child = Child(config(tmp_path, argv=argv))
+    model = ServedModel("late", [child], Lifetime(always_loaded=True))
+    lines: list[str] = []
+    failures: list[str] = []
+    registry = Registry(announce=lines.append)
+    await registry.start(on_start_failed=failures.append)
+    try:
+        await registry.replace(added=[model], removed=[])
+        await wait_until(lambda: "model 'late' cannot start" in " ".join(lines), timeout_s=15)
+        assert failures == []
+        assert not model.wanted and "bad weights" in model.not_ready_reason()
     finally:
         await registry.shutdown()
