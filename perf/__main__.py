@@ -45,7 +45,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.quick:
             plan = Plan(ladder=(1, 16, 64), duration_s=1.0, rounds=1, cpu=args.cpu)
         if args.smoke:
-            plan = Plan(ladder=(1,), workloads=("json", "sse"), duration_s=1.0, rounds=1, cpu=args.cpu)
+            plan = Plan(
+                ladder=(1,),
+                workloads=("json", "sse"),
+                surfaces=("direct", "blazar", "nginx", "blazar-httpx"),
+                duration_s=1.0,
+                rounds=1,
+                cpu=args.cpu,
+            )
         if args.duration:
             plan.duration_s = args.duration
         if args.rounds:

@@ -88,6 +88,7 @@ def matrix_markdown(data: dict[str, Any]) -> str:
         f"{_fmt(goal.get('ratio'), 2)} | {goal['limit']} | {'yes' if goal['met'] else '**no**'} |"
         for goal in data["goals"]
     ]
+    lines += litellm_markdown(data)
     workloads = list(dict.fromkeys(r["workload"] for r in data["rows"]))
     for workload in workloads:
         lines += [
@@ -109,7 +110,63 @@ def matrix_markdown(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-_COLORS = {"direct": "tab:gray", "blazar": "tab:blue", "nginx": "tab:green", "blazar-httpx": "tab:red"}
+def litellm_markdown(data: dict[str, Any]) -> list[str]:
+    """LiteLLM's proxy beside blazar-proxy and nginx, or a line saying why it is not there."""
+    info = data.get("litellm") or {"status": "not in this run"}
+    if info["status"] != "measured":
+        status = "not installed" if info["status"] == "not installed" else info["status"]
+        hint = f" ({info['hint']})" if info.get("hint") else ""
+        return ["", f"LiteLLM: {status}{hint}."]
+    rows = data["rows"]
+    ladder = sorted({r["concurrency"] for r in rows})
+    top = 64 if 64 in ladder else ladder[-1]
+    mid = 16 if 16 in ladder else ladder[-1]
+    figures = [
+        ("added p50 at C=1 (json), ms", "json", 1, "added_p50_ms", 3),
+        ("added p99 at C=1 (json), ms", "json", 1, "added_p99_ms", 3),
+        ("added time to first byte at C=1 (sse), ms", "sse", 1, "added_ttfb_p50_ms", 3),
+        (f"req/s at C={top} (json)", "json", top, "rps", 0),
+        ("CPU µs per request at C=1 (json)", "json", 1, "cpu_us_per_request", 1),
+        (f"CPU µs per SSE chunk at C={mid} (sse)", "sse", mid, "cpu_us_per_chunk", 2),
+    ]
+    lines = [
+        "",
+        "## LiteLLM",
+        "",
+        f"LiteLLM {info['version']} ({info['found_by']}): its proxy with one uvicorn worker, the fake "
+        "engines as `openai/<name>` models with api_base, no database, callbacks or message logging, "
+        "its log at ERROR (no access log), x- headers forwarded (the fake engine's workload header).",
+        "",
+        "| figure | blazar | nginx | litellm | litellm ÷ blazar |",
+        "|---|---|---|---|---|",
+    ]
+    for label, workload, c, key, digits in figures:
+        values = {
+            surface: (row or {}).get(key)
+            for surface in ("blazar", "nginx", "litellm")
+            for row in [_row(rows, workload, c, surface)]
+        }
+        ours, theirs = values["blazar"], values["litellm"]
+        ratio = f"{theirs / ours:.1f}×" if ours and theirs is not None and ours > 0 else "–"
+        lines.append(
+            f"| {label} | {_fmt(ours, digits)} | {_fmt(values['nginx'], digits)} | {_fmt(theirs, digits)} | {ratio} |"
+        )
+    return lines
+
+
+def _row(rows: list[dict[str, Any]], workload: str, c: int, surface: str) -> dict[str, Any] | None:
+    return next(
+        (r for r in rows if (r["workload"], r["concurrency"], r["surface"]) == (workload, c, surface)), None
+    )
+
+
+_COLORS = {
+    "direct": "tab:gray",
+    "blazar": "tab:blue",
+    "nginx": "tab:green",
+    "blazar-httpx": "tab:red",
+    "litellm": "tab:orange",
+}
 
 
 def matrix_plot(data: dict[str, Any], path: Path) -> bool:
