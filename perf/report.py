@@ -204,7 +204,7 @@ def matrix_plot(data: dict[str, Any], path: Path) -> bool:
     return True
 
 
-def _cell(text: str, limit: int = 240) -> str:
+def _cell(text: str, limit: int = 600) -> str:
     """Model output as one markdown table cell: newlines shown as ⏎, pipes escaped, cut at ``limit``."""
     flat = text.replace("\\", "\\\\").replace("|", "\\|").replace("\r", "").replace("\n", "⏎")
     return flat if len(flat) <= limit else flat[:limit] + "…"
