@@ -133,7 +133,7 @@ def litellm_markdown(data: dict[str, Any]) -> list[str]:
         "",
         "## LiteLLM",
         "",
-        f"LiteLLM {info['version']} ({info['found_by']}): its proxy with one uvicorn worker, the fake "
+        f"LiteLLM {info['version']} (found by {info['found_by']}): its proxy with one uvicorn worker, the fake "
         "engines as `openai/<name>` models with api_base, no database, callbacks or message logging, "
         "its log at ERROR (no access log), x- headers forwarded (the fake engine's workload header).",
         "",
@@ -147,11 +147,21 @@ def litellm_markdown(data: dict[str, Any]) -> list[str]:
             for row in [_row(rows, workload, c, surface)]
         }
         ours, theirs = values["blazar"], values["litellm"]
-        ratio = f"{theirs / ours:.1f}×" if ours and theirs is not None and ours > 0 else "–"
+        litellm_row = _row(rows, workload, c, "litellm")
+        if litellm_row is not None and not litellm_row["requests"]:
+            theirs = None
+            shown = f"none finished in {data['plan']['duration_s']:g} s"
+        else:
+            shown = _fmt(theirs, digits)
+        ratio = _ratio(theirs / ours) if ours and theirs is not None and ours > 0 else "–"
         lines.append(
-            f"| {label} | {_fmt(ours, digits)} | {_fmt(values['nginx'], digits)} | {_fmt(theirs, digits)} | {ratio} |"
+            f"| {label} | {_fmt(ours, digits)} | {_fmt(values['nginx'], digits)} | {shown} | {ratio} |"
         )
     return lines
+
+
+def _ratio(value: float) -> str:
+    return f"{value:.0f}×" if value >= 100 else f"{value:.1f}×" if value >= 1 else f"{value:.3f}×"
 
 
 def _row(rows: list[dict[str, Any]], workload: str, c: int, surface: str) -> dict[str, Any] | None:

@@ -251,7 +251,7 @@ def find_litellm() -> LiteLLM | None:
         with contextlib.suppress(OSError), open(cli, "rb") as script:
             first = script.readline()
             if first.startswith(b"#!"):
-                candidates.append((first[2:].decode(errors="replace").strip(), f"the litellm CLI ({cli})"))
+                candidates.append((first[2:].decode(errors="replace").strip(), f"the litellm CLI at {cli}"))
     candidates.append((sys.executable, "this Python"))
     # The version without importing litellm (seconds); fastapi stands for the [proxy] extra.
     probe = (
