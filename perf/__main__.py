@@ -26,7 +26,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=None, help="matrix rounds")
     parser.add_argument("--runs", type=int, default=None, help="receipt runs per surface")
     parser.add_argument(
-        "--model", default=None, help="receipt: a model directory instead of the bench demo model"
+        "--model",
+        default=None,
+        help="receipt: builtin:NAME (smollm2, the real model; tiny or bench: random weights) "
+        "or a model directory [builtin:smollm2; --smoke: builtin:tiny]",
+    )
+    parser.add_argument(
+        "--concurrent", type=int, default=None, help="receipt: also aggregate tok/s at C=N [off]"
     )
     args = parser.parse_args(argv)
 
@@ -39,7 +45,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.quick:
             plan = Plan(ladder=(1, 16, 64), duration_s=1.0, rounds=1, cpu=args.cpu)
         if args.smoke:
-            plan = Plan(ladder=(1,), workloads=("json", "sse"), duration_s=1.0, rounds=1, cpu=args.cpu)
+            plan = Plan(
+                ladder=(1,),
+                workloads=("json", "sse"),
+                surfaces=("direct", "blazar", "nginx", "blazar-httpx"),
+                duration_s=1.0,
+                rounds=1,
+                cpu=args.cpu,
+            )
         if args.duration:
             plan.duration_s = args.duration
         if args.rounds:
@@ -55,24 +68,32 @@ def main(argv: list[str] | None = None) -> int:
             + (f", {out / 'matrix.png'}" if plotted else "")
         )
     else:
-        from perf.receipt import ReceiptPlan, run_receipt
+        from perf.receipt import ReceiptError, ReceiptPlan, run_receipt
 
-        rplan = ReceiptPlan(cpu=args.cpu, model=args.model)
+        rplan = ReceiptPlan(cpu=args.cpu)
         if args.quick:
-            rplan = ReceiptPlan(cpu=args.cpu, model=args.model, runs=5, stream_runs=3, concurrent_rounds=1)
+            rplan = ReceiptPlan(cpu=args.cpu, runs=2, stream_runs=2, max_tokens=32)
         if args.smoke:
             rplan = ReceiptPlan(
                 cpu=args.cpu,
-                model=args.model,
-                preset="tiny",
+                model="builtin:tiny",
                 runs=1,
                 stream_runs=1,
-                concurrent_rounds=1,
+                stream_max_tokens=4,
                 max_tokens=8,
+                concurrent=2,
             )
+        if args.model:
+            rplan.model = args.model
         if args.runs:
             rplan.runs = args.runs
-        data = run_receipt(rplan, out)
+        if args.concurrent is not None:
+            rplan.concurrent = args.concurrent
+        try:
+            data = run_receipt(rplan, out)
+        except ReceiptError as exc:
+            print(f"perf receipt: {exc}", file=sys.stderr)
+            return 2
         report.write_json(out / "receipt.json", data)
         (out / "receipt.md").write_text(report.receipt_markdown(data))
         print(report.receipt_markdown(data))

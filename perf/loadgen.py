@@ -53,9 +53,10 @@ class CellResult:
     requests: int
     duration_s: float
     errors: int
-    p50_ms: float
-    p99_ms: float
-    mean_ms: float
+    # None when no request finished within the run (a slow surface at high C).
+    p50_ms: float | None
+    p99_ms: float | None
+    mean_ms: float | None
     ttfb_p50_ms: float | None = None
     ttfb_p99_ms: float | None = None
     chunks: int = 0
@@ -108,13 +109,14 @@ def wrk_load(
         Path(script_path).unlink(missing_ok=True)
     line = next(line for line in out.splitlines() if line.startswith("WRKJSON "))
     data = json.loads(line.removeprefix("WRKJSON "))
+    finished = data["requests"] > 0
     return CellResult(
         requests=data["requests"],
         duration_s=data["duration_us"] / 1e6,
         errors=data["errors"],
-        p50_ms=data["p50_us"] / 1000,
-        p99_ms=data["p99_us"] / 1000,
-        mean_ms=data["mean_us"] / 1000,
+        p50_ms=data["p50_us"] / 1000 if finished else None,
+        p99_ms=data["p99_us"] / 1000 if finished else None,
+        mean_ms=data["mean_us"] / 1000 if finished else None,
     )
 
 
@@ -226,11 +228,11 @@ async def _stream_load(
         requests=len(totals),
         duration_s=elapsed,
         errors=counters["errors"],
-        p50_ms=percentile(ms, 50),
-        p99_ms=percentile(ms, 99),
-        mean_ms=sum(ms) / len(ms) if ms else 0.0,
-        ttfb_p50_ms=percentile(first, 50),
-        ttfb_p99_ms=percentile(first, 99),
+        p50_ms=percentile(ms, 50) if ms else None,
+        p99_ms=percentile(ms, 99) if ms else None,
+        mean_ms=sum(ms) / len(ms) if ms else None,
+        ttfb_p50_ms=percentile(first, 50) if first else None,
+        ttfb_p99_ms=percentile(first, 99) if first else None,
         chunks=counters["chunks"],
         client_cpu_us_per_request=cpu_s * 1e6 / len(totals) if totals else None,
         latencies_ms=ms,

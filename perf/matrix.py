@@ -1,11 +1,12 @@
 """`python -m perf matrix`: the gateway's own cost, against direct and nginx, as concurrency grows.
 
 One run starts two fast fake engines and, in front of them, blazar-proxy,
-nginx (keepalive to the upstream, no buffering) and the httpx reference
-relay. Each cell (workload × concurrency) is measured on every surface in
-turn, rounds interleaved, so that drift on this shared machine hits all
-surfaces alike; figures are medians over rounds, and the gateway's cost is
-quoted as the difference to direct and as a ratio to nginx's.
+nginx (keepalive to the upstream, no buffering), the httpx reference
+relay and, where it is installed, LiteLLM's proxy. Each cell (workload ×
+concurrency) is measured on every surface in turn, rounds interleaved, so
+that drift on this shared machine hits all surfaces alike; figures are
+medians over rounds, and the gateway's cost is quoted as the difference to
+direct and as a ratio to nginx's.
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import orjson
 
 from perf import surfaces
 from perf.loadgen import CellResult, stream_load, wrk_load
 
-SURFACES = ("direct", "blazar", "nginx", "blazar-httpx")
+SURFACES = ("direct", "blazar", "nginx", "blazar-httpx", "litellm")
 PATH = "/v1/chat/completions"
 
 
@@ -136,6 +138,9 @@ def run_matrix(plan: Plan, out_dir: Path) -> dict[str, Any]:
             procs["nginx"] = surfaces.start_nginx([e.port for e in engines], plan.cpu, out_dir)
         if "blazar-httpx" in plan.surfaces:
             procs["blazar-httpx"] = surfaces.start_httpx_gateway(upstreams, plan.cpu, log_dir)
+        litellm = _start_litellm(plan, upstreams, out_dir, procs)
+        for proc in procs.values():
+            _warm(proc)
         cells: dict[tuple[str, int, str], Cell] = {}
         for name in plan.workloads:
             workload = WORKLOADS[name]
@@ -151,7 +156,7 @@ def run_matrix(plan: Plan, out_dir: Path) -> dict[str, Any]:
                         cell.runs.append(measured)
                         print(
                             f"matrix: {name:8} C={concurrency:<4} {surface_name:13} "
-                            f"p50 {measured['p50_ms']:.3f} ms  {measured['rps']:.0f} req/s  "
+                            f"p50 {measured['p50_ms'] or 0:.3f} ms  {measured['rps']:.0f} req/s  "
                             f"errors {measured['errors']}",
                             flush=True,
                         )
@@ -160,7 +165,42 @@ def run_matrix(plan: Plan, out_dir: Path) -> dict[str, Any]:
             proc.stop()
         for engine in engines:
             engine.stop()
-    return summarize(plan, cells, started)
+    data = summarize(plan, cells, started)
+    data["litellm"] = litellm
+    return data
+
+
+def _warm(surface: surfaces.Process, requests: int = 20) -> None:
+    """A few requests of each kind before measuring: LiteLLM's first request takes ~0.6 s here."""
+    headers = {"content-type": "application/json", "x-fake": "chunks=16"}
+    with httpx.Client(trust_env=False, timeout=60) as client:
+        for index in range(requests):
+            for model in ("m1", "m2"):
+                stream = index % 4 == 0
+                with client.stream(
+                    "POST", surface.url + PATH, content=body(model, stream), headers=headers
+                ) as response:
+                    response.read()
+                    response.raise_for_status()
+
+
+def _start_litellm(
+    plan: Plan, upstreams: dict[str, str], out_dir: Path, procs: dict[str, surfaces.Process]
+) -> dict[str, Any]:
+    """Add LiteLLM's proxy to ``procs`` where it is installed; what became of it, for the report."""
+    if "litellm" not in plan.surfaces:
+        return {"status": "not in this plan"}
+    found = surfaces.find_litellm()
+    if found is None:
+        hint = f"pip install 'litellm[proxy]' (or set ${surfaces.LITELLM_ENV})"
+        return {"status": "not installed", "hint": hint}
+    info: dict[str, Any] = {"version": found.version, "python": found.python, "found_by": found.found_by}
+    try:
+        procs["litellm"] = surfaces.start_litellm(found, upstreams, plan.cpu, out_dir)
+    except RuntimeError as exc:
+        print(f"matrix: LiteLLM {found.version} did not start: {exc}", flush=True)
+        return {**info, "status": f"did not start: {exc}"}
+    return {**info, "status": "measured"}
 
 
 def summarize(plan: Plan, cells: dict[tuple[str, int, str], Cell], started: float) -> dict[str, Any]:

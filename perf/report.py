@@ -88,6 +88,7 @@ def matrix_markdown(data: dict[str, Any]) -> str:
         f"{_fmt(goal.get('ratio'), 2)} | {goal['limit']} | {'yes' if goal['met'] else '**no**'} |"
         for goal in data["goals"]
     ]
+    lines += litellm_markdown(data)
     workloads = list(dict.fromkeys(r["workload"] for r in data["rows"]))
     for workload in workloads:
         lines += [
@@ -109,7 +110,73 @@ def matrix_markdown(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-_COLORS = {"direct": "tab:gray", "blazar": "tab:blue", "nginx": "tab:green", "blazar-httpx": "tab:red"}
+def litellm_markdown(data: dict[str, Any]) -> list[str]:
+    """LiteLLM's proxy beside blazar-proxy and nginx, or a line saying why it is not there."""
+    info = data.get("litellm") or {"status": "not in this run"}
+    if info["status"] != "measured":
+        status = "not installed" if info["status"] == "not installed" else info["status"]
+        hint = f" ({info['hint']})" if info.get("hint") else ""
+        return ["", f"LiteLLM: {status}{hint}."]
+    rows = data["rows"]
+    ladder = sorted({r["concurrency"] for r in rows})
+    top = 64 if 64 in ladder else ladder[-1]
+    mid = 16 if 16 in ladder else ladder[-1]
+    figures = [
+        ("added p50 at C=1 (json), ms", "json", 1, "added_p50_ms", 3),
+        ("added p99 at C=1 (json), ms", "json", 1, "added_p99_ms", 3),
+        ("added time to first byte at C=1 (sse), ms", "sse", 1, "added_ttfb_p50_ms", 3),
+        (f"req/s at C={top} (json)", "json", top, "rps", 0),
+        ("CPU µs per request at C=1 (json)", "json", 1, "cpu_us_per_request", 1),
+        (f"CPU µs per SSE chunk at C={mid} (sse)", "sse", mid, "cpu_us_per_chunk", 2),
+    ]
+    lines = [
+        "",
+        "## LiteLLM",
+        "",
+        f"LiteLLM {info['version']} (found by {info['found_by']}): its proxy with one uvicorn worker, the fake "
+        "engines as `openai/<name>` models with api_base, no database, callbacks or message logging, "
+        "its log at ERROR (no access log), x- headers forwarded (the fake engine's workload header).",
+        "",
+        "| figure | blazar | nginx | litellm | litellm ÷ blazar |",
+        "|---|---|---|---|---|",
+    ]
+    for label, workload, c, key, digits in figures:
+        values = {
+            surface: (row or {}).get(key)
+            for surface in ("blazar", "nginx", "litellm")
+            for row in [_row(rows, workload, c, surface)]
+        }
+        ours, theirs = values["blazar"], values["litellm"]
+        litellm_row = _row(rows, workload, c, "litellm")
+        if litellm_row is not None and not litellm_row["requests"]:
+            theirs = None
+            shown = f"none finished in {data['plan']['duration_s']:g} s"
+        else:
+            shown = _fmt(theirs, digits)
+        ratio = _ratio(theirs / ours) if ours and theirs is not None and ours > 0 else "–"
+        lines.append(
+            f"| {label} | {_fmt(ours, digits)} | {_fmt(values['nginx'], digits)} | {shown} | {ratio} |"
+        )
+    return lines
+
+
+def _ratio(value: float) -> str:
+    return f"{value:.0f}×" if value >= 100 else f"{value:.1f}×" if value >= 1 else f"{value:.3f}×"
+
+
+def _row(rows: list[dict[str, Any]], workload: str, c: int, surface: str) -> dict[str, Any] | None:
+    return next(
+        (r for r in rows if (r["workload"], r["concurrency"], r["surface"]) == (workload, c, surface)), None
+    )
+
+
+_COLORS = {
+    "direct": "tab:gray",
+    "blazar": "tab:blue",
+    "nginx": "tab:green",
+    "blazar-httpx": "tab:red",
+    "litellm": "tab:orange",
+}
 
 
 def matrix_plot(data: dict[str, Any], path: Path) -> bool:
@@ -147,40 +214,99 @@ def matrix_plot(data: dict[str, Any], path: Path) -> bool:
     return True
 
 
+def _cell(text: str, limit: int = 600) -> str:
+    """Model output as one markdown table cell: newlines shown as ⏎, pipes escaped, cut at ``limit``."""
+    flat = text.replace("\\", "\\\\").replace("|", "\\|").replace("\r", "").replace("\n", "⏎")
+    return flat if len(flat) <= limit else flat[:limit] + "…"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _ms(value: float | None, digits: int = 3, unit: str = " ms") -> str:
+    return "–" if value is None else f"{value:.{digits}f}{unit}"
+
+
 def receipt_markdown(data: dict[str, Any]) -> str:
     env = data["environment"]
     s = data["summary"]
+    info = data.get("model_info", {})
+    request_ms = s["gateway_mean_s"] * 1000
+    own_share = (
+        f" ({s['gateway_own_p50_ms'] / request_ms * 100:.4f} % of the request)"
+        if s.get("gateway_own_p50_ms") is not None
+        else ""
+    )
+    pinning = (
+        f"client and gateway pinned to CPU {data['cpu']}, engine child to CPU {data.get('engine_cpu')}"
+        if data["cpu"] is not None
+        else "nothing pinned"
+    )
     lines = [
         "# blazar-proxy receipt",
         "",
-        f"Engine {data['engine']} ({data['variant']}), model {data['model']}; "
+        f"Engine {data['engine']} ({data['variant']}), model `{data['model']}` "
+        f"(`{info.get('source', '?')}`{', via ' + info['via'] if info.get('via') else ''}); "
         f"git {env['git_sha'][:12]}{' (dirty)' if env['git_dirty'] else ''}, {env['cpu']}, {env['cpus']} CPUs"
-        f"{', GPU ' + env['gpu'] if env.get('gpu') else ''}; client and gateway pinned to CPU {data['cpu']}, "
-        f"engine child to CPU {data.get('engine_cpu')}.",
-        f"Non-stream chat, fixed prompt, max_tokens {data['max_tokens']}, temperature 0; "
-        f"{data['runs']} runs per surface after {data['warmup']} warmup, direct and gateway interleaved.",
+        f"{', GPU ' + env['gpu'] if env.get('gpu') else ''}; {pinning}. "
+        "The gateway runs with its defaults (access log and metrics on).",
+        f'Non-stream chat "{data.get("prompt", "")}", max_tokens {data["max_tokens"]}, temperature 0; '
+        f"{_count(data['runs'], 'run')} per surface after {data['warmup']} warmup, direct and gateway interleaved "
+        "(the order alternates).",
         "",
-        "| Surface | warm mean | tok/s | overhead |",
-        "|---|---|---|---|",
-        f"| direct mlx_lm.server | {s['direct_mean_s']:.3f} s | ~{s['direct_tok_s']:.0f} | — |",
-        f"| via blazar-proxy | {s['gateway_mean_s']:.3f} s | ~{s['gateway_tok_s']:.0f} | "
-        f"{s['overhead_ms']:+.2f} ms ({s['overhead_pct']:+.2f} %), {s['gateway_tok_s'] - s['direct_tok_s']:+.1f} tok/s |",
+        "| Surface | warm mean | tokens | tok/s | overhead (wall clock) | gateway's own time (Server-Timing), p50 / max |",
+        "|---|---|---|---|---|---|",
+        f"| direct mlx_lm.server | {s['direct_mean_s']:.3f} s | {s['completion_tokens']:g} | "
+        f"~{s['direct_tok_s']:.1f} | — | — |",
+        f"| via blazar-proxy | {s['gateway_mean_s']:.3f} s | {s['completion_tokens']:g} | ~{s['gateway_tok_s']:.1f} | "
+        f"{s['overhead_ms']:+.2f} ms ({s['overhead_pct']:+.2f} %), {s['gateway_tok_s'] - s['direct_tok_s']:+.2f} tok/s | "
+        f"{_ms(s.get('gateway_own_p50_ms'))} / {_ms(s.get('gateway_own_max_ms'))} |",
         "",
-        f"Paired differences (gateway − direct, run by run): mean {s['paired_mean_ms']:+.2f} ± {s['paired_ci95_ms']:.2f} ms "
-        f"(95 % CI), median {s['paired_median_ms']:+.2f} ms, stdev {s['paired_stdev_ms']:.2f} ms; one direct run's own "
-        f"stdev is {s['direct_stdev_ms']:.2f} ms, so the engine's jitter, not the gateway, sets the error bars.",
+        f"The gateway's own time is its `Server-Timing: gateway;dur` header, over "
+        f"{_count(s.get('gateway_own_runs', 0), 'run')}: from the request's arrival to the response head's departure, less the wait for the engine; "
+        f"p50 {_ms(s.get('gateway_own_p50_ms'))}{own_share}. The wall clock cannot resolve it: "
+        f"paired differences (gateway − direct, run by run) have mean {s['paired_mean_ms']:+.2f} ± "
+        f"{s['paired_ci95_ms']:.2f} ms (95 % CI), median {s['paired_median_ms']:+.2f} ms, stdev "
+        f"{s['paired_stdev_ms']:.2f} ms; one direct run's own stdev is {s['direct_stdev_ms']:.2f} ms: the engine's "
+        "jitter, not the gateway, sets the error bars.",
         "",
-        f"The gateway's own time per request (its Server-Timing `gateway;dur`, median): "
-        f"{s['gateway_own_median_ms']:.3f} ms, {s['gateway_own_median_ms'] / (s['direct_mean_s'] * 1000) * 100:.3f} % "
-        f"of the request.",
+        "## Streaming: time to the first data byte",
         "",
-        f"Streaming time to first data byte (median of {data['stream_runs']}): direct "
-        f"{s['direct_ttfb_ms']:.2f} ms, gateway {s['gateway_ttfb_ms']:.2f} ms "
-        f"({s['gateway_ttfb_ms'] - s['direct_ttfb_ms']:+.2f} ms). SSE comments are not counted.",
+        f"The same prompt streamed (max_tokens {data.get('stream_max_tokens', '?')}, read to the end), "
+        f"{_count(data['stream_runs'], 'run')} per surface interleaved; SSE comments are not counted. "
+        f"{s.get('streams_done', 0)}/{s.get('streams', 0)} streams ended with `data: [DONE]`.",
         "",
-        f"Parity: {s['parity_identical']}/{s['parity_prompts']} prompts byte-identical in content.",
+        "| Surface | TTFB p50 | TTFB max | added p50 | gateway's own time to the head, p50 / max |",
+        "|---|---|---|---|---|",
+        f"| direct mlx_lm.server | {_ms(s['direct_ttfb_ms'], 2)} | {_ms(s.get('direct_ttfb_max_ms'), 2)} | — | — |",
+        f"| via blazar-proxy | {_ms(s['gateway_ttfb_ms'], 2)} | {_ms(s.get('gateway_ttfb_max_ms'), 2)} | "
+        + (
+            f"{s['gateway_ttfb_ms'] - s['direct_ttfb_ms']:+.2f} ms"
+            if s["gateway_ttfb_ms"] is not None and s["direct_ttfb_ms"] is not None
+            else "–"
+        )
+        + f" | {_ms(s.get('stream_gateway_own_p50_ms'))} / {_ms(s.get('stream_gateway_own_max_ms'))} |",
         "",
-        f"At C={data['concurrent']}: direct {s['direct_c_tok_s']:.0f} tok/s, gateway {s['gateway_c_tok_s']:.0f} "
-        f"tok/s ({(s['gateway_c_tok_s'] / s['direct_c_tok_s'] - 1) * 100 if s['direct_c_tok_s'] else 0:+.1f} %).",
+        "## Parity at temperature 0",
+        "",
+        f"{s['parity_identical']}/{s['parity_prompts']} prompts byte-identical in content, direct and through "
+        f"the gateway (max_tokens {data['max_tokens']}; the first prompt over every timed and warmup run).",
+        "",
+        "| prompt | answers compared | identical | tokens | finish | content (direct) |",
+        "|---|---|---|---|---|---|",
     ]
+    lines += [
+        f"| {_cell(p['prompt'])} | {p.get('answers', 2)} | {'yes' if p['identical'] else '**no**'} | "
+        f"{p.get('completion_tokens', '–')} | {p.get('finish_reason') or '–'} | {_cell(p['direct'])} |"
+        for p in data["parity"]
+    ]
+    if s.get("direct_c_tok_s"):
+        lines += [
+            "",
+            f"## At C={data['concurrent']}",
+            "",
+            f"Aggregate completion tok/s: direct {s['direct_c_tok_s']:.1f}, gateway {s['gateway_c_tok_s']:.1f} "
+            f"({(s['gateway_c_tok_s'] / s['direct_c_tok_s'] - 1) * 100:+.1f} %).",
+        ]
     return "\n".join(lines) + "\n"

@@ -204,6 +204,108 @@ def start_nginx(upstream_ports: list[int], cpu: int | None, work_dir: Path) -> P
     return Process("nginx", proc, port)
 
 
+@dataclass(frozen=True)
+class LiteLLM:
+    """A Python that has LiteLLM's proxy (``litellm[proxy]``), found by ``find_litellm``."""
+
+    python: str
+    version: str
+    found_by: str
+
+
+LITELLM_ENV = "BLAZAR_PERF_LITELLM_PYTHON"
+
+# One model per fake engine, as an OpenAI-compatible upstream; nothing optional on:
+# no database, no callbacks, no message logging, no background health checks.
+# x- headers are forwarded so that the fake engine gets its x-fake workload
+# header, as it does through the other surfaces. No master key: loopback only.
+_LITELLM_CONF = """model_list:
+{models}
+litellm_settings:
+  telemetry: false
+  turn_off_message_logging: true
+  callbacks: []
+general_settings:
+  forward_client_headers_to_llm_api: true
+  disable_spend_logs: true
+  disable_error_logs: true
+  background_health_checks: false
+  dangerously_permit_weak_or_unset_master_key: true
+"""
+
+_LITELLM_MODEL = """  - model_name: {name}
+    litellm_params:
+      model: openai/{name}
+      api_base: {url}/v1
+      api_key: none
+"""
+
+
+def find_litellm() -> LiteLLM | None:
+    """LiteLLM's proxy, if installed: the Python in $BLAZAR_PERF_LITELLM_PYTHON, the `litellm` CLI's, ours."""
+    candidates: list[tuple[str, str]] = []
+    if os.environ.get(LITELLM_ENV):
+        candidates.append((os.environ[LITELLM_ENV], f"${LITELLM_ENV}"))
+    cli = shutil.which("litellm")
+    if cli:
+        with contextlib.suppress(OSError), open(cli, "rb") as script:
+            first = script.readline()
+            if first.startswith(b"#!"):
+                candidates.append((first[2:].decode(errors="replace").strip(), f"the litellm CLI at {cli}"))
+    candidates.append((sys.executable, "this Python"))
+    # The version without importing litellm (seconds); fastapi stands for the [proxy] extra.
+    probe = (
+        "import importlib.metadata as m, importlib.util as u; "
+        "u.find_spec('fastapi') and print(m.version('litellm'))"
+    )
+    for python, found_by in candidates:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            result = subprocess.run(
+                [python, "-c", probe], capture_output=True, text=True, timeout=30, check=False
+            )
+            if result.returncode == 0 and result.stdout.strip():
+                return LiteLLM(python, result.stdout.strip(), found_by)
+    return None
+
+
+def litellm_config(upstreams: dict[str, str]) -> str:
+    """LiteLLM's config.yaml: each upstream as ``openai/<name>`` at ``<url>/v1``, optional features off."""
+    models = "".join(_LITELLM_MODEL.format(name=name, url=url) for name, url in upstreams.items())
+    return _LITELLM_CONF.format(models=models.rstrip("\n"))
+
+
+def start_litellm(
+    litellm: LiteLLM, upstreams: dict[str, str], cpu: int | None, work_dir: Path, timeout_s: float = 180.0
+) -> Process:
+    """LiteLLM's proxy in front of the fake engines, one uvicorn worker, its own logs at ERROR."""
+    port = free_port()
+    prefix = work_dir / f"litellm-{port}"
+    prefix.mkdir(parents=True)
+    conf = prefix / "config.yaml"
+    conf.write_text(litellm_config(upstreams))
+    argv = [
+        litellm.python, "-m", "litellm.proxy.proxy_cli", "--config", str(conf),
+        "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1",
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env.update(
+        PYTHONUNBUFFERED="1",
+        # ERROR also sets its uvicorn's log level: no access log, as for nginx and blazar here.
+        LITELLM_LOG="ERROR",
+        LITELLM_LOCAL_MODEL_COST_MAP="True",
+        LITELLM_TELEMETRY="False",
+        LITELLM_MODE="PRODUCTION",
+    )
+    log = (prefix / "litellm.log").open("wb")
+    proc = subprocess.Popen(pinned(argv, cpu), cwd=prefix, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_until_ready(f"http://127.0.0.1:{port}/health/liveliness", proc, timeout_s)
+    except RuntimeError as exc:
+        Process("litellm", proc, port).stop()
+        raise RuntimeError(f"{exc}; log: {prefix / 'litellm.log'}") from exc
+    return Process("litellm", proc, port)
+
+
 def wait_until_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     with httpx.Client(trust_env=False, timeout=1) as client:

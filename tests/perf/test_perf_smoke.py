@@ -58,13 +58,39 @@ def test_matrix_smoke(tmp_path: Path) -> None:
     assert (tmp_path / "matrix.png").read_bytes().startswith(b"\x89PNG")
 
 
-def test_receipt_smoke(tmp_path: Path) -> None:
-    """`perf receipt --smoke` runs the real engine direct and through the gateway, with content parity."""
+@pytest.fixture(scope="module")
+def receipt_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One `perf receipt --smoke` run, for the tests that read its reports."""
+    out = tmp_path_factory.mktemp("receipt")
     home = os.environ.get("BLAZAR_TEST_HOME") or str(Path.home() / ".cache" / "blazar-test")
-    _run("receipt", "--smoke", "--out", str(tmp_path), env={"BLAZAR_HOME": home})
-    data = orjson.loads((tmp_path / "receipt.json").read_bytes())
+    _run("receipt", "--smoke", "--out", str(out), env={"BLAZAR_HOME": home})
+    return out
+
+
+def test_receipt_smoke(receipt_dir: Path) -> None:
+    """`perf receipt --smoke` runs the real engine direct and through the gateway, with content parity."""
+    data = orjson.loads((receipt_dir / "receipt.json").read_bytes())
     summary = data["summary"]
-    assert summary["parity_identical"] == summary["parity_prompts"] >= 3
+    assert summary["parity_identical"] == summary["parity_prompts"] == 3
     assert data["timings"]["direct"] and data["timings"]["gateway"]
+    assert summary["streams_done"] == summary["streams"] > 0
     assert data["environment"]["git_sha"]
-    assert "| via blazar-proxy |" in (tmp_path / "receipt.md").read_text()
+    assert "| via blazar-proxy |" in (receipt_dir / "receipt.md").read_text()
+
+
+def test_receipt_reports_server_timing_and_parity(receipt_dir: Path) -> None:
+    """The receipt reports the gateway's own time from Server-Timing and a parity table of the 3 prompts."""
+    from perf.receipt import PARITY_PROMPTS
+
+    data = orjson.loads((receipt_dir / "receipt.json").read_bytes())
+    summary = data["summary"]
+    assert summary["gateway_own_runs"] == len(data["timings"]["gateway"])
+    assert summary["gateway_own_p50_ms"] > 0
+    assert summary["gateway_own_max_ms"] >= summary["gateway_own_p50_ms"]
+    assert all(run["gateway_ms"] is None for run in data["timings"]["direct"])
+    text = (receipt_dir / "receipt.md").read_text()
+    assert "Server-Timing" in text
+    assert f"{summary['gateway_own_p50_ms']:.3f} ms / {summary['gateway_own_max_ms']:.3f} ms" in text
+    assert "## Parity at temperature 0" in text
+    for prompt in PARITY_PROMPTS:
+        assert f"| {prompt} |" in text
