@@ -23,7 +23,6 @@ only as the one line that says why it failed.
 from __future__ import annotations
 
 import base64
-import contextlib
 import csv
 import hashlib
 import io
@@ -36,6 +35,8 @@ import time
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
+
+from engines.install import size_bytes
 
 Progress = Callable[[str], None]
 
@@ -188,7 +189,7 @@ def _run(
                     proc.wait(heartbeat_s)
                     break
                 except subprocess.TimeoutExpired:
-                    mb, elapsed_s = _tree_bytes(watch) / 1e6, time.monotonic() - started
+                    mb, elapsed_s = size_bytes(watch) / 1e6, time.monotonic() - started
                     progress(f"downloading {requirement}: {mb:.0f} MB so far, {elapsed_s:.0f} s")
         except BaseException:
             proc.kill()
@@ -214,12 +215,3 @@ def _reason(output: str) -> str:
     chosen = [*errors, *causes[:1], *causes[1:][-1:]]
     text = "; ".join(chosen)
     return text if len(text) <= 300 else text[:297] + "..."
-
-
-def _tree_bytes(root: Path) -> int:
-    total = 0
-    for folder, _dirs, files in os.walk(root):
-        for name in files:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(folder, name)).st_size
-    return total
