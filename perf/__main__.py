@@ -1,4 +1,4 @@
-"""python -m perf receipt|matrix [--quick|--smoke] [--out DIR] [--cpu N|none]"""
+"""python -m perf receipt|matrix|assembly [--quick|--smoke] [--out DIR] [--cpu N|none]"""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def _cpu(text: str) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf", description=__doc__)
-    parser.add_argument("what", choices=("receipt", "matrix"))
+    parser.add_argument("what", choices=("receipt", "matrix", "assembly"))
     parser.add_argument("--out", type=Path, default=None, help="output folder [perf/results/<what>-<time>]")
     parser.add_argument("--cpu", type=_cpu, default=0, help="core to pin every process to, or 'none' [0]")
     size = parser.add_mutually_exclusive_group()
@@ -38,6 +38,11 @@ def main(argv: list[str] | None = None) -> int:
 
     out = args.out or Path(__file__).parent / "results" / f"{args.what}-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
+    if args.what == "assembly":
+        from perf.assembly import run_assembly
+
+        print(run_assembly(out, quick=args.quick or args.smoke), end="")
+        return 0
     if args.what == "matrix":
         from perf.matrix import Plan, run_matrix
 
