@@ -83,6 +83,8 @@ _PARTIAL_EVENT_LIMIT_BYTES = 64 * 1024
 # Upstream error headers that clients act on (openai-python reads them all).
 _KEPT_ON_ERRORS = frozenset({b"retry-after", b"retry-after-ms", b"x-should-retry", b"www-authenticate"})
 _RETRY_AFTER_S = b"2"
+# A built reply waits this long after [DONE] for its stream's end (it follows at once).
+_AFTER_DONE_S = 1.0
 # How long an exchange runs before the client is watched for a disconnect
 # (well inside the 1 s in which an abandoned upstream must be closed).
 _WATCH_AFTER_S = 0.05
@@ -665,7 +667,15 @@ class Relay:
             )
             return
         if not conn.complete:
-            conn.close()  # bytes after [DONE] are not waited for
+            # The response's end follows [DONE] at once (mlx closes; a chunked
+            # body sends its last chunk): wait for it briefly, so that the
+            # connection ends cleanly and the pool opens the next one ahead.
+            with contextlib.suppress(UpstreamError, TimeoutError):
+                async with asyncio.timeout(_AFTER_DONE_S):
+                    while await conn.read(self._read_timeout_s):
+                        pass
+            if not conn.complete:
+                conn.close()
         outcome.status = 200
         outcome.bytes_out = len(body)
         own_s += perf_counter() - at
