@@ -646,36 +646,12 @@ class Relay:
                     code="upstream_truncated",
                 )
             body = assembler.reply()
-        except UpstreamError as exc:
-            conn.close()
-            outcome.failed(exc)
-            timing = server_timing(started, sent_at, perf_counter())
-            await _send_upstream_error(send, exc, request_id, timing)
-            return
-        except AssemblyError as exc:
+        except (UpstreamError, AssemblyError) as exc:
             conn.close()
             outcome.status, outcome.error = exc.status, exc.code
             timing = server_timing(started, sent_at, perf_counter())
-            await send_json(
-                send,
-                exc.status,
-                _upstream_error_body(exc.status, str(exc), exc.code),
-                [
-                    (b"x-request-id", request_id),
-                    timing,
-                ],
-            )
+            await _send_upstream_error(send, exc, request_id, timing)
             return
-        if not conn.complete:
-            # The response's end follows [DONE] at once (mlx closes; a chunked
-            # body sends its last chunk): wait for it briefly, so that the
-            # connection ends cleanly and the pool opens the next one ahead.
-            with contextlib.suppress(UpstreamError, TimeoutError):
-                async with asyncio.timeout(_AFTER_DONE_S):
-                    while await conn.read(self._read_timeout_s):
-                        pass
-            if not conn.complete:
-                conn.close()
         outcome.status = 200
         outcome.bytes_out = len(body)
         own_s += perf_counter() - at
@@ -688,6 +664,17 @@ class Relay:
         ]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+        if not conn.complete:
+            # The stream's end follows [DONE] at once (mlx closes; a chunked
+            # body sends its last chunk): once the client has its reply, wait
+            # for it briefly, so that the connection ends cleanly and the pool
+            # opens the next one ahead.
+            with contextlib.suppress(UpstreamError, ClientGone, TimeoutError):
+                async with asyncio.timeout(_AFTER_DONE_S):
+                    while await conn.read(self._read_timeout_s):
+                        pass
+            if not conn.complete:
+                conn.close()
 
     async def _continue_stream(self, conn: Connection, send: Send, status: int, outcome: _Outcome) -> None:
         """The upstream's head after the gateway's heartbeats: relay its events, or its error as one."""
@@ -1091,7 +1078,7 @@ def _upstream_error_body(status: int, message: str, code: str) -> bytes:
 
 
 async def _send_upstream_error(
-    send: Send, exc: UpstreamError, request_id: bytes, timing: tuple[bytes, bytes]
+    send: Send, exc: UpstreamError | AssemblyError, request_id: bytes, timing: tuple[bytes, bytes]
 ) -> None:
     headers = [(b"x-request-id", request_id), timing]
     if exc.status == 503:
