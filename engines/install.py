@@ -364,19 +364,13 @@ def _stream(
     assert proc.stdout is not None
     reader = threading.Thread(target=read, args=(proc.stdout,), daemon=True)
     reader.start()
-    started = time.monotonic()
+
+    def beat(elapsed_s: float) -> None:
+        at = f", build step {step[0]}" if step else ""
+        progress(f"still installing: {elapsed_s:.0f} s{at}")
+
     try:
-        while True:
-            try:
-                proc.wait(heartbeat_s)
-                break
-            except subprocess.TimeoutExpired:
-                at = f", build step {step[0]}" if step else ""
-                progress(f"still installing: {time.monotonic() - started:.0f} s{at}")
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
+        wait_beating(proc, heartbeat_s, beat)
     finally:
         reader.join(5)
         proc.stdout.close()
@@ -384,6 +378,22 @@ def _stream(
         sink.writelines(tail)
         sink.flush()
     return proc.returncode, built.is_set()
+
+
+def wait_beating(proc: subprocess.Popen[Any], heartbeat_s: float, beat: Callable[[float], None]) -> None:
+    """Wait for ``proc``, calling ``beat(seconds so far)`` every ``heartbeat_s``; kill it if interrupted."""
+    started = time.monotonic()
+    try:
+        while True:
+            try:
+                proc.wait(heartbeat_s)
+                return
+            except subprocess.TimeoutExpired:
+                beat(time.monotonic() - started)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
 
 
 def _write_manifest(home: Home, installation: Installation) -> None:

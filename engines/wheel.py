@@ -31,12 +31,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
-from engines.install import size_bytes
+from engines.install import size_bytes, wait_beating
 
 Progress = Callable[[str], None]
 
@@ -175,7 +174,6 @@ def _run(
     heartbeat_s: float,
 ) -> None:
     """Run the installer; every ``heartbeat_s`` say how many MB arrived under ``watch``."""
-    started = time.monotonic()
     with log.open("w") as out:
         try:
             proc = subprocess.Popen(
@@ -183,18 +181,11 @@ def _run(
             )
         except OSError as exc:
             raise FetchError(f"cannot run {tool}: {exc}") from None
-        try:
-            while True:
-                try:
-                    proc.wait(heartbeat_s)
-                    break
-                except subprocess.TimeoutExpired:
-                    mb, elapsed_s = size_bytes(watch) / 1e6, time.monotonic() - started
-                    progress(f"downloading {requirement}: {mb:.0f} MB so far, {elapsed_s:.0f} s")
-        except BaseException:
-            proc.kill()
-            proc.wait()
-            raise
+
+        def beat(elapsed_s: float) -> None:
+            progress(f"downloading {requirement}: {size_bytes(watch) / 1e6:.0f} MB so far, {elapsed_s:.0f} s")
+
+        wait_beating(proc, heartbeat_s, beat)
     if proc.returncode != 0:
         reason = _reason(log.read_text(errors="replace"))
         raise FetchError(f"{tool} could not fetch {requirement} (exit code {proc.returncode}): {reason}")
