@@ -215,8 +215,7 @@ class Catalog:
                 _check_engine_model(config)
 
     def build(self, configs: Sequence[ModelConfig]) -> None:
-        """At startup, before the event loop: every model, or a ``ConfigError``."""
-        self.check(configs)
+        """At startup, before the event loop, after ``check``: every model, or a ``ConfigError``."""
         sources: dict[str, str] = {}
         for config in configs:
             route = self.assemble(self._prepare_checked(config))
@@ -324,6 +323,7 @@ class Catalog:
 
 
 def _check_engine_model(config: ModelConfig) -> None:
+    from engines import builtin
     from engines import spec as specs
     from engines.formats import FormatError, check_model
     from engines.manager import PlanError, check_engine_args
@@ -345,9 +345,12 @@ def _check_engine_model(config: ModelConfig) -> None:
         except PlanError as exc:
             raise ConfigError(f"{config.where('engine-args')}: {exc}") from None
     model = config.model
-    # builtin:NAME names a model the gateway makes itself.
-    if model is None or model.startswith("builtin:"):
-        return
+    try:
+        if builtin.parse(model) is not None:
+            return  # a model the gateway makes itself
+    except builtin.BuiltinError as exc:
+        raise ConfigError(f"{config.where('model')}: {exc}") from None
+    assert model is not None  # None is the default built-in model
     try:
         kind = check_model(model, spec)
     except FormatError as exc:

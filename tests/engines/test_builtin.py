@@ -234,6 +234,8 @@ def test_the_catalog_refuses_an_unknown_builtin_before_installing(
         config = ModelConfig(name=None, engine=engine, model="builtin:huge", source=f"--engine {engine}")
         with pytest.raises(ConfigError, match="there is no built-in model 'builtin:huge'; built-in models: "):
             catalog._prepare_checked(config)
+        with pytest.raises(ConfigError, match="--model builtin:huge: there is no built-in model"):
+            catalog.check([config])
     config = ModelConfig(name=None, engine="auto", model="builtin:tiny", source="--engine auto")
     with pytest.raises(ConfigError, match='engine "auto" picks the engine from a model\'s format'):
         catalog._prepare_checked(config)
