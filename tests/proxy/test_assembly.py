@@ -168,9 +168,33 @@ def test_first_data_ignores_comments() -> None:
 )
 def test_what_makes_no_reply_is_an_assembly_error(data: bytes, status: int, code: str) -> None:
     """An error event, a non-JSON event or a non-object event is an error with an OpenAI status and code."""
+    assembler = ReplyAssembler(chat=True)
+    assembler.feed(data)
     with pytest.raises(AssemblyError) as caught:
-        ReplyAssembler(chat=True).feed(data)
+        assembler.reply()
     assert (caught.value.status, caught.value.code) == (status, code)
+
+
+def test_a_stream_without_done_makes_no_reply() -> None:
+    """A stream that ends without [DONE] (the engine died) is upstream_truncated, not a short reply."""
+    assembler = ReplyAssembler(chat=True)
+    assembler.feed(sse(chunk({"role": "assistant", "content": "Hel"})))
+    assert not assembler.done
+    with pytest.raises(AssemblyError) as caught:
+        assembler.reply()
+    assert caught.value.code == "upstream_truncated"
+
+
+def test_done_is_seen_when_split_across_reads() -> None:
+    """`data: [DONE]` cut between two reads still ends the stream."""
+    assembler = ReplyAssembler(chat=True)
+    data = sse(chunk({"role": "assistant", "content": "x"}), "[DONE]")
+    cut = data.index(b"[DO")
+    assembler.feed(data[:cut])
+    assert not assembler.done
+    assembler.feed(data[cut:])
+    assert assembler.done
+    assert orjson.loads(assembler.reply())["choices"][0]["message"]["content"] == "x"
 
 
 def test_ask_for_stream_turns_a_generation_into_a_stream_with_usage() -> None:
