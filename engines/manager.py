@@ -19,7 +19,6 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from engines import builtin
 from engines.child import ChildConfig
 from engines.environment import check_served_name, child_env, prepare_run_dir
 from engines.formats import FormatError, detect_format
@@ -82,17 +81,6 @@ def free_port(host: str = "127.0.0.1", exclude: Collection[int] = ()) -> int:
             chosen: int = sock.getsockname()[1]
         if chosen not in exclude:
             return chosen
-
-
-def ensure_demo_model(installation: Installation, home: Home, preset: str = "tiny") -> Path:
-    """The random-weight built-in model ``preset`` (tiny, bench) in the engine's format, made once.
-
-    What the benchmarks serve; ``builtin.ensure_builtin`` makes every built-in model.
-    """
-    try:
-        return builtin.ensure_builtin(preset, installation, home, progress=log.info)
-    except builtin.BuiltinError as exc:
-        raise PlanError(str(exc)) from None
 
 
 def plan(

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import importlib
 import os
 import re
 import statistics
@@ -25,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import httpx
 
@@ -36,8 +35,6 @@ PROMPT = "Explain in two sentences why the sky is blue."
 # The timed prompt first: its parity is read from the timed runs themselves.
 PARITY_PROMPTS = (PROMPT, "What is the capital of France?", "Count from 1 to 5.")
 DEFAULT_MODEL = "builtin:smollm2"
-# What engines.manager.ensure_demo_model makes, for a branch without engines.builtin.
-_DEMO_PRESETS = ("tiny", "bench")
 
 
 class ReceiptError(RuntimeError):
@@ -89,36 +86,21 @@ def server_timing(header: str) -> tuple[float | None, float | None]:
 def resolve_model(
     spec: str, installation: Any, home: Any, progress: Callable[[str], None]
 ) -> tuple[Path, dict[str, Any]]:
-    """The model directory for ``--model``: ``builtin:NAME`` or a path.
+    """The model directory for ``--model``: ``builtin:NAME`` or a path."""
+    from engines import builtin
 
-    ``engines.builtin`` is imported lazily: on a branch without it, the
-    random-weight presets still come from ``engines.manager.ensure_demo_model``
-    (and the report says so); the real model cannot, and the error says what to use.
-    """
-    if not spec.startswith("builtin:"):
+    if not spec.startswith(builtin.PREFIX):
         path = Path(spec).expanduser()
         if not path.exists():
             raise ReceiptError(f"--model {spec}: no such file or directory")
         return path.resolve(), {"source": spec, "path": str(path.resolve())}
-    name = spec.removeprefix("builtin:")
     try:
-        module = importlib.import_module("engines.builtin")
-    except ModuleNotFoundError as exc:
-        if exc.name != "engines.builtin":
-            raise
-        if name not in _DEMO_PRESETS:
-            raise ReceiptError(
-                f"--model {spec}: engines.builtin (the built-in real model) is not installed in this "
-                f"checkout; use --model builtin:bench (random weights) or --model PATH"
-            ) from None
-        from engines.manager import ensure_demo_model
-
-        progress(f"receipt: engines.builtin is not installed; {spec} is the demo model's {name} preset")
-        path = ensure_demo_model(installation, home, name)
-        return path, {"source": spec, "path": str(path), "via": "engines.manager.ensure_demo_model"}
-    ensure_builtin = cast(Callable[..., Path], module.ensure_builtin)
-    path = ensure_builtin(name, installation, home, progress)
-    return Path(path), {"source": spec, "path": str(path), "via": "engines.builtin.ensure_builtin"}
+        name = builtin.parse(spec)
+    except builtin.BuiltinError as exc:
+        raise ReceiptError(f"--model {spec}: {exc}") from None
+    assert name is not None
+    path = builtin.ensure_builtin(name, installation, home, progress)
+    return path, {"source": spec, "path": str(path), "via": "engines.builtin.ensure_builtin"}
 
 
 def _prepare_model(plan: ReceiptPlan) -> tuple[Path, dict[str, Any]]:

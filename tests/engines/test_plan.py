@@ -1,4 +1,4 @@
-"""engines.manager.plan and ensure_demo_model: from "engine E, model M" to a child's config."""
+"""engines.manager.plan, and the demo models: from "engine E, model M" to a child's config."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from engines.builtin import BuiltinError, ensure_builtin
 from engines.environment import ServedNameError
 from engines.home import Home
 from engines.install import Installation
-from engines.manager import PlanError, ensure_demo_model, free_port, plan
+from engines.manager import PlanError, free_port, plan
 from engines.spec import EngineSpec, load
 
 MLX = "mlx-0.32.0"
@@ -224,9 +225,9 @@ def recording_installation(home: Home, name: str) -> Installation:
     ],
 )
 def test_demo_model_matches_the_engine_format(home: Home, engine: str, script: str, target: str) -> None:
-    """ensure_demo_model runs the GGUF generator for llama.cpp and the MLX one for mlx."""
+    """builtin:tiny runs the GGUF generator for llama.cpp and the MLX one for mlx."""
     install = recording_installation(home, engine)
-    path = ensure_demo_model(install, home)
+    path = ensure_builtin("tiny", install, home, progress=lambda line: None)
     args = (install.python.parent / "args").read_text().splitlines()
     assert Path(args[0]).name == script and Path(args[0]).is_absolute()
     assert args[1:] == ["--out", str(home.models / target), "--preset", "tiny"]
@@ -234,13 +235,13 @@ def test_demo_model_matches_the_engine_format(home: Home, engine: str, script: s
 
 
 def test_demo_model_failure_is_a_plan_error(home: Home) -> None:
-    """A generator that fails makes a PlanError naming the target and the exit code."""
+    """A generator that fails makes a BuiltinError naming the target and the exit code."""
     install = installation(home, LLAMACPP)
     install.python.parent.mkdir(parents=True)
     install.python.write_text("#!/bin/sh\nexit 3\n")
     install.python.chmod(0o755)
-    with pytest.raises(PlanError, match=r"blazar-demo-llama-tiny\.gguf failed \(exit code 3\)"):
-        ensure_demo_model(install, home)
+    with pytest.raises(BuiltinError, match=r"blazar-demo-llama-tiny\.gguf failed \(exit code 3\)"):
+        ensure_builtin("tiny", install, home, progress=lambda line: None)
 
 
 def test_child_ports_are_drawn_below_the_range_for_outgoing_connections() -> None:
