@@ -14,6 +14,7 @@ by the suite once it is over.
 from __future__ import annotations
 
 import os
+import uuid
 from pathlib import Path
 
 import pytest
@@ -57,8 +58,15 @@ _FAULT_TESTS = {
 }
 
 
+# Every process this run starts inherits this mark (the gateway passes its
+# environment on to engine children), so that the closing line counts only
+# the run's own leftovers, not engines that belong to something else.
+_RUN_MARK = "BLAZAR_TEST_RUN"
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "fault: the test injects a fault and checks that nothing is lost")
+    os.environ.setdefault(_RUN_MARK, f"{os.getpid()}-{uuid.uuid4().hex}")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -69,18 +77,25 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def _orphans() -> int:
-    """Engine or fake-engine processes still running, started by this suite."""
+    """Engine or fake-engine processes still running that this run started (they carry its mark)."""
+    mark = f"{_RUN_MARK}={os.environ[_RUN_MARK]}".encode()
     count = 0
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+            if not any(name in cmdline for name in _ENGINE_PROGRAMS):
+                continue
+            environ = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"tests.fake_engine" in cmdline or b"mlx_lm.server" in cmdline:
+        if mark in environ:
             count += 1
     return count
+
+
+_ENGINE_PROGRAMS = (b"tests.fake_engine", b"mlx_lm.server", b"llama_cpp.server")
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
