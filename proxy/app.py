@@ -28,7 +28,7 @@ from proxy.accesslog import AccessLog
 from proxy.asgi import Message, Receive, Scope, Send, send_json
 from proxy.auth import PUBLIC_PATHS, ApiKeys
 from proxy.cors import Cors
-from proxy.errors import error_body
+from proxy.errors import echo, error_body
 from proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from proxy.metrics import Metrics
 from proxy.relay import ENDPOINTS, Relay, RelaySettings, RequestIds, server_timing
@@ -210,7 +210,7 @@ def build_app(
                 404,
                 error_body(
                     404,
-                    f"The model `{name}` does not exist or is not served here",
+                    f"The model `{echo(name)}` does not exist or is not served here",
                     param="model",
                     code="model_not_found",
                 ),
@@ -388,10 +388,10 @@ def _json(status: int, body: bytes, headers: Mapping[str, str] | None = None) ->
 async def _http_exception(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
-        message = f"Invalid URL ({request.method} {request.url.path})"
+        message = f"Invalid URL ({echo(request.method)} {echo(request.url.path)})"
         return _json(404, error_body(404, message, code="unknown_url"))
     if exc.status_code == 405:
-        message = f"method {request.method} is not allowed on {request.url.path}"
+        message = f"method {echo(request.method)} is not allowed on {echo(request.url.path)}"
         return _json(405, error_body(405, message, code="method_not_allowed"), headers=exc.headers)
     return _json(exc.status_code, error_body(exc.status_code, str(exc.detail)), headers=exc.headers)
 

@@ -41,6 +41,17 @@ class HTTPError(Exception):
         return error_body(self.status, self.message, code=self.code, param=self.param)
 
 
+# The most of a client's own input (a model name, a path) an error message repeats.
+ECHO_LIMIT = 64
+
+
+def echo(value: str, limit: int = ECHO_LIMIT) -> str:
+    """Client input as an error message repeats it: cut to a short prefix, saying how long it was."""
+    if len(value) <= limit:
+        return value
+    return f"{value[:limit]}… ({len(value)} characters)"
+
+
 def error_type(status: int) -> str:
     """The OpenAI error ``type`` for an HTTP status."""
     if status == 401:

@@ -29,7 +29,7 @@ from proxy.admission import Admission
 from proxy.asgi import Message, Receive, Scope, Send, send_json
 from proxy.assembly import AssemblyError, ReplyAssembler
 from proxy.auth import CREDENTIAL_HEADERS
-from proxy.errors import HTTPError, normalize_error, sse_error_event
+from proxy.errors import HTTPError, echo, normalize_error, sse_error_event
 from proxy.headers import (
     SSE_HEADERS,
     add_sse_headers,
@@ -217,7 +217,7 @@ class Relay:
             if scope["method"] != "POST":
                 raise HTTPError(
                     405,
-                    f"method {scope['method']} is not allowed on {scope['path']}; use POST",
+                    f"method {echo(scope['method'])} is not allowed on {echo(scope['path'])}; use POST",
                     code="method_not_allowed",
                     headers=((b"allow", b"POST"),),
                 )
@@ -229,7 +229,7 @@ class Relay:
             if entry is None:
                 raise HTTPError(
                     404,
-                    f"The model `{model}` does not exist or is not served here; "
+                    f"The model `{echo(model)}` does not exist or is not served here; "
                     "GET /v1/models lists the models this gateway serves",
                     param="model",
                     code="model_not_found",
@@ -381,9 +381,10 @@ class Relay:
             elif name == b"content-type":
                 media = value.split(b";", 1)[0].strip().lower()
                 if media not in _ACCEPTED_CONTENT_TYPES and not media.endswith(b"+json"):
+                    given = echo(media.decode("latin-1"))
                     raise HTTPError(
                         415,
-                        f"Content-Type {media.decode('latin-1')!r} is not supported; send application/json",
+                        f"Content-Type {given!r} is not supported; send application/json",
                         code="unsupported_media_type",
                     )
             elif name == b"origin":

@@ -355,3 +355,20 @@ def test_every_response_has_request_id_and_server_timing(
     response = http.request(method, gateway.url + path, content=body, headers=headers)
     assert re.fullmatch(r"[0-9a-f]{32}", response.headers["x-request-id"])
     assert response.headers["server-timing"].startswith("gateway;dur=")
+
+
+def test_error_messages_echo_client_input_as_a_short_prefix(gateway: Running, http: httpx.Client) -> None:
+    """A 10 KiB model name and a 16 KiB path come back in the error cut to a prefix, with their length."""
+    long_model = "m" * 10 * 1024
+    unknown = http.post(gateway.url + CHAT, json=chat(long_model))
+    assert unknown.status_code == 404 and error_of(unknown)["code"] == "model_not_found"
+    message = str(error_of(unknown)["message"])
+    assert len(message) < 300 and f"({len(long_model)} characters)" in message
+    listed = http.get(gateway.url + "/v1/models/" + long_model)
+    assert listed.status_code == 404 and len(str(error_of(listed)["message"])) < 300
+    long_path = "/" + "p" * 16 * 1024
+    lost = http.get(gateway.url + long_path)
+    assert lost.status_code == 404 and error_of(lost)["code"] == "unknown_url"
+    assert len(str(error_of(lost)["message"])) < 300
+    media = http.post(gateway.url + CHAT, content=b"{}", headers={"content-type": "text/" + "x" * 4096})
+    assert media.status_code == 415 and len(str(error_of(media)["message"])) < 300

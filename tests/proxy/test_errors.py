@@ -7,7 +7,7 @@ from typing import Any
 import orjson
 import pytest
 
-from proxy.errors import HTTPError, error_body, error_type, normalize_error, sse_error_event
+from proxy.errors import ECHO_LIMIT, HTTPError, echo, error_body, error_type, normalize_error, sse_error_event
 
 ENVELOPE_KEYS = {"message", "type", "param", "code"}
 
@@ -236,3 +236,10 @@ def test_sse_error_event_escapes_newlines_in_message() -> None:
     event = sse_error_event(500, "line one\nline two\r\n\r\ndata: fake")
     assert event.count(b"\n") == 2
     assert error_of(event[len(b"data: ") : -2])["message"] == "line one\nline two\r\n\r\ndata: fake"
+
+
+def test_echo_keeps_short_input_and_cuts_long_input_to_a_prefix() -> None:
+    """Input up to the limit is repeated whole; longer input as its prefix and its length."""
+    assert echo("qwen") == "qwen"
+    assert echo("x" * ECHO_LIMIT) == "x" * ECHO_LIMIT
+    assert echo("y" * 10_000) == "y" * ECHO_LIMIT + "… (10000 characters)"
