@@ -29,6 +29,8 @@ from proxy.routing import UpstreamAddress
 
 # Reading from the upstream pauses above this many unrelayed bytes.
 _HIGH_WATER_BYTES = 256 * 1024
+# An upstream's response head larger than this is refused (as request heads are).
+MAX_HEAD_BYTES = 64 * 1024
 
 
 class UpstreamError(Exception):
@@ -88,6 +90,17 @@ class ConnState(enum.Enum):
     CLOSED = "closed"
 
 
+def _ambiguous(codings: list[bytes], lengths: set[bytes]) -> bool:
+    """Whether a response's framing could be read two ways (RFC 9112 6.1, 6.3).
+
+    Transfer-Encoding with Content-Length, chunked named more than once, or
+    Content-Length values that differ.
+    """
+    if codings:
+        return bool(lengths) or codings.count(b"chunked") > 1
+    return len(lengths) > 1
+
+
 class Connection(asyncio.Protocol):
     """One upstream connection, carrying one request at a time."""
 
@@ -108,8 +121,14 @@ class Connection(asyncio.Protocol):
         self.keep_alive = False
         self.close_delimited = False
         self._head_done = False
+        # Bytes received before the head was whole, and the head's header lines alone.
+        self._head_bytes = 0
+        self._header_bytes = 0
         self._stray = False
         self._framed = False
+        # Transfer-Encoding and Content-Length as the upstream sent them, to check its framing.
+        self._codings: list[bytes] = []
+        self._lengths: set[bytes] = set()
         self._complete = False
         self._informational = False
         self._error: BaseException | None = None
@@ -137,10 +156,17 @@ class Connection(asyncio.Protocol):
             return
         self._received_any = True
         self._last_data_at = self._loop.time()
+        if not self._head_done:
+            self._head_bytes += len(data)
         try:
             self._parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
             self._fail(BadResponse(f"upstream sent a malformed HTTP response ({exc!r})"))
+            self.close()
+            return
+        if not self._head_done and self._head_bytes > MAX_HEAD_BYTES:
+            # Endless header lines, or one huge one: memory stays bounded.
+            self._fail(BadResponse(f"upstream's response head is larger than {MAX_HEAD_BYTES} bytes"))
             self.close()
 
     def eof_received(self) -> bool:
@@ -162,9 +188,14 @@ class Connection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         if self._stray:
             return
+        self._header_bytes += len(name) + len(value) + 4
         name = name.lower()
-        if name == b"content-length" or name == b"transfer-encoding":
+        if name == b"content-length":
             self._framed = True
+            self._lengths.add(value.strip())
+        elif name == b"transfer-encoding":
+            self._framed = True
+            self._codings.extend(c.strip().lower() for c in value.split(b","))
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
@@ -176,6 +207,23 @@ class Connection(asyncio.Protocol):
             self._informational = True
             self.headers = []
             self._framed = False
+            self._codings = []
+            self._lengths = set()
+            return
+        if self._header_bytes > MAX_HEAD_BYTES:
+            self._fail(BadResponse(f"upstream's response head is larger than {MAX_HEAD_BYTES} bytes"))
+            self.close()
+            return
+        if self._framed and _ambiguous(self._codings, self._lengths):
+            # As nginx and HAProxy: a body whose end two readers could see in two places.
+            self._fail(
+                BadResponse(
+                    "upstream sent ambiguous framing (Transfer-Encoding "
+                    f"{b', '.join(self._codings).decode('latin-1')!r}, "
+                    f"Content-Length {sorted(v.decode('latin-1') for v in self._lengths)})"
+                )
+            )
+            self.close()
             return
         self.status = status
         self.close_delimited = not self._framed and status not in (204, 304)

@@ -24,8 +24,11 @@ routes only, so readiness probes keep working) and per request with an
 Keys: prefill, keepalive, chunk-delay, stall (seconds); die-after, status,
 chunks, chunk-bytes (integers); garbage, reset, empty, mid-event (with
 die-after: end on half an event), bad-chunk (chunked streams: a malformed
-chunk after the first event): flags, where a bare key means true. An
-unknown key gets a 400 so that a typo in a test cannot pass silently.
+chunk after the first event): flags, where a bare key means true; head
+(a response head that breaks the rules: endless, header lines without end;
+huge, one 70 KB header line; te-twice, ``Transfer-Encoding: chunked,
+chunked``; cl-te, Content-Length and Transfer-Encoding both). An unknown key
+gets a 400 so that a typo in a test cannot pass silently.
 
 Observability: every request (but the admin routes) is recorded; ``GET
 /_fake/requests[?since=ID]`` returns the records as JSON and ``POST
@@ -126,6 +129,7 @@ class FakeOptions:
     status: int | None = None
     chunks: int | None = None
     chunk_bytes: int | None = None
+    head: str | None = None
 
     def is_plain(self) -> bool:
         """True when nothing asks for a delay or a fault: the cheap path applies."""
@@ -139,6 +143,7 @@ class FakeOptions:
             or self.reset
             or self.empty
             or self.status is not None
+            or self.head is not None
         )
 
 
@@ -174,6 +179,16 @@ def _parse_status(text: str) -> int:
     return value
 
 
+_BAD_HEADS = ("endless", "huge", "te-twice", "cl-te")
+
+
+def _parse_bad_head(text: str) -> str:
+    value = text.strip()
+    if value not in _BAD_HEADS:
+        raise ValueError(f"head must be one of {', '.join(_BAD_HEADS)}: {text!r}")
+    return value
+
+
 _CONTROLS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "prefill": ("prefill_s", _parse_seconds),
     "keepalive": ("keepalive_s", _parse_seconds),
@@ -188,6 +203,7 @@ _CONTROLS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "status": ("status", _parse_status),
     "chunks": ("chunks", _parse_count),
     "chunk-bytes": ("chunk_bytes", _parse_count),
+    "head": ("head", _parse_bad_head),
 }
 
 
@@ -1168,6 +1184,12 @@ class _Connection(asyncio.Protocol):
             self._finish(rec, OUTCOME_ABORTED, status=None)
             self._close()
             return
+        if opts.head is not None:
+            rec.fault = f"head-{opts.head}"
+            await self._bad_head(opts.head)
+            self._finish(rec, OUTCOME_ABORTED, status=None)
+            self._close()
+            return
         if opts.garbage:
             transport.write(_GARBAGE)
             rec.fault = "garbage"
@@ -1198,6 +1220,31 @@ class _Connection(asyncio.Protocol):
         self._finish(rec, OUTCOME_COMPLETED, status=reply.status)
         if close:
             self._close()
+
+    async def _bad_head(self, kind: str) -> None:
+        """A 200 whose head breaks the rules (see ``head`` in the module docstring)."""
+        assert self._transport is not None
+        body = b'{"object": "chat.completion", "choices": []}'
+        start = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+        if kind == "endless":
+            self._transport.write(start)
+            line = b"x-pad: " + b"p" * 1000 + b"\r\n"
+            # Up to 32 MiB, or until the peer gives up.
+            for _ in range(32 * 1024):
+                if self._peer_gone:
+                    return
+                self._transport.write(line * 1)
+                await self._drain()
+                await asyncio.sleep(0)
+        elif kind == "huge":
+            huge = b"x-huge: " + b"h" * 70_000 + b"\r\n"
+            self._transport.write(start + huge + b"content-length: %d\r\n\r\n" % len(body) + body)
+        elif kind == "te-twice":
+            head = start + b"transfer-encoding: chunked, chunked\r\n\r\n"
+            self._transport.write(head + _frame(body) + b"0\r\n\r\n")
+        else:  # cl-te
+            head = start + b"content-length: %d\r\ntransfer-encoding: chunked\r\n\r\n" % len(body)
+            self._transport.write(head + _frame(body) + b"0\r\n\r\n")
 
     async def _keepalive_during(self, prefill_s: float, keepalive_s: float, chunked: bool) -> None:
         assert self._transport is not None
