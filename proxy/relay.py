@@ -321,6 +321,7 @@ class Relay:
                 target += b"?" + scope["query_string"]
             head = request_head(b"POST", target, replica.host_header, headers, len(body))
             outcome = _Outcome()
+            outcome.stream = streamed
             outcome.heartbeat = bool(self._heartbeat_s) and streamed
             if built:
                 outcome.built = ReplyAssembler(chat=endpoint == b"/chat/completions")
@@ -580,6 +581,17 @@ class Relay:
         if outcome.built is not None and status == 200 and sse:
             await self._respond_built(conn, send, request_id, started, sent_at, head_at, outcome)
             return
+        if outcome.stream and 200 <= status < 300 and not sse:
+            # The client waits for events and would see a clean end of none.
+            conn.close()
+            outcome.status, outcome.error = 502, "upstream_bad_response"
+            media = next((v for n, v in headers if n == b"content-type"), b"no content type")
+            given = echo(media.decode("latin-1"))
+            message = f"upstream answered a stream request with {given}, not an event stream"
+            body = _upstream_error_body(502, message, "upstream_bad_response")
+            timing = server_timing(started, sent_at, head_at)
+            await send_json(send, 502, body, [(b"x-request-id", request_id), timing])
+            return
         if status >= 400 and not sse:
             try:
                 body = await self._read_error_body(conn)
@@ -717,11 +729,15 @@ class Relay:
 
         Bytes after the last complete event of a read wait for the rest of
         their event (they are rare: servers write whole events), so that an
-        error event never lands inside a half-written one.
+        error event never lands inside a half-written one. On the OpenAI
+        streaming endpoints ``data: [DONE]`` is the end, whatever the framing:
+        a stream that ends without it (and without an error event of its own,
+        a chained gateway's) ends with an error event.
         """
         read_timeout_s = self._read_timeout_s
         pending = b""
         tail = b""
+        last = b""
         try:
             while chunk := await conn.read(read_timeout_s):
                 if pending:
@@ -737,7 +753,8 @@ class Relay:
                 outcome.bytes_out += len(chunk)
                 if len(chunk) > _SLICE_BYTES:
                     chunk = await _send_all_but_last_slice(send, chunk, outcome)
-                if conn.complete and not conn.close_delimited and not pending:
+                last = chunk
+                if conn.complete and not conn.close_delimited and not pending and _ends_stream(tail, last):
                     await send({"type": "http.response.body", "body": chunk})
                     return None
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -747,9 +764,10 @@ class Relay:
             event = sse_error_event(exc.status, str(exc), code=exc.code)
             await send({"type": "http.response.body", "body": event})
             return exc.code
-        if conn.close_delimited and b"[DONE]" not in tail:
-            # An HTTP/1.0 stream ends with the close either way: without
-            # [DONE], the engine crashed or cut it, and the client must know.
+        if not _ends_stream(tail, last):
+            # An HTTP/1.0 stream ends with the close either way, and a chunked
+            # one may end cleanly too: without [DONE], the engine crashed or
+            # cut it, or sent something else, and the client must know.
             message = "upstream stream ended without [DONE]: the response is truncated"
             event = sse_error_event(502, message, code="upstream_truncated")
             await send({"type": "http.response.body", "body": event})
@@ -886,6 +904,7 @@ class _Outcome:
         "sse_started",
         "stalled",
         "status",
+        "stream",
     )
 
     def __init__(self) -> None:
@@ -894,6 +913,8 @@ class _Outcome:
         self.status = 0
         self.bytes_out = 0
         self.heartbeat = False
+        # The client asked for a stream.
+        self.stream = False
         self.sse_started = False
         self.own_s: float | None = None
         self.head_s = 0.0
@@ -1050,6 +1071,11 @@ async def _send_all_but_last_slice(send: Send, chunk: bytes, outcome: _Outcome) 
         )
         outcome.sends += 1
     return bytes(view[last:])
+
+
+def _ends_stream(tail: bytes, last: bytes) -> bool:
+    """Whether a stream's last bytes end it: ``[DONE]``, or an error event (a chained gateway's)."""
+    return b"[DONE]" in tail or b'{"error"' in last
 
 
 def _event_end(data: bytes) -> int:

@@ -27,7 +27,9 @@ die-after: end on half an event), bad-chunk (chunked streams: a malformed
 chunk after the first event): flags, where a bare key means true; head
 (a response head that breaks the rules: endless, header lines without end;
 huge, one 70 KB header line; te-twice, ``Transfer-Encoding: chunked,
-chunked``; cl-te, Content-Length and Transfer-Encoding both). An unknown key
+chunked``; cl-te, Content-Length and Transfer-Encoding both); no-done (a
+stream that ends cleanly, its last chunk or its close, without ``[DONE]``);
+not-sse (a stream request answered with a JSON body). An unknown key
 gets a 400 so that a typo in a test cannot pass silently.
 
 Observability: every request (but the admin routes) is recorded; ``GET
@@ -130,6 +132,8 @@ class FakeOptions:
     chunks: int | None = None
     chunk_bytes: int | None = None
     head: str | None = None
+    no_done: bool = False
+    not_sse: bool = False
 
     def is_plain(self) -> bool:
         """True when nothing asks for a delay or a fault: the cheap path applies."""
@@ -144,6 +148,8 @@ class FakeOptions:
             or self.empty
             or self.status is not None
             or self.head is not None
+            or self.no_done
+            or self.not_sse
         )
 
 
@@ -204,6 +210,8 @@ _CONTROLS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "chunks": ("chunks", _parse_count),
     "chunk-bytes": ("chunk_bytes", _parse_count),
     "head": ("head", _parse_bad_head),
+    "no-done": ("no_done", _parse_flag),
+    "not-sse": ("not_sse", _parse_flag),
 }
 
 
@@ -1184,6 +1192,16 @@ class _Connection(asyncio.Protocol):
             self._finish(rec, OUTCOME_ABORTED, status=None)
             self._close()
             return
+        if opts.not_sse and reply.events is not None:
+            rec.fault = "not-sse"
+            body = b'{"object": "chat.completion", "choices": []}'
+            transport.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body)
+                + body
+            )
+            self._finish(rec, OUTCOME_ABORTED, status=200)
+            self._close()
+            return
         if opts.head is not None:
             rec.fault = f"head-{opts.head}"
             await self._bad_head(opts.head)
@@ -1297,6 +1315,13 @@ class _Connection(asyncio.Protocol):
         if reply.cut_before_done:
             self._finish(rec, OUTCOME_ABORTED, status=reply.status)
             self._close()
+            return
+        if opts.no_done:
+            rec.fault = "no-done"
+            if chunked:
+                transport.write(b"0\r\n\r\n")
+            else:
+                self._close()
             return
         transport.write(_frame(_DONE_EVENT) + b"0\r\n\r\n" if chunked else _DONE_EVENT)
 

@@ -1,11 +1,12 @@
-"""Upstreams whose response heads break the rules get a 502, and cost the gateway no memory."""
+"""Upstreams that break the rules: heads too large or ambiguous (502, memory flat), streams without [DONE]."""
 
 from __future__ import annotations
 
 import httpx
+import orjson
 import pytest
 
-from tests.e2e.conftest import FakeEngine, Running
+from tests.e2e.conftest import FakeEngine, Running, StartFakeEngine, StartGateway
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -61,3 +62,36 @@ def test_ambiguous_upstream_framing_is_a_502(
     """Transfer-Encoding chunked twice, or with Content-Length: refused as nginx and HAProxy do."""
     assert_bad_response(ask(gateway, fault), says)
     assert ask(gateway, "").status_code == 200
+
+
+def stream(gateway: Running, fault: str) -> httpx.Response:
+    with httpx.Client(trust_env=False, timeout=30) as http:
+        return http.post(gateway.url + CHAT, json={**BODY, "stream": True}, headers={"x-fake": fault})
+
+
+def last_event_error(reply: httpx.Response) -> dict[str, object]:
+    events = [e for e in reply.content.split(b"\n\n") if e.strip()]
+    error: dict[str, object] = orjson.loads(events[-1].removeprefix(b"data: "))["error"]
+    return error
+
+
+@pytest.mark.parametrize("framing", ["", "--http11"])
+def test_a_stream_that_ends_cleanly_without_done_ends_with_an_error_event(
+    start_fake_engine: StartFakeEngine, start_gateway: StartGateway, framing: str
+) -> None:
+    """Close-delimited or chunked, a stream that ends without [DONE] gets the truncation error event."""
+    fake = start_fake_engine(*([framing] if framing else []))
+    gateway = start_gateway({"fake": fake.url})
+    reply = stream(gateway, "no-done")
+    assert reply.status_code == 200
+    assert b"data: [DONE]" not in reply.content
+    assert last_event_error(reply)["code"] == "upstream_truncated"
+    whole = stream(gateway, "")
+    assert whole.content.endswith(b"data: [DONE]\n\n") and b'"error"' not in whole.content
+
+
+def test_a_stream_request_answered_without_an_event_stream_is_a_502(
+    gateway: Running, fake: FakeEngine
+) -> None:
+    """A JSON body where the client asked for a stream is not a clean end of no events: 502, saying so."""
+    assert_bad_response(stream(gateway, "not-sse"), "not an event stream")
