@@ -8,13 +8,13 @@ address in its X-Forwarded-For; keys and bodies are never logged.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 from collections.abc import Iterable
 
 import orjson
 
 from proxy.asgi import Scope
+from proxy.forwarded import ProxyTrust
 
 log = logging.getLogger("blazar.access")
 
@@ -24,29 +24,7 @@ class AccessLog:
         if fmt not in ("text", "json"):
             raise ValueError(f"log format {fmt!r}: text or json")
         self.json = fmt == "json"
-        self._trusted = [ipaddress.ip_network(p.strip(), strict=False) for p in trusted_proxies if p.strip()]
-
-    def client(self, scope: Scope) -> str:
-        """The client's address, trusting X-Forwarded-For only from configured proxies."""
-        peer = scope.get("client")
-        address = peer[0] if peer else "-"
-        if not self._trusted or not self._is_trusted(address):
-            return str(address)
-        for name, value in scope["headers"]:
-            if name == b"x-forwarded-for":
-                # Right to left: the first hop that is not one of our proxies is the client.
-                for hop in reversed(value.decode("latin-1").split(",")):
-                    hop = hop.strip()
-                    if hop and not self._is_trusted(hop):
-                        return str(hop)
-        return str(address)
-
-    def _is_trusted(self, address: str) -> bool:
-        try:
-            ip = ipaddress.ip_address(address)
-        except ValueError:
-            return False
-        return any(ip in net for net in self._trusted)
+        self.client = ProxyTrust(trusted_proxies).client
 
     def write(
         self,

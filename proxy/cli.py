@@ -586,6 +586,7 @@ def serve(settings: Settings, *, registry: Registry | None = None, reloader: _Re
             heartbeat_s=settings.heartbeat_s,
             total_timeout_s=settings.total_timeout_s,
             send_stall_s=settings.send_stall_s,
+            forwarded_allow_ips=settings.forwarded_allow_ips,
         ),
         connect_timeout_s=settings.connect_timeout_s,
         on_startup=startup,

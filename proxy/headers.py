@@ -37,6 +37,11 @@ _DROP_REQUEST = HOP_BY_HOP | {
     b"expect",
     b"accept-encoding",
     b"x-request-id",
+    # Cookies are credentials, as keys are: for the gateway's client, not the engine.
+    b"cookie",
+    # Rebuilt by the gateway from the trusted chain (proxy/forwarded.py).
+    b"x-forwarded-for",
+    b"forwarded",
 }
 
 # Towards the client, uvicorn writes Date and the framing; the request id and

@@ -30,6 +30,7 @@ from proxy.asgi import Message, Receive, Scope, Send, send_json
 from proxy.assembly import AssemblyError, ReplyAssembler
 from proxy.auth import CREDENTIAL_HEADERS
 from proxy.errors import HTTPError, echo, normalize_error, sse_error_event
+from proxy.forwarded import ProxyTrust
 from proxy.headers import (
     SSE_HEADERS,
     add_sse_headers,
@@ -117,6 +118,8 @@ class RelaySettings:
     total_timeout_s: float = 0.0
     # A client that takes no bytes for this long while some wait is cut (0: never).
     send_stall_s: float = 120.0
+    # Proxies whose X-Forwarded-For is believed (and passed on, with the peer appended).
+    forwarded_allow_ips: tuple[str, ...] = ()
 
 
 class Relay:
@@ -158,6 +161,7 @@ class Relay:
         self._heartbeat_s = settings.heartbeat_s
         self._total_timeout_s = settings.total_timeout_s
         self._send_stall_s = settings.send_stall_s
+        self._trust = ProxyTrust(settings.forwarded_allow_ips)
         self._request_drop = request_drop(CREDENTIAL_HEADERS if settings.strip_credentials else frozenset())
 
     def update(self, table: RoutingTable) -> None:
@@ -316,6 +320,7 @@ class Relay:
         try:
             headers = forward_request_headers(scope["headers"], self._request_drop)
             headers.append((b"x-request-id", request_id))
+            headers.append((b"x-forwarded-for", self._trust.x_forwarded_for(scope)))
             target = replica.targets[scope["path"]]
             if scope["query_string"]:
                 target += b"?" + scope["query_string"]

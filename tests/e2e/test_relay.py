@@ -372,3 +372,24 @@ def test_error_messages_echo_client_input_as_a_short_prefix(gateway: Running, ht
     assert len(str(error_of(lost)["message"])) < 300
     media = http.post(gateway.url + CHAT, content=b"{}", headers={"content-type": "text/" + "x" * 4096})
     assert media.status_code == 415 and len(str(error_of(media)["message"])) < 300
+
+
+def test_cookies_and_client_claimed_forwarding_never_reach_the_engine(
+    gateway: Running, fake: FakeEngine, http: httpx.Client
+) -> None:
+    """Cookies are dropped; X-Forwarded-For and Forwarded from an untrusted client become the real peer."""
+    claimed = {"cookie": "session=secret", "x-forwarded-for": "6.6.6.6", "forwarded": "for=6.6.6.6"}
+    assert http.post(gateway.url + CHAT, json=chat(), headers=claimed).status_code == 200
+    seen = fake.records()[-1]["headers"]
+    assert "cookie" not in seen and "forwarded" not in seen
+    assert seen["x-forwarded-for"] == "127.0.0.1"
+
+
+def test_a_trusted_proxys_chain_reaches_the_engine_with_the_peer_appended(
+    start_gateway: StartGateway, fake: FakeEngine, http: httpx.Client
+) -> None:
+    """From a peer in --forwarded-allow-ips, its X-Forwarded-For goes on with the peer added (as nginx)."""
+    trusting = start_gateway({"fake": fake.url}, "--forwarded-allow-ips", "127.0.0.1")
+    reply = http.post(trusting.url + CHAT, json=chat(), headers={"x-forwarded-for": "203.0.113.9"})
+    assert reply.status_code == 200
+    assert fake.records()[-1]["headers"]["x-forwarded-for"] == "203.0.113.9, 127.0.0.1"
