@@ -3,6 +3,9 @@
 - A request head must arrive whole within ``header_timeout_s`` of the
   connection opening or of its first byte (slowloris: a head sent a byte at a
   time, or a connection that sends nothing); past it, 408 and close.
+- A request body must arrive whole within ``body_timeout_s`` of the end of
+  its head (a head that declares a body and then sends nothing holds a
+  descriptor and a task as a slow head does); past it, 408 and close.
 - Request headers are bounded (``max_header_bytes``); past it, 431 and close.
 - Requests the parser refuses (e.g. both Content-Length and
   Transfer-Encoding) get uvicorn's 400 and close, but in OpenAI's envelope.
@@ -24,11 +27,13 @@ class _Refused(Exception):
 
 class GatewayProtocol(HttpToolsProtocol):
     header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
     max_header_bytes: int = 64 * 1024
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._head_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
         # Raw bytes of the request head so far: httptools builds a whole
         # header value (or URL) before any callback, so counting there is late.
         self._head_bytes = 0
@@ -41,6 +46,7 @@ class GatewayProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
+        self._cancel_body_timer()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -82,8 +88,11 @@ class GatewayProtocol(HttpToolsProtocol):
             )
             raise _Refused()
         super().on_headers_complete()
+        # From the end of the head, not the first body byte; cancelled at the message's end.
+        self._body_timer = self.loop.call_later(self.body_timeout_s, self._body_too_slow)
 
     def on_message_complete(self) -> None:
+        self._cancel_body_timer()
         super().on_message_complete()
         # The next bytes on this connection begin the next request's head.
         self._in_head = True
@@ -112,6 +121,17 @@ class GatewayProtocol(HttpToolsProtocol):
             # A pipelined head trickling in behind a running request: check again later.
             self._arm_head_timer()
 
+    def _cancel_body_timer(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _body_too_slow(self) -> None:
+        self._body_timer = None
+        self._reply_and_close(
+            408, f"the request body did not arrive within {self.body_timeout_s:g} s", "request_timeout"
+        )
+
     def _reply_and_close(self, status: int, message: str, code: str) -> None:
         if self.transport.is_closing():
             return
@@ -129,10 +149,16 @@ class GatewayProtocol(HttpToolsProtocol):
         self.transport.close()
 
 
-def protocol_class(header_timeout_s: float, max_header_bytes: int) -> type[GatewayProtocol]:
+def protocol_class(
+    header_timeout_s: float, max_header_bytes: int, body_timeout_s: float = 60.0
+) -> type[GatewayProtocol]:
     """The protocol with these limits, as uvicorn's `http` setting takes a class."""
     return type(
         "GatewayProtocol",
         (GatewayProtocol,),
-        {"header_timeout_s": header_timeout_s, "max_header_bytes": max_header_bytes},
+        {
+            "header_timeout_s": header_timeout_s,
+            "max_header_bytes": max_header_bytes,
+            "body_timeout_s": body_timeout_s,
+        },
     )

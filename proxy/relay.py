@@ -108,7 +108,6 @@ class RelaySettings:
     queue_timeout_s: float = 60.0
     # The gateway checks API keys: the client's credentials are for it alone.
     strip_credentials: bool = False
-    body_timeout_s: float = 60.0
     # A request for a model whose child is starting waits this long for it
     # (0: answer 503 model_loading at once).
     load_wait_s: float = 0.0
@@ -156,7 +155,6 @@ class Relay:
         self._max_body_bytes = settings.max_body_bytes
         self._head_timeout_s = settings.head_timeout_s
         self._read_timeout_s = settings.read_timeout_s
-        self._body_timeout_s = settings.body_timeout_s
         self._load_wait_s = settings.load_wait_s
         self._heartbeat_s = settings.heartbeat_s
         self._total_timeout_s = settings.total_timeout_s
@@ -410,16 +408,8 @@ class Relay:
             if len(body) > limit:
                 raise _too_large(limit)
             return body
-        try:
-            async with asyncio.timeout(self._body_timeout_s):
-                return await self._read_rest(message, receive, limit)
-        except TimeoutError:
-            raise HTTPError(
-                408,
-                f"the request body did not arrive within {self._body_timeout_s:g} s",
-                code="request_timeout",
-                headers=((b"connection", b"close"),),
-            ) from None
+        # Its deadline (--body-timeout, from the end of the head) is the protocol's (proxy/protocol.py).
+        return await self._read_rest(message, receive, limit)
 
     async def _read_rest(self, message: Message, receive: Receive, limit: int) -> bytes:
         chunks: list[bytes] = []

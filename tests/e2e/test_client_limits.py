@@ -70,6 +70,22 @@ def test_slow_body_gets_408(strict: Running, fake: FakeEngine) -> None:
     assert fake.records() == []
 
 
+def test_a_head_that_declares_a_body_then_sends_nothing_gets_408(strict: Running, fake: FakeEngine) -> None:
+    """The body deadline runs from the end of the head: a declared body of which no byte comes is cut."""
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 100000\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", strict.port), timeout=5) as sock:
+        started = time.monotonic()
+        sock.sendall(head)
+        data = sock.recv(65536)
+        assert data.startswith(b"HTTP/1.1 408") and b'"code":"request_timeout"' in data
+        assert sock.recv(65536) == b""
+        assert time.monotonic() - started < 3
+    assert fake.records() == []
+
+
 def test_oversized_headers_get_431(strict: Running, fake: FakeEngine) -> None:
     """Headers past --max-header-bytes get 431 and close, before any body is read."""
     response = exchange(
