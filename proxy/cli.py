@@ -210,6 +210,17 @@ serving, or a third signal."""
     help="Seconds a request may wait for a slot; past it, 503 with Retry-After.",
 )
 @click.option(
+    "--keep-alive-timeout",
+    "keep_alive_timeout_s",
+    type=click.IntRange(1),
+    default=75,
+    envvar="BLAZAR_KEEP_ALIVE_TIMEOUT",
+    show_envvar=True,
+    help="Seconds an idle client connection is kept open. Behind a load balancer it must be longer "
+    "than the balancer's own idle timeout for its upstreams (nginx and AWS ALB: 60 s), or the "
+    "balancer reuses a connection the gateway is closing and answers 502.",
+)
+@click.option(
     "--header-timeout",
     "header_timeout_s",
     type=click.FloatRange(0, min_open=True),
@@ -371,6 +382,7 @@ def main(
     max_in_flight: int | None,
     max_queued: int,
     queue_timeout_s: float,
+    keep_alive_timeout_s: int,
     header_timeout_s: float,
     body_timeout_s: float,
     max_header_bytes: int,
@@ -472,6 +484,7 @@ def main(
         total_timeout_s=total_timeout_s,
         send_stall_s=send_stall_s,
         header_timeout_s=header_timeout_s,
+        keep_alive_timeout_s=keep_alive_timeout_s,
         body_timeout_s=body_timeout_s,
         max_header_bytes=max_header_bytes,
         metrics=metrics,
@@ -607,6 +620,7 @@ def serve(settings: Settings, *, registry: Registry | None = None, reloader: _Re
         loop="uvloop",
         http=protocol_class(settings.header_timeout_s, settings.max_header_bytes, settings.body_timeout_s),
         ws="none",
+        timeout_keep_alive=settings.keep_alive_timeout_s,
         lifespan="on",
         access_log=False,
         server_header=False,

@@ -26,6 +26,8 @@ class Settings:
     total_timeout_s: float = 0.0
     send_stall_s: float = 120.0
     header_timeout_s: float = 10.0
+    # Above the common balancers' idle timeouts for upstreams (nginx, AWS ALB: 60 s).
+    keep_alive_timeout_s: int = 75
     body_timeout_s: float = 60.0
     max_header_bytes: int = 64 * 1024
     metrics: bool = True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import socket
 import time
 
@@ -125,3 +126,32 @@ def test_normal_requests_are_unaffected(strict: Running, fake: FakeEngine) -> No
                 received += sock.recv(65536)
             assert received.startswith(b"HTTP/1.1 200")
             time.sleep(0.3)
+
+
+def test_idle_client_connections_are_kept_for_the_keep_alive_timeout(
+    start_gateway: StartGateway, fake: FakeEngine
+) -> None:
+    """An idle connection outlives uvicorn's 5 s by default (75 s); --keep-alive-timeout 1 ends it at 1 s."""
+
+    def idle_for(gateway: Running, wait_s: float) -> bool:
+        """Whether the same connection serves a second request after ``wait_s`` idle."""
+        conn = http.client.HTTPConnection("127.0.0.1", gateway.port, timeout=5)
+        try:
+            headers = {"content-type": "application/json"}
+            conn.request("POST", "/v1/chat/completions", BODY, headers)
+            first = conn.getresponse()
+            assert first.status == 200
+            first.read()
+            sock = conn.sock
+            time.sleep(wait_s)
+            try:
+                conn.request("POST", "/v1/chat/completions", BODY, headers)
+                second = conn.getresponse()
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+                return False
+            return second.status == 200 and conn.sock is sock
+        finally:
+            conn.close()
+
+    assert idle_for(start_gateway({"fake": fake.url}), 6.0)
+    assert not idle_for(start_gateway({"fake": fake.url}, "--keep-alive-timeout", "1"), 2.0)
