@@ -7,6 +7,9 @@
   its head (a head that declares a body and then sends nothing holds a
   descriptor and a task as a slow head does); past it, 408 and close.
 - Request headers are bounded (``max_header_bytes``); past it, 431 and close.
+- A protocol upgrade (``Connection: upgrade`` with ``Upgrade``) is refused
+  with 400 and close: the gateway speaks HTTP/1.1 only, and the parser would
+  otherwise stop at the head, dropping the body and holding the connection.
 - Requests the parser refuses (e.g. both Content-Length and
   Transfer-Encoding) get uvicorn's 400 and close, but in OpenAI's envelope.
 """
@@ -87,6 +90,14 @@ class GatewayProtocol(HttpToolsProtocol):
                 "headers_too_large",
             )
             raise _Refused()
+        if _asks_upgrade(self.headers):
+            self._refusal = (
+                400,
+                "protocol upgrades are not served here (the request has Connection: upgrade); "
+                "send it as plain HTTP/1.1, without Upgrade",
+                "upgrade_not_supported",
+            )
+            raise _Refused()
         super().on_headers_complete()
         # From the end of the head, not the first body byte; cancelled at the message's end.
         self._body_timer = self.loop.call_later(self.body_timeout_s, self._body_too_slow)
@@ -147,6 +158,17 @@ class GatewayProtocol(HttpToolsProtocol):
         ]
         self.transport.write(b"".join(head))
         self.transport.close()
+
+
+def _asks_upgrade(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether a head asks to switch protocols: an Upgrade field that Connection names."""
+    upgrade = connection = False
+    for name, value in headers:
+        if name == b"upgrade":
+            upgrade = True
+        elif name == b"connection" and b"upgrade" in value.lower():
+            connection = True
+    return upgrade and connection
 
 
 def protocol_class(

@@ -87,6 +87,23 @@ def test_a_head_that_declares_a_body_then_sends_nothing_gets_408(strict: Running
     assert fake.records() == []
 
 
+def test_an_upgrade_request_is_refused_and_closed(strict: Running, fake: FakeEngine) -> None:
+    """POST with Connection: upgrade and a body: 400 upgrade_not_supported and close, not a lost body."""
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Connection: Upgrade\r\nUpgrade: websocket\r\nContent-Length: %d\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", strict.port), timeout=5) as sock:
+        started = time.monotonic()
+        sock.sendall(head % len(BODY) + BODY)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+        assert data.startswith(b"HTTP/1.1 400") and b'"code":"upgrade_not_supported"' in data
+        assert time.monotonic() - started < 3
+    assert fake.records() == []
+
+
 def test_oversized_headers_get_431(strict: Running, fake: FakeEngine) -> None:
     """Headers past --max-header-bytes get 431 and close, before any body is read."""
     response = exchange(
