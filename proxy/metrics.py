@@ -90,6 +90,8 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.models: dict[str, ModelMetrics] = {}
         self.client_disconnects = 0
+        # Requests refused because the gateway itself ran out of file descriptors.
+        self.overloaded = 0
         self.registry.register(_RequestCollector(self))
 
     def for_model(self, model: str) -> ModelMetrics:
@@ -156,6 +158,11 @@ class _RequestCollector(Collector):
         )
         disconnects.add_metric([], self._metrics.client_disconnects)
         yield disconnects
+        overloaded = CounterMetricFamily(
+            "blazar_overloaded", "Requests refused (503) because the gateway ran out of file descriptors."
+        )
+        overloaded.add_metric([], self._metrics.overloaded)
+        yield overloaded
         build = GaugeMetricFamily("blazar_build_info", "The gateway's version.", labels=["version"])
         build.add_metric([__version__], 1)
         yield build

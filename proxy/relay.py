@@ -370,7 +370,10 @@ class Relay:
             stats.overhead.observe(outcome.own_s)
             stats.ttft.observe(outcome.head_s)
         if outcome.error is not None:
-            stats.upstream_error(outcome.error)
+            if outcome.error == "overloaded" and self._metrics is not None:
+                self._metrics.overloaded += 1  # the gateway's own, not the upstream's
+            else:
+                stats.upstream_error(outcome.error)
         if outcome.client_gone and self._metrics is not None:
             self._metrics.client_disconnects += 1
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import errno
 import ipaddress
 import socket
 from typing import Any, cast
@@ -43,6 +44,13 @@ class UpstreamError(Exception):
 class ConnectFailed(UpstreamError):
     status = 503
     code = "upstream_unavailable"
+
+
+class Overloaded(UpstreamError):
+    """The gateway itself ran out of file descriptors: its own overload, not the upstream's fault."""
+
+    status = 503
+    code = "overloaded"
 
 
 class HeadTimeout(UpstreamError):
@@ -503,6 +511,11 @@ class Pool:
             message = f"cannot resolve upstream host {host!r}: {exc}"
         else:
             reason = (failure.strerror or str(failure)) if failure else "no address"
+            if failure is not None and failure.errno in (errno.EMFILE, errno.ENFILE):
+                raise Overloaded(
+                    f"the gateway is overloaded: it has no file descriptor left for a connection "
+                    f"to the upstream ({reason}); retry shortly"
+                )
             message = f"cannot connect to upstream {host}:{port}: {reason}"
         self._resolved = []
         self.last_connect_error = message

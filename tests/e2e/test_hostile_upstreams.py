@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import resource
+import socket
+import time
+from pathlib import Path
+
 import httpx
 import orjson
 import pytest
@@ -95,3 +100,43 @@ def test_a_stream_request_answered_without_an_event_stream_is_a_502(
 ) -> None:
     """A JSON body where the client asked for a stream is not a clean end of no events: 502, saying so."""
     assert_bad_response(stream(gateway, "not-sse"), "not an event stream")
+
+
+def test_running_out_of_file_descriptors_is_the_gateways_own_503(
+    start_gateway: StartGateway, fake: FakeEngine
+) -> None:
+    """No descriptor left for the upstream connection: 503 overloaded, Retry-After, counted as overload."""
+    gateway = start_gateway({"fake": fake.url})
+    pid = gateway.proc.pid
+    with socket.create_connection(("127.0.0.1", gateway.port), timeout=10) as asking:
+        fds = Path(f"/proc/{pid}/fd")
+        deadline = time.monotonic() + 5
+        while len(list(fds.iterdir())) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)  # its own connection accepted
+        limit = len(list(fds.iterdir())) + 8
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (limit, limit))
+        # Take every descriptor left with connections that send nothing.
+        idle = [socket.create_connection(("127.0.0.1", gateway.port), timeout=5) for _ in range(16)]
+        try:
+            deadline = time.monotonic() + 5
+            while len(list(fds.iterdir())) < limit and time.monotonic() < deadline:
+                time.sleep(0.01)
+            request = orjson.dumps(BODY)
+            asking.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n" % len(request) + request
+            )
+            answer = asking.recv(65536)
+            head, _, body = answer.partition(b"\r\n\r\n")
+            length = int(head.lower().split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0])
+            while len(body) < length and (more := asking.recv(65536)):
+                body += more
+            answer = head + b"\r\n\r\n" + body
+        finally:
+            for sock in idle:
+                sock.close()
+    assert answer.startswith(b"HTTP/1.1 503"), answer
+    assert b"retry-after:" in answer.lower() and b'"code":"overloaded"' in answer
+    metrics = httpx.get(gateway.url + "/metrics", trust_env=False).text
+    assert "blazar_overloaded_total 1.0" in metrics
+    assert 'kind="overloaded"' not in metrics
