@@ -98,6 +98,18 @@ class ConnState(enum.Enum):
     CLOSED = "closed"
 
 
+def _keep_alive_limit(value: bytes) -> float | None:
+    """How long a connection may idle, from ``Keep-Alive: timeout=N[, max=M]``: N less a second."""
+    for param in value.split(b","):
+        key, _, number = param.strip().partition(b"=")
+        if key.strip().lower() == b"timeout":
+            try:
+                return max(0.0, float(number.strip()) - 1.0)
+            except ValueError:
+                return None
+    return None
+
+
 def _ambiguous(codings: list[bytes], lengths: set[bytes]) -> bool:
     """Whether a response's framing could be read two ways (RFC 9112 6.1, 6.3).
 
@@ -121,6 +133,9 @@ class Connection(asyncio.Protocol):
         self.state = ConnState.NEW
         self.requests_sent = 0
         self.idle_since = 0.0
+        # Reused only while idle less than this; None: the pool's own limit.
+        # From the upstream's ``Keep-Alive: timeout=N``, less a second.
+        self.idle_limit_s: float | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -204,6 +219,8 @@ class Connection(asyncio.Protocol):
         elif name == b"transfer-encoding":
             self._framed = True
             self._codings.extend(c.strip().lower() for c in value.split(b","))
+        elif name == b"keep-alive":
+            self.idle_limit_s = _keep_alive_limit(value)
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
@@ -480,9 +497,12 @@ class Pool:
             now = asyncio.get_running_loop().time()
             while idle:
                 conn = idle.pop()
+                limit = self.idle_timeout_s
+                if conn.idle_limit_s is not None and conn.idle_limit_s < limit:
+                    limit = conn.idle_limit_s
                 if (
                     conn.state is ConnState.IDLE
-                    and now - conn.idle_since < self.idle_timeout_s
+                    and now - conn.idle_since < limit
                     and conn._transport is not None
                     and not conn._transport.is_closing()
                 ):

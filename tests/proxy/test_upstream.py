@@ -309,6 +309,31 @@ async def test_idle_connection_past_idle_timeout_is_retired() -> None:
         assert second is not first and first.state is ConnState.CLOSED
 
 
+async def test_upstream_keep_alive_timeout_is_honoured() -> None:
+    """`Keep-Alive: timeout=2` retires a connection after 1 s idle, before the upstream closes it."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nkeep-alive: timeout=2, max=100\r\ncontent-length: 2\r\n\r\nok")
+            await writer.drain()
+
+    async with scripted(handler) as server:
+        pool = Pool(server.address, connect_timeout_s=1)
+        first, _ = await roundtrip(pool)
+        assert first.idle_limit_s == 1.0
+        pool.release(first)
+        await asyncio.sleep(0.3)
+        second, _ = await roundtrip(pool)
+        assert second is first  # inside the upstream's limit: reused
+        pool.release(second)
+        await asyncio.sleep(1.2)
+        third, _ = await roundtrip(pool)
+        assert third is not first and server.connections == 2
+        pool.release(third)
+        pool.close()
+
+
 async def test_large_body_passes_through_backpressure() -> None:
     """A body far above the read-pause mark arrives whole when read slowly."""
     payload = bytes(range(256)) * 8192  # 2 MiB
