@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from proxy.admission import Admission
-from proxy.relay import _wait_for_slot
+from proxy.relay.ticket import wait_for_slot
 from tests.e2e.conftest import FakeEngine, Running, StartFakeEngine, StartGateway
 
 CHAT = "/v1/chat/completions"
@@ -222,7 +222,7 @@ async def test_request_cancelled_while_queued_leaks_no_slot() -> None:
         await never.wait()
         return {"type": "http.disconnect"}
 
-    waiter = asyncio.ensure_future(_wait_for_slot(admission, "m", receive))
+    waiter = asyncio.ensure_future(wait_for_slot(admission, "m", receive))
     await asyncio.sleep(0.01)
     waiter.cancel()
     with pytest.raises(asyncio.CancelledError):
