@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from time import perf_counter
+from typing import Any
 
 import orjson
 
@@ -64,6 +65,7 @@ class Relay:
         return self._drain.end(reason, self._entries.values())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """One request: read, parse, admit, exchange, record."""
         outcome = Outcome(self.request_id_of(scope))
         ticket = Ticket()
         try:
@@ -71,19 +73,7 @@ class Relay:
                 body = await read_request(scope, receive, self._max_body_bytes)
                 # The client's upload time is not the gateway's.
                 outcome.started = outcome.arrived = perf_counter()
-                model, doc = parse_request(body)
-                entry = self._entries.get(model)
-                if entry is None:
-                    raise _not_found(model)
-                outcome.model, outcome.stats = model, entry.stats
-                endpoint = ENDPOINTS[scope["path"]]
-                guards = entry.guards
-                rewrite = check_request(doc, endpoint, guards)
-                outcome.stream = streamed = doc.get("stream") is True
-                # An engine that cannot tell that a non-stream client left is asked for a stream.
-                if guards.via_stream and not streamed and ask_for_stream(doc, endpoint, guards):
-                    outcome.built = ReplyAssembler(chat=endpoint == b"/chat/completions")
-                    rewrite = True
+                entry, doc, rewrite = self._parse(body, scope["path"], outcome)
                 peer = await ticket.admit(entry, outcome, receive, self._drain, self._load_wait_s)
                 if entry.rename is not None:
                     # An alias: the upstream knows the model by its own name only.
@@ -103,6 +93,23 @@ class Relay:
         if outcome.refusal is not None:
             await refuse(send, outcome.refusal, outcome.request_id, outcome.started)
         outcome.record(scope, self._metrics, self._access)
+
+    def _parse(self, body: bytes, path: str, outcome: Outcome) -> tuple[RouteEntry, dict[str, Any], bool]:
+        """The request's route, its document, and whether the body must be re-serialised; 400 or 404."""
+        model, doc = parse_request(body)
+        entry = self._entries.get(model)
+        if entry is None:
+            raise _not_found(model)
+        outcome.model, outcome.stats = model, entry.stats
+        endpoint = ENDPOINTS[path]
+        guards = entry.guards
+        rewrite = check_request(doc, endpoint, guards)
+        outcome.stream = streamed = doc.get("stream") is True
+        # An engine that cannot tell that a non-stream client left is asked for a stream.
+        if guards.via_stream and not streamed and ask_for_stream(doc, endpoint, guards):
+            outcome.built = ReplyAssembler(chat=endpoint == b"/chat/completions")
+            rewrite = True
+        return entry, doc, rewrite
 
 
 def _not_found(model: str) -> HTTPError:
