@@ -55,15 +55,23 @@ class Exchange:
         self, scope: Scope, receive: Receive, send: Send, peer: Peer, body: bytes, outcome: Outcome
     ) -> None:
         """Send ``body`` to ``peer`` and relay its answer; ``outcome`` says how it went."""
-        headers = forward_request_headers(scope["headers"], self._request_drop)
-        headers.append((b"x-request-id", outcome.request_id))
-        headers.append((b"x-forwarded-for", self._trust.x_forwarded_for(scope)))
-        target = peer.targets[scope["path"]]
-        if scope["query_string"]:
-            target += b"?" + scope["query_string"]
-        head = request_head(b"POST", target, peer.host_header, headers, len(body))
+        head = self._request_head(scope, peer, len(body), outcome.request_id)
+        pool = peer.pool
+        conn = await self._connect(pool, send, outcome)
+        if conn is None:
+            return
+        # No retry once the request is written: the upstream may have acted
+        # on it. Dead idle connections are weeded out by acquire() instead.
+        conn.send(head, body)
+        outcome.sent_at = perf_counter()
+        watch = ClientWatch(receive, conn)
+        self._drain.active.add(conn)
+        guards = arm_guards(conn, outcome, scope, self._total_timeout_s, self._send_stall_s)
         try:
-            await self._exchange(peer.pool, head, body, scope, receive, send, outcome)
+            if await self._await_head(conn, send, outcome):
+                await self._respond(conn, send, outcome)
+        except ClientGone:
+            outcome.client_gone = True
         except asyncio.CancelledError:
             if not outcome.stalled:
                 raise
@@ -73,73 +81,66 @@ class Exchange:
             if task is not None:
                 task.uncancel()
             outcome.status, outcome.error = 499, "client_stalled"
-
-    async def _exchange(
-        self,
-        pool: Pool,
-        head: bytes,
-        body: bytes,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        outcome: Outcome,
-    ) -> None:
-        drain = self._drain
-        if drain.closing:
-            # The drain is over: nothing new starts.
-            await self._refuse(send, outcome, Draining("the gateway is shutting down"))
-            return
-        try:
-            conn = await pool.acquire()
-        except UpstreamError as exc:
-            await self._refuse(send, outcome, exc)
-            return
-        if drain.closing:
-            # The drain ended while this connection was being opened: send nothing.
-            pool.release(conn)
-            await self._refuse(send, outcome, Draining("the gateway is shutting down"))
-            return
-        # No retry once the request is written: the upstream may have acted
-        # on it. Dead idle connections are weeded out by acquire() instead.
-        conn.send(head, body)
-        outcome.sent_at = perf_counter()
-        watch = ClientWatch(receive, conn)
-        drain.active.add(conn)
-        guards = arm_guards(conn, outcome, scope, self._total_timeout_s, self._send_stall_s)
-        try:
-            try:
-                if self._heartbeat_s and outcome.stream:
-                    await await_head_with_heartbeats(
-                        conn, send, outcome, self._heartbeat_s, self._head_timeout_s
-                    )
-                else:
-                    await conn.read_head(self._head_timeout_s)
-            except UpstreamError as exc:
-                conn.close()
-                outcome.failed(exc)
-                if outcome.sse_started:
-                    event = sse_error_event(exc.status, str(exc), code=exc.code)
-                    await send({"type": "http.response.body", "body": event})
-                else:
-                    timing = server_timing(outcome.started, outcome.sent_at, perf_counter())
-                    await send_upstream_error(send, exc, outcome.request_id, timing)
-                return
-            await self._respond(conn, send, outcome)
-        except ClientGone:
-            outcome.client_gone = True
         finally:
             for guard in guards:
                 guard.cancel()
-            drain.active.discard(conn)
+            self._drain.active.discard(conn)
             if watch.stop():
                 conn.close()
             else:
                 pool.release(conn)
 
+    def _request_head(self, scope: Scope, peer: Peer, length: int, request_id: bytes) -> bytes:
+        """The head sent upstream: the client's headers that may cross, and the gateway's own."""
+        headers = forward_request_headers(scope["headers"], self._request_drop)
+        headers.append((b"x-request-id", request_id))
+        headers.append((b"x-forwarded-for", self._trust.x_forwarded_for(scope)))
+        target = peer.targets[scope["path"]]
+        if scope["query_string"]:
+            target += b"?" + scope["query_string"]
+        return request_head(b"POST", target, peer.host_header, headers, length)
+
+    async def _connect(self, pool: Pool, send: Send, outcome: Outcome) -> Connection | None:
+        """A connection to send on; None when there is none (the client has been answered)."""
+        if self._drain.closing:
+            # The drain is over: nothing new starts.
+            await self._refuse(send, outcome, Draining("the gateway is shutting down"))
+            return None
+        try:
+            conn = await pool.acquire()
+        except UpstreamError as exc:
+            await self._refuse(send, outcome, exc)
+            return None
+        if self._drain.closing:
+            # The drain ended while this connection was being opened: send nothing.
+            pool.release(conn)
+            await self._refuse(send, outcome, Draining("the gateway is shutting down"))
+            return None
+        return conn
+
     async def _refuse(self, send: Send, outcome: Outcome, exc: UpstreamError) -> None:
         """Answer for an exchange that could not begin (no connection, or the drain is over)."""
         outcome.failed(exc)
         await send_upstream_error(send, exc, outcome.request_id, server_timing(outcome.started))
+
+    async def _await_head(self, conn: Connection, send: Send, outcome: Outcome) -> bool:
+        """Wait for the upstream's head (with heartbeats for a stream); False if it failed, and was told."""
+        try:
+            if self._heartbeat_s and outcome.stream:
+                await await_head_with_heartbeats(conn, send, outcome, self._heartbeat_s, self._head_timeout_s)
+            else:
+                await conn.read_head(self._head_timeout_s)
+        except UpstreamError as exc:
+            conn.close()
+            outcome.failed(exc)
+            if outcome.sse_started:
+                event = sse_error_event(exc.status, str(exc), code=exc.code)
+                await send({"type": "http.response.body", "body": event})
+            else:
+                timing = server_timing(outcome.started, outcome.sent_at, perf_counter())
+                await send_upstream_error(send, exc, outcome.request_id, timing)
+            return False
+        return True
 
     async def _respond(self, conn: Connection, send: Send, outcome: Outcome) -> None:
         """The upstream's head is in: answer with it, or with what is wrong with it."""
