@@ -35,7 +35,7 @@ from proxy.relay.settings import RelaySettings
 from proxy.relay.sse import relay_events
 from proxy.relay.timing import server_timing, timing_header
 from proxy.relay.watch import ClientWatch, arm_guards
-from proxy.upstream import ClientGone, Connection, Draining, Pool, UpstreamError
+from proxy.upstream import ClientGone, Connection, Draining, UpstreamError
 
 
 class Exchange:
@@ -56,20 +56,41 @@ class Exchange:
     ) -> None:
         """Send ``body`` to ``peer`` and relay its answer; ``outcome`` says how it went."""
         head = self._request_head(scope, peer, len(body), outcome.request_id)
+        drain = self._drain
+        if drain.closing:
+            # The drain is over: nothing new starts.
+            await self._refuse(send, outcome, Draining("the gateway is shutting down"))
+            return
         pool = peer.pool
-        conn = await self._connect(pool, send, outcome)
-        if conn is None:
+        try:
+            conn = await pool.acquire()
+        except UpstreamError as exc:
+            await self._refuse(send, outcome, exc)
+            return
+        if drain.closing:
+            # The drain ended while this connection was being opened: send nothing.
+            pool.release(conn)
+            await self._refuse(send, outcome, Draining("the gateway is shutting down"))
             return
         # No retry once the request is written: the upstream may have acted
         # on it. Dead idle connections are weeded out by acquire() instead.
         conn.send(head, body)
         outcome.sent_at = perf_counter()
         watch = ClientWatch(receive, conn)
-        self._drain.active.add(conn)
+        drain.active.add(conn)
         guards = arm_guards(conn, outcome, scope, self._total_timeout_s, self._send_stall_s)
         try:
-            if await self._await_head(conn, send, outcome):
-                await self._respond(conn, send, outcome)
+            try:
+                if self._heartbeat_s and outcome.stream:
+                    await await_head_with_heartbeats(
+                        conn, send, outcome, self._heartbeat_s, self._head_timeout_s
+                    )
+                else:
+                    await conn.read_head(self._head_timeout_s)
+            except UpstreamError as exc:
+                await self._head_failed(conn, send, outcome, exc)
+                return
+            await self._respond(conn, send, outcome)
         except ClientGone:
             outcome.client_gone = True
         except asyncio.CancelledError:
@@ -84,7 +105,7 @@ class Exchange:
         finally:
             for guard in guards:
                 guard.cancel()
-            self._drain.active.discard(conn)
+            drain.active.discard(conn)
             if watch.stop():
                 conn.close()
             else:
@@ -100,47 +121,21 @@ class Exchange:
             target += b"?" + scope["query_string"]
         return request_head(b"POST", target, peer.host_header, headers, length)
 
-    async def _connect(self, pool: Pool, send: Send, outcome: Outcome) -> Connection | None:
-        """A connection to send on; None when there is none (the client has been answered)."""
-        if self._drain.closing:
-            # The drain is over: nothing new starts.
-            await self._refuse(send, outcome, Draining("the gateway is shutting down"))
-            return None
-        try:
-            conn = await pool.acquire()
-        except UpstreamError as exc:
-            await self._refuse(send, outcome, exc)
-            return None
-        if self._drain.closing:
-            # The drain ended while this connection was being opened: send nothing.
-            pool.release(conn)
-            await self._refuse(send, outcome, Draining("the gateway is shutting down"))
-            return None
-        return conn
-
     async def _refuse(self, send: Send, outcome: Outcome, exc: UpstreamError) -> None:
         """Answer for an exchange that could not begin (no connection, or the drain is over)."""
         outcome.failed(exc)
         await send_upstream_error(send, exc, outcome.request_id, server_timing(outcome.started))
 
-    async def _await_head(self, conn: Connection, send: Send, outcome: Outcome) -> bool:
-        """Wait for the upstream's head (with heartbeats for a stream); False if it failed, and was told."""
-        try:
-            if self._heartbeat_s and outcome.stream:
-                await await_head_with_heartbeats(conn, send, outcome, self._heartbeat_s, self._head_timeout_s)
-            else:
-                await conn.read_head(self._head_timeout_s)
-        except UpstreamError as exc:
-            conn.close()
-            outcome.failed(exc)
-            if outcome.sse_started:
-                event = sse_error_event(exc.status, str(exc), code=exc.code)
-                await send({"type": "http.response.body", "body": event})
-            else:
-                timing = server_timing(outcome.started, outcome.sent_at, perf_counter())
-                await send_upstream_error(send, exc, outcome.request_id, timing)
-            return False
-        return True
+    async def _head_failed(self, conn: Connection, send: Send, outcome: Outcome, exc: UpstreamError) -> None:
+        """No usable head came (a timeout, a close, garbage): tell the client, as an event once streaming."""
+        conn.close()
+        outcome.failed(exc)
+        if outcome.sse_started:
+            event = sse_error_event(exc.status, str(exc), code=exc.code)
+            await send({"type": "http.response.body", "body": event})
+        else:
+            timing = server_timing(outcome.started, outcome.sent_at, perf_counter())
+            await send_upstream_error(send, exc, outcome.request_id, timing)
 
     async def _respond(self, conn: Connection, send: Send, outcome: Outcome) -> None:
         """The upstream's head is in: answer with it, or with what is wrong with it."""

@@ -74,7 +74,9 @@ class Relay:
                 # The client's upload time is not the gateway's.
                 outcome.started = outcome.arrived = perf_counter()
                 entry, doc, rewrite = self._parse(body, scope["path"], outcome)
-                peer = await ticket.admit(entry, outcome, receive, self._drain, self._load_wait_s)
+                peer = ticket.take(entry) or await ticket.admit(
+                    entry, outcome, receive, self._drain, self._load_wait_s
+                )
                 if entry.rename is not None:
                     # An alias: the upstream knows the model by its own name only.
                     doc["model"] = entry.rename

@@ -1,7 +1,9 @@
 """Admission: the ticket a request holds while it is served, and the waits to get it.
 
 A ticket is taken piece by piece (the model's gate, then a slot, then a
-replica), each piece only once the one before it is held, and is released
+replica), each piece only once the one before it is held: at once where
+nothing needs a wait (``take``, the fast path), else by waiting for the
+model's load or a place in the queue (``admit``). It is released
 once, in the handler's one ``finally``: whatever was taken is given back,
 whatever was not is not, on every path (a reply, a refusal, a client that
 left, a cancellation, a drain).
@@ -34,16 +36,33 @@ class Ticket:
         self.slot: Admission | None = None
         self.peer: Peer | None = None
 
+    def take(self, entry: RouteEntry) -> Peer | None:
+        """Take the gate, a slot and a peer where none needs a wait (the fast path); None if one does.
+
+        What was taken stays on the ticket: ``admit`` waits for the rest.
+        """
+        gate = entry.gate
+        if gate is not None:
+            if not gate.ready:
+                return None
+            # In use from here, queued or not: never unloaded under this request.
+            gate.enter()
+            self.gate = gate
+        if not entry.admission.try_enter():
+            return None
+        self.slot = entry.admission
+        return self._pick(entry)
+
     async def admit(
         self, entry: RouteEntry, outcome: Outcome, receive: Receive, drain: Drain, load_wait_s: float
     ) -> Peer:
-        """Take the gate, a slot and a peer, waiting for the model or a slot where it must.
+        """Wait for what ``take`` could not get: the model's load, then a slot; then take a peer.
 
         Raises HTTPError (429, 503) or ClientGone; what was taken by then
         stays on the ticket, for ``release``.
         """
         gate, admission = entry.gate, entry.admission
-        if gate is not None:
+        if gate is not None and self.gate is None:
             if not gate.ready:
                 admission.wait_for_load(outcome.model)
                 try:
@@ -54,7 +73,6 @@ class Ticket:
                     raise loading(gate.not_ready_reason())
                 # Starting the model, or waiting for it, is not the gateway's own time.
                 outcome.started = perf_counter()
-            # In use from here, queued or not: never unloaded under this request.
             gate.enter()
             self.gate = gate
         if admission.try_enter():
@@ -72,12 +90,16 @@ class Ticket:
             if gate is not None and not gate.ready:
                 # Its children went away while this request was queued.
                 raise loading(gate.not_ready_reason())
+        return self._pick(entry)
+
+    def _pick(self, entry: RouteEntry) -> Peer:
+        """The peer that takes the request, counted as busy with it."""
         peers = entry.peers
         peer = peers[0] if len(peers) == 1 else least_busy(peers)
         if peer is None:
             # No peer is ready (only a model with several can get here).
-            assert gate is not None
-            raise loading(gate.not_ready_reason())
+            assert entry.gate is not None
+            raise loading(entry.gate.not_ready_reason())
         peer.in_flight += 1
         peer.served += 1
         self.peer = peer

@@ -46,7 +46,8 @@ async def test_admitted_ticket_holds_a_slot_and_a_peer_until_released() -> None:
     """A ticket on a free slot counts on the admission and the peer; release gives both back, once."""
     entry = _entry(1)
     ticket = Ticket()
-    peer = await ticket.admit(entry, _outcome(), _connected, Drain(), 0.0)
+    peer = ticket.take(entry)
+    assert peer is not None
     assert entry.admission.in_flight == 1 and peer.in_flight == 1 and peer.served == 1
     ticket.release()
     assert entry.admission.in_flight == 0 and peer.in_flight == 0 and peer.served == 1
@@ -58,6 +59,7 @@ async def test_refused_ticket_gives_back_nothing_it_did_not_take() -> None:
     holder = Ticket()
     await holder.admit(entry, _outcome(), _connected, Drain(), 0.0)
     refused = Ticket()
+    assert refused.take(entry) is None  # no free slot: a wait is needed
     with pytest.raises(HTTPError) as caught:
         await refused.admit(entry, _outcome(), _connected, Drain(), 0.0)
     assert caught.value.status == 429
@@ -105,12 +107,11 @@ async def test_tickets_spread_over_the_least_busy_peers() -> None:
     """With several replicas, each ticket takes the peer with the fewest requests in flight."""
     entry = _entry(None, replicas=2)
     first, second = Ticket(), Ticket()
-    a = await first.admit(entry, _outcome(), _connected, Drain(), 0.0)
-    b = await second.admit(entry, _outcome(), _connected, Drain(), 0.0)
-    assert a is not b
+    a, b = first.take(entry), second.take(entry)
+    assert a is not None and b is not None and a is not b
     first.release()
     third = Ticket()
-    assert await third.admit(entry, _outcome(), _connected, Drain(), 0.0) is a
+    assert third.take(entry) is a
     second.release()
     third.release()
     assert [p.in_flight for p in entry.peers] == [0, 0]
