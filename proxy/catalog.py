@@ -81,6 +81,12 @@ class Catalog:
             route = Route(
                 model=config.name, upstream=parse_upstream_url(config.upstream), aliases=config.aliases
             )
+            if config.engine is not None:
+                # An engine on another host: nothing to install or start, but
+                # the same checks and non-stream handling as for a child.
+                from engines import spec as specs
+
+                route = dataclasses.replace(route, guards=_guards(specs.load(config.engine)))
             return dataclasses.replace(route, max_in_flight=config.max_in_flight or self.max_in_flight)
         return self._plan_engine(config)
 
@@ -174,16 +180,7 @@ class Catalog:
             model=prepared.name,
             upstream=UpstreamAddress(first.config.host, first.config.port),
             gate=served,
-            guards=RequestGuards(
-                min_max_tokens=spec.guards.min_max_tokens,
-                require_input=spec.guards.require_input,
-                check_types=spec.guards.check_types,
-                seed_min=spec.guards.seed_min,
-                top_logprobs_max=spec.guards.top_logprobs_max,
-                completion_logprobs=spec.guards.completion_logprobs,
-                via_stream=spec.nonstream.via_stream,
-                stream_cannot_carry=spec.nonstream.stream_cannot_carry,
-            ),
+            guards=_guards(spec),
             # The engines generate this many at once; more would only queue inside them.
             max_in_flight=config.max_in_flight or self.max_in_flight or batch,
             aliases=config.aliases,
@@ -211,7 +208,9 @@ class Catalog:
         the engine serves, or a hub repo id for an engine that downloads.
         """
         for config in configs:
-            if config.engine is not None:
+            if config.upstream is not None and config.engine is not None:
+                _check_upstream_engine(config)
+            elif config.engine is not None:
                 _check_engine_model(config)
 
     def build(self, configs: Sequence[ModelConfig]) -> None:
@@ -320,6 +319,30 @@ class Catalog:
             f"updated {', '.join(str(c.name) for c in retuned)} (children kept)" if retuned else "",
         ]
         self.announce("reload: " + "; ".join(part for part in report if part))
+
+
+def _guards(spec: EngineSpec) -> RequestGuards:
+    """An engine spec's request checks and non-stream handling, for the relay."""
+    return RequestGuards(
+        min_max_tokens=spec.guards.min_max_tokens,
+        require_input=spec.guards.require_input,
+        check_types=spec.guards.check_types,
+        seed_min=spec.guards.seed_min,
+        top_logprobs_max=spec.guards.top_logprobs_max,
+        completion_logprobs=spec.guards.completion_logprobs,
+        via_stream=spec.nonstream.via_stream,
+        stream_cannot_carry=spec.nonstream.stream_cannot_carry,
+    )
+
+
+def _check_upstream_engine(config: ModelConfig) -> None:
+    from engines import spec as specs
+
+    assert config.engine is not None
+    try:
+        specs.load(config.engine)
+    except specs.SpecError as exc:
+        raise ConfigError(f"{config.where('engine')}: {exc}") from None
 
 
 def _check_engine_model(config: ModelConfig) -> None:
