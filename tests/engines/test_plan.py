@@ -67,7 +67,8 @@ def test_gguf_file_is_served_under_its_stem(home: Home, llamacpp: EngineSpec, tm
     config = planned.config
     assert config.served_model == "Qwen2.5-0.5B-Q4_K_M"
     assert config.name == f"{LLAMACPP}--Qwen2.5-0.5B-Q4_K_M"
-    assert config.argv[:3] == (str(home.venv(LLAMACPP) / "bin" / "python"), "-m", "llama_cpp.server")
+    assert config.argv[0] == str(home.venv(LLAMACPP) / "bin" / "python")
+    assert config.argv[1].endswith("/engines/llamacpp_server.py")
     assert flag(config.argv, "--model") == str(model.resolve())
     assert flag(config.argv, "--model_alias") == "Qwen2.5-0.5B-Q4_K_M"
     assert flag(config.argv, "--port") == "8123"
