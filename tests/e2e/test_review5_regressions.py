@@ -48,6 +48,7 @@ def read_all(sock: socket.socket, timeout_s: float = 20) -> bytes:
     return data
 
 
+@pytest.mark.fault("clients", "a client that stops reading, or reads slowly")
 def test_stalled_client_socket_is_aborted_and_drain_is_not_held(
     start_gateway: StartGateway, start_fake_engine: StartFakeEngine
 ) -> None:
@@ -68,6 +69,7 @@ def test_stalled_client_socket_is_aborted_and_drain_is_not_held(
         sock.close()
 
 
+@pytest.mark.fault("drain", "the drain deadline")
 def test_drain_timeout_also_ends_queued_requests(start_gateway: StartGateway, fake: FakeEngine) -> None:
     """Requests still queued at the drain deadline get 503 draining; nothing starts after it."""
     gateway = start_gateway({"fake": fake.url}, "--max-in-flight", "1", "--drain-timeout", "1")
@@ -89,6 +91,7 @@ def test_drain_timeout_also_ends_queued_requests(start_gateway: StartGateway, fa
         queued.close()
 
 
+@pytest.mark.fault("clients", "a client that stops reading, or reads slowly")
 def test_slow_but_steady_reader_is_not_cut(
     start_gateway: StartGateway, start_fake_engine: StartFakeEngine
 ) -> None:
@@ -110,6 +113,7 @@ def test_slow_but_steady_reader_is_not_cut(
         sock.close()
 
 
+@pytest.mark.fault("clients", "slowloris: heads and bodies that trickle or never come")
 def test_pipelined_slowloris_head_still_gets_408(start_gateway: StartGateway, fake: FakeEngine) -> None:
     """A head trickling in behind a running request on the same connection is still held to its deadline."""
     gateway = start_gateway({"fake": fake.url}, "--header-timeout", "1")
@@ -143,6 +147,7 @@ def test_pipelined_slowloris_head_still_gets_408(start_gateway: StartGateway, fa
         sock.close()
 
 
+@pytest.mark.fault("clients", "oversized heads and bodies")
 def test_huge_header_value_is_refused_before_it_is_buffered(
     start_gateway: StartGateway, fake: FakeEngine
 ) -> None:
@@ -161,6 +166,7 @@ def test_huge_header_value_is_refused_before_it_is_buffered(
         sock.close()
 
 
+@pytest.mark.fault("clients", "a client that leaves mid-request")
 def test_heartbeat_streams_are_counted_in_ttft_and_client_gone_is_499(
     start_gateway: StartGateway, fake: FakeEngine, http: httpx.Client
 ) -> None:
@@ -176,6 +182,7 @@ def test_heartbeat_streams_are_counted_in_ttft_and_client_gone_is_499(
     assert 'code="499"' in text and 'code="0"' not in text
 
 
+@pytest.mark.fault("overload", "the limit and the queue: 429 and 503 with Retry-After")
 def test_access_log_names_the_model_of_a_429_without_metrics(
     start_gateway: StartGateway, fake: FakeEngine
 ) -> None:
@@ -196,6 +203,7 @@ def test_access_log_names_the_model_of_a_429_without_metrics(
         holder.close()
 
 
+@pytest.mark.fault("clients", "bodies that are not JSON, or are sent as forms")
 def test_browser_form_post_is_refused_and_responses_vary_by_origin(
     start_gateway: StartGateway, fake: FakeEngine, http: httpx.Client
 ) -> None:
@@ -211,6 +219,7 @@ def test_browser_form_post_is_refused_and_responses_vary_by_origin(
     assert fake.records() == []
 
 
+@pytest.mark.fault("overload", "slots released on every path, cancelled waiters too")
 @pytest.mark.anyio
 async def test_request_cancelled_while_queued_leaks_no_slot() -> None:
     """A relay task cancelled while it waits for a slot gives its place back."""
