@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ast
 import uuid
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import CATALOGUE
 
 pytest_plugins = ["pytester"]
 
@@ -98,3 +101,15 @@ def test_a_fault_marker_outside_the_catalogue_stops_the_run(suite: pytest.Pytest
     result = suite.runpytest()
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*test_faults.py::test_fault: *fault*"])
+
+
+def test_every_case_of_the_catalogue_has_a_test() -> None:
+    """No case is in the catalogue without a test in the suite that provokes it."""
+    marked: set[tuple[str, str]] = set()
+    for path in CONFTEST.parent.rglob("test_*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "pytest.mark.fault":
+                group, case = (ast.literal_eval(arg) for arg in node.args)
+                marked.add((str(group), str(case)))
+    listed = {(group, case) for group, cases in CATALOGUE.items() for case in cases}
+    assert listed - marked == set()
