@@ -242,6 +242,7 @@ def test_stream_parity_direct_and_through_gateway(gateway: EngineGateway) -> Non
     assert texts[0] == texts[1] and len(texts[0]) == 20
 
 
+@pytest.mark.fault("engines", "requests that would break the engine")
 def test_guards_answer_400_before_the_engine(gateway: EngineGateway) -> None:
     """max_tokens 0 (unbounded in llama-cpp-python) and a chat without messages get a 400 from the gateway."""
     with httpx.Client(trust_env=False, timeout=30) as http:
@@ -257,6 +258,7 @@ def test_guards_answer_400_before_the_engine(gateway: EngineGateway) -> None:
         assert time.monotonic() - started < 2.0
 
 
+@pytest.mark.fault("engines", "requests that would break the engine")
 def test_bad_field_type_gets_a_400_at_the_gateway(gateway: EngineGateway) -> None:
     """A sampling field of the wrong type gets a 400 naming it, before the engine (which would say 500)."""
     with httpx.Client(trust_env=False, timeout=30) as http:
@@ -343,6 +345,7 @@ def test_a_waiting_request_does_not_cut_a_stream_short(gateway: EngineGateway) -
     assert received[0].count('"content"') == 800
 
 
+@pytest.mark.fault("engines", "a child stopped: its group killed and reaped")
 def test_builtin_tiny_then_sigterm_reaps_the_child(engine_python: Path, logs_dir: Path) -> None:
     """`--model builtin:tiny` serves the GGUF demo model; SIGTERM exits 0 and the child is gone."""
     gateway = start_gateway(logs_dir, "--engine", ENGINE, "--model", "builtin:tiny")

@@ -141,7 +141,7 @@ def test_built_reply_equals_the_engines_own_non_stream_reply(
     assert set(mine["usage"]) == set(theirs["usage"])
 
 
-@pytest.mark.fault
+@pytest.mark.fault("clients", "a client that leaves mid-request")
 def test_a_client_that_leaves_a_non_stream_request_frees_the_engine(gateway: EngineGateway) -> None:
     """The child stops generating within about a second of the client leaving (its CPU says so)."""
     wait_idle(gateway.child_pid)
@@ -181,7 +181,7 @@ def test_time_to_first_token_is_real_for_non_stream_requests(gateway: EngineGate
     assert ttfb_ms < total_ms / 2, line
 
 
-@pytest.mark.fault
+@pytest.mark.fault("engines", "a child that crashes, hangs or turns unhealthy")
 def test_a_child_that_dies_under_a_built_reply_is_a_502_not_a_short_reply(gateway: EngineGateway) -> None:
     """SIGKILL of the child mid-generation: the client gets 502 in OpenAI's envelope, not part of a reply."""
     wait_idle(gateway.child_pid)
