@@ -72,6 +72,7 @@ CATALOGUE: dict[str, tuple[str, ...]] = {
         "nginx in front",
         "HAProxy in front",
         "a gateway in front (chained gateways)",
+        "idle connections at the keep-alive limits",
     ),
 }
 
@@ -133,7 +134,7 @@ def _orphans() -> int:
     return count
 
 
-_ENGINE_PROGRAMS = (b"tests.fake_engine", b"mlx_lm.server", b"llama_cpp.server")
+_ENGINE_PROGRAMS = (b"tests.fake_engine", b"mlx_lm.server", b"llama_cpp.server", b"llamacpp_server.py")
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -286,7 +286,7 @@ def test_engine_validation_error_is_relayed_in_openai_shape(gateway: EngineGatew
     assert "mirostat_tau" in error["message"]
 
 
-@pytest.mark.fault
+@pytest.mark.fault("clients", "a client that leaves mid-request")
 def test_a_client_that_leaves_a_non_stream_request_frees_the_engine(gateway: EngineGateway) -> None:
     """While its client waits the child generates; once the client has left, it stops within about a second.
 

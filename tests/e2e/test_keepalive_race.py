@@ -37,6 +37,8 @@ from tests.e2e.conftest import FakeEngine, StartGateway, free_port
 from tests.e2e.test_haproxy import HAProxy, haproxy_binary, render_haproxy
 from tests.e2e.test_load_balancer import render_nginx
 
+pytestmark = pytest.mark.fault("balancers", "idle connections at the keep-alive limits")
+
 # States in /proc/net/tcp.
 _ESTABLISHED, _TIME_WAIT = "01", "06"
 
