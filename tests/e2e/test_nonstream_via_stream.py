@@ -26,6 +26,7 @@ import httpx
 import orjson
 import pytest
 
+from tests.e2e.balancers import wait_until
 from tests.e2e.conftest import ROOT, FakeEngine, Running, StartGateway, free_port
 from tests.e2e.test_engine_mlx import DEMO, EngineGateway, start_engine_gateway, stop
 from tests.e2e.test_engine_mlx import engine_installed as engine_installed
@@ -174,7 +175,12 @@ def test_time_to_first_token_is_real_for_non_stream_requests(gateway: EngineGate
     reply = post(gateway.url, "/v1/chat/completions", chat("Count to a hundred.", 400))
     assert reply.status_code == 200
     request_id = reply.headers["x-request-id"]
-    line = next(line for line in gateway.log().splitlines() if request_id in line)
+
+    def logged() -> str | None:
+        # The line is written once the response has ended, after the client may have it.
+        return next((line for line in gateway.log().splitlines() if request_id in line), None)
+
+    line = wait_until(logged, 10, f"the access log line of {request_id}")
     match = re.search(r" ([\d.]+)ms ttfb=([\d.]+)ms ", line)
     assert match is not None, line
     total_ms, ttfb_ms = float(match.group(1)), float(match.group(2))
