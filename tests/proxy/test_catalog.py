@@ -105,6 +105,14 @@ def test_an_engine_model_turned_into_a_static_upstream_is_rebuilt() -> None:
     assert changes is not None and changes.rebuilt == (new,) and changes.retuned == ()
 
 
+def test_naming_an_upstream_s_engine_rebuilds_its_route() -> None:
+    """engine added beside an upstream changes its guards: the route is built again."""
+    new = upstream("b", engine=MLX)
+    assert plan_reload({"b": upstream("b")}, file(new), keep=()) == ReloadPlan(
+        rebuilt=(new,), replaced=("b",)
+    )
+
+
 def test_a_model_the_file_no_longer_names_is_removed_but_command_line_ones_stay() -> None:
     """Removed: the file's models it dropped; the command line's models (keep) are never touched."""
     running = {"cli": engine("cli"), "a": engine("a"), "b": upstream("b")}
@@ -159,6 +167,15 @@ def test_a_static_upstream_becomes_a_plain_route_with_the_default_limit() -> Non
     )
     own = catalog.prepare(upstream("b", max_in_flight=2))
     assert isinstance(own, Route) and own.max_in_flight == 2
+
+
+def test_an_upstream_that_names_its_engine_gets_that_engine_s_guards() -> None:
+    """engine beside upstream: no child, but the spec's request checks and non-stream handling apply."""
+    spec = specs.load(MLX)
+    route = Catalog(home=None, registry=None).prepare(upstream("r", engine=MLX))
+    assert isinstance(route, Route) and route.gate is None
+    assert route.guards.min_max_tokens == spec.guards.min_max_tokens
+    assert route.guards.via_stream == spec.nonstream.via_stream
 
 
 def test_build_refuses_a_name_two_models_would_serve() -> None:
