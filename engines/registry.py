@@ -147,7 +147,7 @@ class Registry:
     async def _report_start(
         self, model: ServedModel, starting: Awaitable[list[str | None]], *, at_start: bool
     ) -> None:
-        """Say which replicas of an always-loaded model failed; if all did, why, and tell the gateway."""
+        """Say which replicas failed to start; if all did, why (and stop the gateway, if started with it)."""
         errors = await starting
         failed = [(child, error) for child, error in zip(model.children, errors, strict=True) if error]
         if len(failed) < len(model.children):
