@@ -23,7 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     size.add_argument("--quick", action="store_true", help="a short version (tox -e perf)")
     size.add_argument("--smoke", action="store_true", help="a few seconds, to prove the harness runs")
     parser.add_argument("--duration", type=float, default=None, help="seconds per matrix run")
-    parser.add_argument("--rounds", type=int, default=None, help="matrix rounds")
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="matrix rounds; affinity: rounds of each mode"
+    )
     parser.add_argument("--runs", type=int, default=None, help="receipt runs per surface")
     parser.add_argument(
         "--model",
@@ -33,6 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--modes", default=None, help="affinity: comma-separated modes [all four]")
     parser.add_argument("--slack", type=int, default=None, help="affinity: the affinity slack [4]")
+    parser.add_argument("--conversations", type=int, default=None, help="affinity: conversations at once [8]")
+    parser.add_argument(
+        "--think", type=float, default=None, help="affinity: mean pause in s before a later turn [0.5]"
+    )
     parser.add_argument(
         "--concurrent", type=int, default=None, help="receipt: also aggregate tok/s at C=N [off]"
     )
@@ -117,11 +123,17 @@ def _affinity(args: argparse.Namespace, out: Path) -> int:
     if args.quick:
         plan = AffinityPlan(conversations=4, turns=3, max_tokens=16)
     if args.smoke:
-        plan = AffinityPlan(conversations=2, turns=2, system_tokens=200, max_tokens=4)
+        plan = AffinityPlan(conversations=2, turns=2, system_tokens=200, max_tokens=4, think_s=0)
     if args.model:
         plan.model = args.model
     if args.slack is not None:
         plan.slack = args.slack
+    if args.rounds:
+        plan.rounds = args.rounds
+    if args.think is not None:
+        plan.think_s = args.think
+    if args.conversations:
+        plan.conversations = args.conversations
     if args.modes:
         plan.modes = tuple(args.modes.split(","))
         unknown = set(plan.modes) - set(MODES)

@@ -82,6 +82,13 @@ class AffinityPlan:
     slack: int = DEFAULT_SLACK
     modes: tuple[str, ...] = MODES
     seed: int = 14
+    # A user reads a reply before the next turn: a pause drawn per (conversation,
+    # turn) from the seed, uniform in [0, 2 × think_s], the same in every mode.
+    # Without it least-busy is sticky by accident in a closed loop (the replica
+    # that just answered is the least busy when the next turn comes at once).
+    think_s: float = 0.5
+    # Each mode this many times, the order rotating; figures pool the rounds.
+    rounds: int = 1
 
 
 @dataclass(frozen=True)
@@ -125,6 +132,13 @@ def system_prompt(conversation: int, chars: int, seed: int) -> str:
         words.append(word)
         size += len(word) + 1
     return " ".join(words)[:chars]
+
+
+def think_time(conversation: int, turn: int, plan: AffinityPlan) -> float:
+    """The pause before ``turn`` of ``conversation``: the same in every mode."""
+    if turn == 1 or plan.think_s <= 0:
+        return 0.0
+    return random.Random(f"{plan.seed}/{conversation}/{turn}").uniform(0, 2 * plan.think_s)
 
 
 def user_message(conversation: int, turn: int) -> str:
@@ -195,6 +209,7 @@ def _converse(plan: AffinityPlan, served: str, router: _Router, conversation: in
     turns = []
     with httpx.Client(trust_env=False, timeout=900) as client:
         for turn in range(1, plan.turns + 1):
+            time.sleep(think_time(conversation, turn, plan))
             messages.append({"role": "user", "content": user_message(conversation, turn)})
             doc = {
                 "model": served,
@@ -360,6 +375,22 @@ def run_mode(mode: str, plan: AffinityPlan, log_dir: Path, flags: str) -> ModeRe
     return result
 
 
+def merge(into: ModeResult, result: ModeResult) -> None:
+    """Pool one round of a mode into the figures of the rounds before."""
+    into.skipped = result.skipped
+    into.turns += result.turns
+    into.served = (
+        [a + b for a, b in zip(into.served, result.served, strict=True)] if into.served else result.served
+    )
+    into.wall_s += result.wall_s
+    if result.affinity is not None:
+        if into.affinity is None:
+            into.affinity = {name: list(counts) for name, counts in result.affinity.items()}
+        else:
+            for name, counts in result.affinity.items():
+                into.affinity[name] = [a + b for a, b in zip(into.affinity[name], counts, strict=True)]
+
+
 # ---- figures ------------------------------------------------------------------------------------
 
 
@@ -487,6 +518,7 @@ def markdown(data: dict[str, Any]) -> str:
         "",
         f"{plan['conversations']} conversations × {plan['turns']} turns at once, each with its own "
         f"system prompt (~{plan['system_tokens']} tokens), {plan['max_tokens']} tokens a reply, "
+        f"a pause of 0–{2 * plan['think_s']:g} s before each later turn, {plan['rounds']} round(s), "
         f"engine {data['engine']}, model {plan['model']} ({data['model']}), slack {plan['slack']}. "
         f"Git {data['environment'].get('git_sha', '?')}.",
         "",
@@ -551,28 +583,30 @@ def run_affinity(plan: AffinityPlan, out_dir: Path) -> dict[str, Any]:
     log_dir = out_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     flags = gateway_flags()
-    results = []
-    for mode in plan.modes:
-        print(f"affinity: {mode} ...", flush=True)
-        result = run_mode(mode, plan, log_dir, flags)
-        results.append(result)
-        if result.skipped:
-            print(f"affinity: {mode}: skipped ({result.skipped})", flush=True)
-            continue
-        print(
-            f"affinity: {mode}: {len(result.turns)} turns in {result.wall_s:.1f} s, "
-            f"cached {_f(cached_fraction([t for t in result.turns if t.turn > 1]))} on turns 2+, "
-            f"served {result.served}",
-            flush=True,
-        )
+    results = {mode: ModeResult(mode) for mode in plan.modes}
+    for round_index in range(plan.rounds):
+        shift = round_index % len(plan.modes)
+        for mode in plan.modes[shift:] + plan.modes[:shift]:
+            print(f"affinity: round {round_index + 1}, {mode} ...", flush=True)
+            result = run_mode(mode, plan, log_dir, flags)
+            merge(results[mode], result)
+            if result.skipped:
+                print(f"affinity: {mode}: skipped ({result.skipped})", flush=True)
+                continue
+            print(
+                f"affinity: {mode}: {len(result.turns)} turns in {result.wall_s:.1f} s, "
+                f"cached {_f(cached_fraction([t for t in result.turns if t.turn > 1]))} on turns 2+, "
+                f"served {result.served}",
+                flush=True,
+            )
     return {
         "kind": "affinity",
         "engine": ENGINE,
         "model": MODEL_TABLE,
         "flag": {"name": AFFINITY_FLAG, "in_gateway": AFFINITY_FLAG in flags, "off": AFFINITY_OFF},
         "plan": asdict(plan),
-        "summary": summarize(results, plan.turns),
-        "runs": {r.mode: [asdict(t) for t in r.turns] for r in results},
+        "summary": summarize(list(results.values()), plan.turns),
+        "runs": {r.mode: [asdict(t) for t in r.turns] for r in results.values()},
         "decision_cost": decision_cost(),
         "environment": report.environment(),
     }
