@@ -1,3 +1,3 @@
-from proxy.cli import main
+from proxy.startup.cli import main
 
 main(prog_name="blazar-proxy")

@@ -222,8 +222,8 @@ def test_the_catalog_refuses_an_unknown_builtin_before_installing(
 ) -> None:
     """--model builtin:huge fails at once, naming the built-in models, with no engine installed first."""
     from engines import install
-    from proxy.catalog import Catalog
-    from proxy.configfile import ConfigError, ModelConfig
+    from proxy.startup.catalog import Catalog
+    from proxy.startup.configfile import ConfigError, ModelConfig
 
     def not_now(*args: Any, **options: Any) -> None:
         raise AssertionError("installed before the model name was checked")

@@ -17,10 +17,10 @@ from engines.child import ChildState
 from engines.plan import PlannedChild
 from engines.registry import Registry
 from engines.served import Lifetime, ModelState, ServedModel
-from proxy.catalog import Catalog, ReloadPlan, _Prepared, plan_reload
-from proxy.configfile import ConfigError, FileConfig, ModelConfig
 from proxy.relay import Relay, RelaySettings
 from proxy.routing import Route, RoutingTable, UpstreamAddress
+from proxy.startup.catalog import Catalog, ReloadPlan, _Prepared, plan_reload
+from proxy.startup.configfile import ConfigError, FileConfig, ModelConfig
 from tests.engines.test_child import config as child_config
 
 MLX = "mlx-0.32.0"

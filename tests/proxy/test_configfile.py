@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from proxy.configfile import ConfigError, FileConfig, ModelConfig, check_names, load
+from proxy.startup.configfile import ConfigError, FileConfig, ModelConfig, check_names, load
 
 UPSTREAM = "http://127.0.0.1:9/v1"
 

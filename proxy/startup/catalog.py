@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from proxy.configfile import ConfigError, FileConfig, ModelConfig, check_names
 from proxy.payload import RequestGuards
 from proxy.routing import Replica, Route, RoutingTable, UpstreamAddress, UpstreamSpecError, parse_upstream_url
+from proxy.startup.configfile import ConfigError, FileConfig, ModelConfig, check_names
 
 if TYPE_CHECKING:
     from engines.home import Home

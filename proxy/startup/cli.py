@@ -22,19 +22,20 @@ import orjson
 import uvicorn
 from click.core import ParameterSource
 
-from proxy import __version__, configfile
+from proxy import __version__
 from proxy.accesslog import AccessLog
 from proxy.app import Gateway, build_app
 from proxy.auth import ApiKeys, read_key_file
-from proxy.catalog import Catalog
-from proxy.config import Settings
-from proxy.configfile import ConfigError, FileConfig, ModelConfig
 from proxy.cors import Cors
 from proxy.metrics import EngineSample, Metrics
 from proxy.protocol import protocol_class
 from proxy.relay import RelaySettings
 from proxy.routing import RoutingTable, UpstreamSpecError, parse_upstream_spec
-from proxy.server import GatewayServer
+from proxy.startup import configfile
+from proxy.startup.catalog import Catalog
+from proxy.startup.config import Settings
+from proxy.startup.configfile import ConfigError, FileConfig, ModelConfig
+from proxy.startup.server import GatewayServer
 
 if TYPE_CHECKING:
     from engines.registry import Registry
