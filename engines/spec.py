@@ -17,6 +17,8 @@ from typing import Any
 
 VARIANTS = ("cpu", "cuda12", "cuda13", "metal")
 CUDA_VARIANTS = frozenset({"cuda12", "cuda13"})
+# What a user may ask for: a variant, or auto (engines.variant picks one for the machine).
+VARIANT_CHOICES = ("auto", *VARIANTS)
 # How the child is told the name it serves (see engines/DESIGN.md):
 # run-dir-symlink: {model} is a link named like the served model in the run
 #   directory (an engine that loads whatever the request's model names);

@@ -43,7 +43,7 @@ class Exchange:
 
     def __init__(self, settings: RelaySettings, drain: Drain) -> None:
         self._drain = drain
-        self._head_timeout_s = settings.head_timeout_s
+        self._head_timeout_s = settings.first_byte_timeout_s
         self._read_timeout_s = settings.read_timeout_s
         self._heartbeat_s = settings.heartbeat_s
         self._total_timeout_s = settings.total_timeout_s

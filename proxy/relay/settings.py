@@ -8,7 +8,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True, slots=True)
 class RelaySettings:
     max_body_bytes: int = 32 * 1024 * 1024
-    head_timeout_s: float = 600.0
+    first_byte_timeout_s: float = 600.0
     read_timeout_s: float = 300.0
     max_queued: int = 256
     queue_timeout_s: float = 60.0

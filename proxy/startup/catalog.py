@@ -23,19 +23,23 @@ import logging
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
+from engines import builtin
+from engines import install as installing
+from engines import spec as specs
+from engines.child import Child
+from engines.environment import ServedNameError
+from engines.formats import FormatError, check_model, describe, pick_engine
+from engines.home import Home
+from engines.plan import PlanError, PlannedChild, check_engine_args, free_port, plan
+from engines.registry import Registry
+from engines.served import Lifetime, ServedModel
+from engines.spec import EngineSpec
 from proxy.payload import RequestGuards
+from proxy.relay import Relay
 from proxy.routing import Replica, Route, RoutingTable, UpstreamAddress, UpstreamSpecError, parse_upstream_url
 from proxy.startup.configfile import ConfigError, FileConfig, ModelConfig, check_names
-
-if TYPE_CHECKING:
-    from engines.home import Home
-    from engines.plan import PlannedChild
-    from engines.registry import Registry
-    from engines.served import ServedModel
-    from engines.spec import EngineSpec
-    from proxy.relay import Relay
 
 log = logging.getLogger("blazar.catalog")
 
@@ -86,24 +90,16 @@ class Catalog:
             if config.engine is not None:
                 # An engine on another host: nothing to install or start, but
                 # the same checks and non-stream handling as for a child.
-                from engines import spec as specs
-
                 route = dataclasses.replace(route, guards=_guards(specs.load(config.engine)))
             return dataclasses.replace(route, max_in_flight=config.max_in_flight or self.max_in_flight)
         return self._plan_engine(config)
 
     def _plan_engine(self, config: ModelConfig) -> _Prepared:
-        from engines import builtin
-        from engines import install as installing
-        from engines.plan import free_port, plan
-
         assert self.home is not None and config.engine is not None
         engine = config.engine
         # Before any install: an unknown builtin: name fails at once.
         chosen = builtin.parse(config.model)
         if engine == "auto":
-            from engines.formats import describe, pick_engine
-
             if config.model is None:
                 raise ConfigError('engine "auto" needs a model: the engine is picked by its format')
             if chosen is not None:
@@ -155,9 +151,6 @@ class Catalog:
         """Make the children and the route, in the event loop's thread."""
         if isinstance(prepared, Route):
             return prepared
-        from engines.child import Child
-        from engines.served import Lifetime, ServedModel
-
         config, spec = prepared.config, prepared.spec
         first = prepared.planned[0]
         for planned in prepared.planned:
@@ -193,8 +186,8 @@ class Catalog:
             ),
         )
 
-    def _on_ready(self, planned: PlannedChild) -> Callable[[Any], None]:
-        def announce(child: Any) -> None:
+    def _on_ready(self, planned: PlannedChild) -> Callable[[Child], None]:
+        def announce(child: Child) -> None:
             self.announce(
                 f"engine {planned.engine} ({planned.variant}) serving {child.config.served_model!r}: "
                 f"venv {planned.venv}, CUDA_HOME {planned.cuda_home or '-'}, pid {child.pid}, "
@@ -229,11 +222,6 @@ class Catalog:
             self.entries[route.model] = (config, route)
 
     def _prepare_checked(self, config: ModelConfig) -> _Prepared | Route:
-        from engines import install as installing
-        from engines import spec as specs
-        from engines.environment import ServedNameError
-        from engines.plan import PlanError
-
         where = config.source or (f"model {config.name!r}" if config.name else "the --engine model")
         try:
             return self.prepare(config)
@@ -250,9 +238,7 @@ class Catalog:
 
     def served_models(self) -> list[ServedModel]:
         # An engine route's gate is the ServedModel that assemble made.
-        return [
-            cast("ServedModel", route.gate) for _, route in self.entries.values() if route.gate is not None
-        ]
+        return [route.gate for _, route in self.entries.values() if isinstance(route.gate, ServedModel)]
 
     # -- reloading ------------------------------------------------------------
 
@@ -291,38 +277,36 @@ class Catalog:
         old = [self.entries[name][1] for name in (*changes.removed, *changes.replaced)]
         self.entries = entries
         relay.update(table)
-        from engines.served import Lifetime
-
         if self.registry is not None:
             for config in changes.retuned:
                 assert config.name is not None
                 # The model's lifetime is its own: the registry asks it to take the new one.
-                served = cast("ServedModel", entries[config.name][1].gate)
+                served = entries[config.name][1].gate
+                assert isinstance(served, ServedModel)
                 self.registry.retune(served, Lifetime(always_loaded=config.always_loaded, ttl_s=config.ttl_s))
             await self.registry.replace(
-                added=[cast("ServedModel", r.gate) for r in new_routes if r.gate is not None],
+                added=[r.gate for r in new_routes if isinstance(r.gate, ServedModel)],
                 removed=[r.model for r in old if r.gate is not None],
             )
         self.announce(f"reload: {changes.report()}")
 
 
 def _guards(spec: EngineSpec) -> RequestGuards:
-    """An engine spec's request checks and non-stream handling, for the relay."""
-    return RequestGuards(
-        min_max_tokens=spec.guards.min_max_tokens,
-        require_input=spec.guards.require_input,
-        check_types=spec.guards.check_types,
-        seed_min=spec.guards.seed_min,
-        top_logprobs_max=spec.guards.top_logprobs_max,
-        completion_logprobs=spec.guards.completion_logprobs,
-        via_stream=spec.nonstream.via_stream,
-        stream_cannot_carry=spec.nonstream.stream_cannot_carry,
-    )
+    """An engine spec's request checks and non-stream handling, for the relay.
+
+    The relay owns ``RequestGuards`` (the request path may not import
+    engines); the spec's two tables fill it by field name, so a field added
+    to one side without the other fails here, and tests/test_seams.py says so.
+    """
+    return RequestGuards(**_fields_of(spec.guards), **_fields_of(spec.nonstream))
+
+
+def _fields_of(table: specs.Guards | specs.NonStream) -> dict[str, Any]:
+    # Any: the values go to RequestGuards by name; its constructor checks nothing else.
+    return {f.name: getattr(table, f.name) for f in dataclasses.fields(table)}
 
 
 def _check_upstream_engine(config: ModelConfig) -> None:
-    from engines import spec as specs
-
     assert config.engine is not None
     try:
         specs.load(config.engine)
@@ -331,11 +315,6 @@ def _check_upstream_engine(config: ModelConfig) -> None:
 
 
 def _check_engine_model(config: ModelConfig) -> None:
-    from engines import builtin
-    from engines import spec as specs
-    from engines.formats import FormatError, check_model
-    from engines.plan import PlanError, check_engine_args
-
     assert config.engine is not None
     spec = None
     if config.engine != "auto":

