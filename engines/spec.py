@@ -10,7 +10,7 @@ import os
 import re
 import string
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -151,33 +151,13 @@ def load(name: str) -> EngineSpec:
 
 def parse(data: dict[str, Any], *, source: str) -> EngineSpec:
     """Validate a spec's TOML table into an EngineSpec."""
-
-    def need(table: dict[str, Any], key: str, kind: type, where: str) -> Any:
-        value = table.get(key)
-        if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-            raise SpecError(f"{source}: {where}{key} must be a {kind.__name__}")
-        return value
-
-    packages_table = need(data, "packages", dict, "")
-    packages: dict[str, tuple[str, ...]] = {}
-    for variant, pins in packages_table.items():
-        if variant not in VARIANTS:
-            raise SpecError(f"{source}: packages.{variant}: unknown variant; known: {', '.join(VARIANTS)}")
-        if not isinstance(pins, list) or not pins or not all(isinstance(p, str) and p for p in pins):
-            raise SpecError(f"{source}: packages.{variant} must be a non-empty list of requirements")
-        packages[variant] = tuple(pins)
-    server = need(data, "server", dict, "")
-    argv = need(server, "argv", list, "server.")
-    if not argv or not all(isinstance(a, str) for a in argv) or "{port}" not in argv:
-        raise SpecError(f"{source}: server.argv must be a list of strings that includes {{port}}")
-    readiness = need(data, "readiness", dict, "")
-    model_field = need(data, "model_field", dict, "")
-    mode = need(model_field, "mode", str, "model_field.")
-    if mode not in MODEL_FIELD_MODES:
-        raise SpecError(f"{source}: model_field.mode {mode!r} is not one of {sorted(MODEL_FIELD_MODES)}")
-    guards = data.get("guards", {})
-    if not isinstance(guards, dict):
-        raise SpecError(f"{source}: guards must be a table")
+    read = _Reader(source)
+    packages = _packages(read, read.need(data, "packages", dict, ""))
+    server = read.need(data, "server", dict, "")
+    argv = _argv(read, server)
+    readiness = read.need(data, "readiness", dict, "")
+    mode = _model_field(read, read.need(data, "model_field", dict, ""))
+    guards = read.table(data, "guards")
     used = {name for part in argv for _, name, _, _ in string.Formatter().parse(part) if name}
     unknown = used - _PLACEHOLDERS
     if unknown:
@@ -189,84 +169,152 @@ def parse(data: dict[str, Any], *, source: str) -> EngineSpec:
     health_path = readiness.get("health_path", "")
     if not isinstance(health_path, str) or (health_path and not health_path.startswith("/")):
         raise SpecError(f"{source}: readiness.health_path must be a path starting with / (or absent)")
-    install = data.get("install", {})
-    if not isinstance(install, dict):
-        raise SpecError(f"{source}: install must be a table")
-    settings_table = install.get("config_settings", {})
-    if not isinstance(settings_table, dict):
-        raise SpecError(f"{source}: install.config_settings must be a table of variants")
-    config_settings: dict[str, tuple[str, ...]] = {}
-    for variant, settings in settings_table.items():
-        if variant not in packages:
-            raise SpecError(f"{source}: install.config_settings.{variant}: the spec has no such variant")
-        if not isinstance(settings, list) or not all(
-            isinstance(s, str) and _CONFIG_SETTING.match(s) for s in settings
-        ):
-            raise SpecError(
-                f"{source}: install.config_settings.{variant} must be a list of KEY=VALUE strings"
-            )
-        config_settings[variant] = tuple(settings)
+    install = read.table(data, "install")
+    config_settings = _config_settings(read, install, packages)
     builds_from_source = install.get("builds_from_source", "")
     if not isinstance(builds_from_source, str):
         raise SpecError(f"{source}: install.builds_from_source must be a string")
     env_drop = server.get("env_drop", [])
     if not isinstance(env_drop, list) or not all(isinstance(n, str) and n for n in env_drop):
         raise SpecError(f"{source}: server.env_drop must be a list of variable names")
-
-    def number(table: dict[str, Any], key: str, default: float, where: str) -> float:
-        value = table.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise SpecError(f"{source}: {where}{key} must be a number")
-        return value
-
-    def flag(table: dict[str, Any], key: str, default: bool, where: str) -> bool:
-        value = table.get(key, default)
-        if not isinstance(value, bool):
-            raise SpecError(f"{source}: {where}{key} must be true or false")
-        return value
-
-    nonstream = data.get("nonstream", {})
-    if not isinstance(nonstream, dict):
-        raise SpecError(f"{source}: nonstream must be a table")
-    cannot_carry = nonstream.get("stream_cannot_carry", [])
-    if not isinstance(cannot_carry, list) or not all(isinstance(n, str) and n for n in cannot_carry):
-        raise SpecError(f"{source}: nonstream.stream_cannot_carry must be a list of field names")
-
+    nonstream = _nonstream(read, read.table(data, "nonstream"))
     spec = EngineSpec(
-        name=need(data, "name", str, ""),
-        kind=need(data, "kind", str, ""),
-        version=need(data, "version", str, ""),
+        name=read.need(data, "name", str, ""),
+        kind=read.need(data, "kind", str, ""),
+        version=read.need(data, "version", str, ""),
         summary=str(data.get("summary", "")),
-        model_formats=tuple(need(data, "model_formats", list, "")),
+        model_formats=tuple(read.need(data, "model_formats", list, "")),
         packages=packages,
         argv=tuple(argv),
         http_version=str(server.get("http_version", "1.1")),
-        batch_size=int(number(server, "batch_size", 1, "server.")),
-        readiness=Readiness(
-            path=need(readiness, "path", str, "readiness."),
-            max_tokens=int(number(readiness, "max_tokens", 1, "readiness.")),
-            timeout_s=float(number(readiness, "timeout_s", 600.0, "readiness.")),
-            health_path=health_path,
-            probe_interval_s=float(number(readiness, "probe_interval_s", 60.0, "readiness.")),
-            probe_timeout_s=float(number(readiness, "probe_timeout_s", 300.0, "readiness.")),
-        ),
+        batch_size=int(read.number(server, "batch_size", 1, "server.")),
+        readiness=_readiness(read, readiness, health_path),
         model_field=mode,
-        guards=Guards(
-            min_max_tokens=int(number(guards, "min_max_tokens", 1, "guards.")),
-            require_input=flag(guards, "require_input", False, "guards."),
-            check_types=flag(guards, "check_types", False, "guards."),
-            seed_min=None if "seed_min" not in guards else int(number(guards, "seed_min", 0, "guards.")),
-            top_logprobs_max=int(number(guards, "top_logprobs_max", 20, "guards.")),
-            completion_logprobs=_choice(guards, "completion_logprobs", ("count", "flag"), source),
-        ),
+        guards=_guards(read, guards),
         config_settings=config_settings,
         env_drop=tuple(env_drop),
         builds_from_source=builds_from_source,
-        nonstream=NonStream(
-            via_stream=flag(nonstream, "via_stream", False, "nonstream."),
-            stream_cannot_carry=tuple(cannot_carry),
-        ),
+        nonstream=nonstream,
     )
     if source.endswith(".toml") and spec.name != source.removesuffix(".toml"):
         raise SpecError(f"{source}: name {spec.name!r} does not match the file name")
     return spec
+
+
+class _Reader:
+    """Values read from one spec's tables, checked; errors name the file and the key."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def need(self, table: dict[str, Any], key: str, kind: type, where: str) -> Any:
+        value = table.get(key)
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+            raise SpecError(f"{self.source}: {where}{key} must be a {kind.__name__}")
+        return value
+
+    def table(self, data: dict[str, Any], key: str) -> dict[str, Any]:
+        """An optional table (empty when absent)."""
+        value = data.get(key, {})
+        if not isinstance(value, dict):
+            raise SpecError(f"{self.source}: {key} must be a table")
+        return value
+
+    def number(self, table: dict[str, Any], key: str, default: float, where: str) -> float:
+        value = table.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise SpecError(f"{self.source}: {where}{key} must be a number")
+        return value
+
+    def flag(self, table: dict[str, Any], key: str, default: bool, where: str) -> bool:
+        value = table.get(key, default)
+        if not isinstance(value, bool):
+            raise SpecError(f"{self.source}: {where}{key} must be true or false")
+        return value
+
+
+def _packages(read: _Reader, table: dict[str, Any]) -> dict[str, tuple[str, ...]]:
+    packages: dict[str, tuple[str, ...]] = {}
+    for variant, pins in table.items():
+        if variant not in VARIANTS:
+            raise SpecError(
+                f"{read.source}: packages.{variant}: unknown variant; known: {', '.join(VARIANTS)}"
+            )
+        if not isinstance(pins, list) or not pins or not all(isinstance(p, str) and p for p in pins):
+            raise SpecError(f"{read.source}: packages.{variant} must be a non-empty list of requirements")
+        packages[variant] = tuple(pins)
+    return packages
+
+
+def _argv(read: _Reader, server: dict[str, Any]) -> list[str]:
+    argv: list[str] = read.need(server, "argv", list, "server.")
+    if not argv or not all(isinstance(a, str) for a in argv) or "{port}" not in argv:
+        raise SpecError(f"{read.source}: server.argv must be a list of strings that includes {{port}}")
+    return argv
+
+
+def _model_field(read: _Reader, table: dict[str, Any]) -> str:
+    mode: str = read.need(table, "mode", str, "model_field.")
+    if mode not in MODEL_FIELD_MODES:
+        raise SpecError(f"{read.source}: model_field.mode {mode!r} is not one of {sorted(MODEL_FIELD_MODES)}")
+    return mode
+
+
+def _config_settings(
+    read: _Reader, install: dict[str, Any], packages: dict[str, tuple[str, ...]]
+) -> dict[str, tuple[str, ...]]:
+    table = install.get("config_settings", {})
+    if not isinstance(table, dict):
+        raise SpecError(f"{read.source}: install.config_settings must be a table of variants")
+    config_settings: dict[str, tuple[str, ...]] = {}
+    for variant, settings in table.items():
+        if variant not in packages:
+            raise SpecError(f"{read.source}: install.config_settings.{variant}: the spec has no such variant")
+        if not isinstance(settings, list) or not all(
+            isinstance(s, str) and _CONFIG_SETTING.match(s) for s in settings
+        ):
+            raise SpecError(
+                f"{read.source}: install.config_settings.{variant} must be a list of KEY=VALUE strings"
+            )
+        config_settings[variant] = tuple(settings)
+    return config_settings
+
+
+def _readiness(read: _Reader, table: dict[str, Any], health_path: str) -> Readiness:
+    return Readiness(
+        path=read.need(table, "path", str, "readiness."),
+        max_tokens=int(read.number(table, "max_tokens", 1, "readiness.")),
+        timeout_s=float(read.number(table, "timeout_s", 600.0, "readiness.")),
+        health_path=health_path,
+        probe_interval_s=float(read.number(table, "probe_interval_s", 60.0, "readiness.")),
+        probe_timeout_s=float(read.number(table, "probe_timeout_s", 300.0, "readiness.")),
+    )
+
+
+# The guards whose value is one of a few words, and those words (the first is the default's).
+_GUARD_CHOICES = {"completion_logprobs": ("count", "flag")}
+
+
+def _guards(read: _Reader, table: dict[str, Any]) -> Guards:
+    """``[guards]``: each field read by its default's type; an absent key keeps the default."""
+    values: dict[str, Any] = {}
+    for item in fields(Guards):
+        key, default = item.name, item.default
+        if key in _GUARD_CHOICES:
+            values[key] = _choice(table, key, _GUARD_CHOICES[key], read.source)
+        elif isinstance(default, bool):
+            values[key] = read.flag(table, key, default, "guards.")
+        elif key in table:
+            # Counts and limits (seed_min's default None: no limit).
+            values[key] = int(read.number(table, key, 0, "guards."))
+    return Guards(**values)
+
+
+def _nonstream(read: _Reader, table: dict[str, Any]) -> NonStream:
+    cannot_carry = table.get("stream_cannot_carry", [])
+    if not isinstance(cannot_carry, list) or not all(isinstance(n, str) and n for n in cannot_carry):
+        raise SpecError(f"{read.source}: nonstream.stream_cannot_carry must be a list of field names")
+    return NonStream(
+        via_stream=read.flag(table, "via_stream", False, "nonstream."),
+        stream_cannot_carry=tuple(cannot_carry),
+    )

@@ -186,87 +186,7 @@ def build_app(
     if api_keys:
         settings = dataclasses.replace(settings, strip_credentials=True)
     relay = Relay(table, settings, metrics, access_log, connect_timeout_s=connect_timeout_s)
-    created = int(time.time())
-
-    def describe(route: RouteConfig) -> dict[str, object]:
-        return {
-            "id": route.model,
-            "object": "model",
-            "created": created,
-            "owned_by": "blazar-proxy",
-            # Static upstreams are always there as far as the gateway knows.
-            "state": route.gate.state if route.gate is not None else "loaded",
-            **({"aliases": list(route.aliases)} if route.aliases else {}),
-        }
-
-    async def list_models(request: Request) -> Response:
-        return _json(200, orjson.dumps({"object": "list", "data": [describe(r) for r in relay.table]}))
-
-    def route_of(request: Request) -> RouteConfig | Response:
-        name = request.path_params["model"]
-        route = relay.table.get(name)
-        if route is None:
-            return _json(
-                404,
-                error_body(
-                    404,
-                    f"The model `{echo(name)}` does not exist or is not served here",
-                    param="model",
-                    code="model_not_found",
-                ),
-            )
-        return route
-
-    async def get_model(request: Request) -> Response:
-        route = route_of(request)
-        if isinstance(route, Response):
-            return route
-        return _json(200, orjson.dumps(describe(route)))
-
-    def engine_route(request: Request, verb: str) -> RouteConfig | Response:
-        if "origin" in request.headers and (cors is None or cors.origin_of(request.scope) is None):
-            # A web page may POST here without a preflight; only allowed origins may act.
-            message = "this origin may not load or unload models (see --cors-origin)"
-            return _json(403, error_body(403, message, code="origin_not_allowed"))
-        route = route_of(request)
-        if isinstance(route, Response) or route.gate is not None:
-            return route
-        message = f"model `{route.model}` is a static upstream: the gateway has no engine to {verb} for it"
-        return _json(409, error_body(409, message, param="model", code="not_an_engine_model"))
-
-    async def load_model(request: Request) -> Response:
-        route = engine_route(request, "load")
-        if isinstance(route, Response):
-            return route
-        assert route.gate is not None
-        problem = await route.gate.load()
-        if problem is not None:
-            return _json(
-                503, error_body(503, problem, code="model_load_failed"), headers={"retry-after": "2"}
-            )
-        return _json(200, orjson.dumps(describe(route)))
-
-    async def unload_model(request: Request) -> Response:
-        route = engine_route(request, "unload")
-        if isinstance(route, Response):
-            return route
-        assert route.gate is not None
-        problem = await route.gate.unload()
-        if problem is not None:
-            return _json(409, error_body(409, problem, param="model", code="model_busy"))
-        return _json(200, orjson.dumps(describe(route)))
-
-    async def metrics_route(request: Request) -> Response:
-        assert metrics is not None
-        return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
-
-    async def livez(request: Request) -> Response:
-        return _json(200, b'{"status":"ok"}')
-
-    async def readyz(request: Request) -> Response:
-        if state.draining:
-            return _json(503, b'{"status":"draining","reason":"the gateway is shutting down"}')
-        return await _readiness(relay.table)
+    routes = _AdminRoutes(relay, state, cors, metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -283,26 +203,122 @@ def build_app(
                     pool.close()
 
     admin = Starlette(
-        routes=[
-            Route("/v1/models", list_models, methods=["GET"]),
-            Route("/models", list_models, methods=["GET"]),
-            Route("/v1/models/{model:path}", get_model, methods=["GET"]),
-            Route("/models/{model:path}", get_model, methods=["GET"]),
-            Route("/admin/models/{model:path}/load", load_model, methods=["POST"]),
-            Route("/admin/models/{model:path}/unload", unload_model, methods=["POST"]),
-            Route("/livez", livez, methods=["GET"]),
-            # What mlx_lm.server, vLLM and llama.cpp's server answer; benchmark tools
-            # (guidellm) probe it first and give up on a 404.
-            Route("/health", livez, methods=["GET"]),
-            Route("/readyz", readyz, methods=["GET"]),
-            # A plain route: Mount("/metrics", app) answers 307 and Prometheus scrapes nothing.
-            *([Route("/metrics", metrics_route, methods=["GET"])] if metrics is not None else []),
-            Route("/version", lambda r: _json(200, orjson.dumps({"version": __version__})), methods=["GET"]),
-        ],
+        routes=routes.table(),
         exception_handlers={HTTPException: _http_exception, Exception: _unexpected},
         lifespan=lifespan,
     )
     return Gateway(relay, admin, api_keys, state, cors)
+
+
+class _AdminRoutes:
+    """What the gateway answers itself: the model list, load and unload, the probes, metrics, version."""
+
+    def __init__(self, relay: Relay, state: GatewayState, cors: Cors | None, metrics: Metrics | None) -> None:
+        self.relay = relay
+        self.state = state
+        self.cors = cors
+        self.metrics = metrics
+        self.created = int(time.time())
+
+    def table(self) -> list[Route]:
+        return [
+            Route("/v1/models", self.list_models, methods=["GET"]),
+            Route("/models", self.list_models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.get_model, methods=["GET"]),
+            Route("/models/{model:path}", self.get_model, methods=["GET"]),
+            Route("/admin/models/{model:path}/load", self.load_model, methods=["POST"]),
+            Route("/admin/models/{model:path}/unload", self.unload_model, methods=["POST"]),
+            Route("/livez", self.livez, methods=["GET"]),
+            # What mlx_lm.server, vLLM and llama.cpp's server answer; benchmark tools
+            # (guidellm) probe it first and give up on a 404.
+            Route("/health", self.livez, methods=["GET"]),
+            Route("/readyz", self.readyz, methods=["GET"]),
+            # A plain route: Mount("/metrics", app) answers 307 and Prometheus scrapes nothing.
+            *([Route("/metrics", self.metrics_route, methods=["GET"])] if self.metrics is not None else []),
+            Route("/version", lambda r: _json(200, orjson.dumps({"version": __version__})), methods=["GET"]),
+        ]
+
+    def describe(self, route: RouteConfig) -> dict[str, object]:
+        return {
+            "id": route.model,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "blazar-proxy",
+            # Static upstreams are always there as far as the gateway knows.
+            "state": route.gate.state if route.gate is not None else "loaded",
+            **({"aliases": list(route.aliases)} if route.aliases else {}),
+        }
+
+    async def list_models(self, request: Request) -> Response:
+        models = [self.describe(r) for r in self.relay.table]
+        return _json(200, orjson.dumps({"object": "list", "data": models}))
+
+    def route_of(self, request: Request) -> RouteConfig | Response:
+        name = request.path_params["model"]
+        route = self.relay.table.get(name)
+        if route is None:
+            return _json(
+                404,
+                error_body(
+                    404,
+                    f"The model `{echo(name)}` does not exist or is not served here",
+                    param="model",
+                    code="model_not_found",
+                ),
+            )
+        return route
+
+    async def get_model(self, request: Request) -> Response:
+        route = self.route_of(request)
+        if isinstance(route, Response):
+            return route
+        return _json(200, orjson.dumps(self.describe(route)))
+
+    def engine_route(self, request: Request, verb: str) -> RouteConfig | Response:
+        cors = self.cors
+        if "origin" in request.headers and (cors is None or cors.origin_of(request.scope) is None):
+            # A web page may POST here without a preflight; only allowed origins may act.
+            message = "this origin may not load or unload models (see --cors-origin)"
+            return _json(403, error_body(403, message, code="origin_not_allowed"))
+        route = self.route_of(request)
+        if isinstance(route, Response) or route.gate is not None:
+            return route
+        message = f"model `{route.model}` is a static upstream: the gateway has no engine to {verb} for it"
+        return _json(409, error_body(409, message, param="model", code="not_an_engine_model"))
+
+    async def load_model(self, request: Request) -> Response:
+        route = self.engine_route(request, "load")
+        if isinstance(route, Response):
+            return route
+        assert route.gate is not None
+        problem = await route.gate.load()
+        if problem is not None:
+            return _json(
+                503, error_body(503, problem, code="model_load_failed"), headers={"retry-after": "2"}
+            )
+        return _json(200, orjson.dumps(self.describe(route)))
+
+    async def unload_model(self, request: Request) -> Response:
+        route = self.engine_route(request, "unload")
+        if isinstance(route, Response):
+            return route
+        assert route.gate is not None
+        problem = await route.gate.unload()
+        if problem is not None:
+            return _json(409, error_body(409, problem, param="model", code="model_busy"))
+        return _json(200, orjson.dumps(self.describe(route)))
+
+    async def metrics_route(self, request: Request) -> Response:
+        assert self.metrics is not None
+        return Response(self.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+    async def livez(self, request: Request) -> Response:
+        return _json(200, b'{"status":"ok"}')
+
+    async def readyz(self, request: Request) -> Response:
+        if self.state.draining:
+            return _json(503, b'{"status":"draining","reason":"the gateway is shutting down"}')
+        return await _readiness(self.relay.table)
 
 
 async def _readiness(table: RoutingTable) -> Response:
