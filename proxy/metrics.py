@@ -190,13 +190,17 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         labels = ["model", "replica"]
-        up = GaugeMetricFamily("blazar_engine_up", "1 while the child process runs.", labels=labels)
-        ready = GaugeMetricFamily("blazar_engine_ready", "1 while the child serves.", labels=labels)
+        up = GaugeMetricFamily("blazar_engine_child_up", "1 while the child process runs.", labels=labels)
+        ready = GaugeMetricFamily("blazar_engine_child_ready", "1 while the child serves.", labels=labels)
         restarts = CounterMetricFamily(
-            "blazar_engine_restarts", "Times the child was started again after a failure.", labels=labels
+            "blazar_engine_child_restarts",
+            "Times the child was started again after a failure.",
+            labels=labels,
         )
         starts = CounterMetricFamily(
-            "blazar_engine_starts", "Times the child process was spawned (loads and restarts).", labels=labels
+            "blazar_engine_child_starts",
+            "Times the child process was spawned (loads and restarts).",
+            labels=labels,
         )
         for engine in self._sample():
             up.add_metric([engine.model, engine.replica], 1 if engine.up else 0)

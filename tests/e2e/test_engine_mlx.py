@@ -264,8 +264,8 @@ def test_crashed_child_comes_back_and_requests_meanwhile_get_503(
         assert "restarting" in gateway.log() or "starting again" in gateway.log()
         with httpx.Client(trust_env=False, timeout=10) as http:
             metrics = http.get(f"{gateway.url}/metrics").text
-        assert f'blazar_engine_ready{{model="{DEMO}",replica="0"}} 1.0' in metrics
-        assert f'blazar_engine_restarts_total{{model="{DEMO}",replica="0"}} 1.0' in metrics
+        assert f'blazar_engine_child_ready{{model="{DEMO}",replica="0"}} 1.0' in metrics
+        assert f'blazar_engine_child_restarts_total{{model="{DEMO}",replica="0"}} 1.0' in metrics
     finally:
         stop(gateway)
 

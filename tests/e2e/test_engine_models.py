@@ -198,7 +198,7 @@ def test_lazy_single_flight_lru_eviction_replicas_and_aliases(
     # 50 concurrent first requests for b: one child start, all answered.
     statuses = asyncio.run(_concurrent_chats(gateway.url, "b", 50))
     assert statuses == [200] * 50
-    assert gateway.metric("blazar_engine_starts_total", model="b", replica="0") == 1.0
+    assert gateway.metric("blazar_engine_child_starts_total", model="b", replica="0") == 1.0
     assert gateway.states() == {"a": "unloaded", "b": "loaded"}
 
     # a needs b's slot: b is idle, so it is unloaded; a's two replicas share the load.
@@ -207,7 +207,7 @@ def test_lazy_single_flight_lru_eviction_replicas_and_aliases(
     assert gateway.states() == {"a": "loaded", "b": "unloaded"}
     # The load ends when one replica is ready; once both are, they share the requests.
     deadline = time.monotonic() + _READY_TIMEOUT_S
-    while not all(gateway.metric("blazar_engine_ready", model="a", replica=str(i)) for i in (0, 1)):
+    while not all(gateway.metric("blazar_engine_child_ready", model="a", replica=str(i)) for i in (0, 1)):
         assert time.monotonic() < deadline, gateway.log()
         time.sleep(0.1)
     before = {i: _requests_in(logs / f"{ENGINE}--a-{i}.log") for i in (0, 1)}
@@ -254,7 +254,7 @@ def test_idle_model_is_unloaded_after_its_ttl_and_loads_again(
     gateway.wait_state("idle", "unloaded", timeout_s=30)
     assert "idle for 2 s" in gateway.log()
     assert gateway.chat("idle").status_code == 200
-    assert gateway.metric("blazar_engine_starts_total", model="idle", replica="0") == 2.0
+    assert gateway.metric("blazar_engine_child_starts_total", model="idle", replica="0") == 2.0
 
 
 def test_always_loaded_model_starts_with_the_gateway(
@@ -265,7 +265,7 @@ def test_always_loaded_model_starts_with_the_gateway(
     gateway_factory.append(gateway)
     assert gateway.states()["eager"] in ("loading", "loaded")
     gateway.wait_state("eager", "loaded", timeout_s=_READY_TIMEOUT_S)
-    assert gateway.metric("blazar_engine_starts_total", model="eager", replica="0") == 1.0
+    assert gateway.metric("blazar_engine_child_starts_total", model="eager", replica="0") == 1.0
 
 
 def _replica_pids(gateway: ConfigGateway, model: str, replicas: int) -> dict[int, int]:
@@ -290,7 +290,7 @@ def test_failed_replica_leaves_rotation_and_its_request_is_not_retried(
     gateway_factory.append(gateway)
     gateway.wait_state("pair", "loaded", timeout_s=_READY_TIMEOUT_S)
     deadline = time.monotonic() + _READY_TIMEOUT_S
-    while not all(gateway.metric("blazar_engine_ready", model="pair", replica=str(i)) for i in (0, 1)):
+    while not all(gateway.metric("blazar_engine_child_ready", model="pair", replica=str(i)) for i in (0, 1)):
         assert time.monotonic() < deadline, gateway.log()
         time.sleep(0.1)
     logs = engine_home() / "logs"
@@ -310,17 +310,17 @@ def test_failed_replica_leaves_rotation_and_its_request_is_not_retried(
 
     # Out of rotation until ready again: every request meanwhile goes to the other replica.
     deadline = time.monotonic() + 30
-    while gateway.metric("blazar_engine_ready", model="pair", replica=str(victim)):
+    while gateway.metric("blazar_engine_child_ready", model="pair", replica=str(victim)):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     statuses = asyncio.run(_concurrent_chats(gateway.url, "pair", 8))
     assert statuses == [200] * 8
     # And back in rotation once its restart is ready.
     deadline = time.monotonic() + _READY_TIMEOUT_S
-    while not gateway.metric("blazar_engine_ready", model="pair", replica=str(victim)):
+    while not gateway.metric("blazar_engine_child_ready", model="pair", replica=str(victim)):
         assert time.monotonic() < deadline, gateway.log()
         time.sleep(0.1)
-    assert gateway.metric("blazar_engine_restarts_total", model="pair", replica=str(victim)) == 1.0
+    assert gateway.metric("blazar_engine_child_restarts_total", model="pair", replica=str(victim)) == 1.0
     served_before = _requests_in(logs / f"{ENGINE}--pair-{victim}.log")
     statuses = asyncio.run(_concurrent_chats(gateway.url, "pair", 8))
     assert statuses == [200] * 8
@@ -354,7 +354,7 @@ def test_reload_restarts_only_the_changed_model(
     assert events[-1] == "data: [DONE]"
     gateway.wait_state("y", "loaded", timeout_s=_READY_TIMEOUT_S)
     assert gateway.chat("y").status_code == 200
-    assert gateway.metric("blazar_engine_starts_total", model="x", replica="0") == 1.0
+    assert gateway.metric("blazar_engine_child_starts_total", model="x", replica="0") == 1.0
     new_y = _replica_pids(gateway, "y", 1)[0]
     assert new_y != old_y
     deadline = time.monotonic() + 30
