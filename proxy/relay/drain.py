@@ -1,6 +1,6 @@
 """The end of a drain, as the request path sees it.
 
-The server's drain (proxy/server.py) waits for the relayed requests in
+The server's drain (proxy/startup/server.py) waits for the relayed requests in
 flight; when its time is over it calls ``Relay.abort_all``, and from then on
 nothing new starts: upstream connections still in use are aborted (their
 clients get an SSE error event or a 503), and requests still waiting for a

@@ -24,6 +24,7 @@ from click.core import ParameterSource
 
 from engines import install as installing
 from engines import spec as specs
+from engines.child import Child
 from engines.home import Home, blazar_home
 from engines.registry import Registry
 from proxy import __version__
@@ -259,24 +260,7 @@ def serve(settings: Settings, *, registry: Registry | None = None, reloader: _Re
     if metrics is not None:
         relay = app.relay
         metrics.watch_engines(lambda: _engine_samples(relay.table))
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        loop="uvloop",
-        http=protocol_class(settings.header_timeout_s, settings.max_header_bytes, settings.body_timeout_s),
-        ws="none",
-        timeout_keep_alive=settings.keep_alive_timeout_s,
-        lifespan="on",
-        access_log=False,
-        server_header=False,
-        # The gateway does not use the client address; the middleware that
-        # rewrites it from X-Forwarded-For would cost every request.
-        proxy_headers=False,
-        # A backstop after our own drain (server.py) has ended what it could.
-        timeout_graceful_shutdown=10,
-        log_level=settings.log_level,
-    )
+    config = _uvicorn_config(settings, app)
     on_hangup = reloader.reload_soon if reloader is not None else None
     announcing: set[asyncio.Task[None]] = set()
 
@@ -294,6 +278,33 @@ def serve(settings: Settings, *, registry: Registry | None = None, reloader: _Re
         on_force_exit=registry.kill_now if registry is not None else None,
         on_listening=on_listening,
     )
+    _run(server, settings)
+
+
+def _uvicorn_config(settings: Settings, app: Gateway) -> uvicorn.Config:
+    """uvicorn's settings: our protocol (head deadline, header limit), uvloop, no access log of its own."""
+    return uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        loop="uvloop",
+        http=protocol_class(settings.header_timeout_s, settings.max_header_bytes, settings.body_timeout_s),
+        ws="none",
+        timeout_keep_alive=settings.keep_alive_timeout_s,
+        lifespan="on",
+        access_log=False,
+        server_header=False,
+        # The gateway does not use the client address; the middleware that
+        # rewrites it from X-Forwarded-For would cost every request.
+        proxy_headers=False,
+        # A backstop after our own drain (server.py) has ended what it could.
+        timeout_graceful_shutdown=10,
+        log_level=settings.log_level,
+    )
+
+
+def _run(server: GatewayServer, settings: Settings) -> None:
+    """Serve until stopped; a failure to start or a third signal becomes the exit code."""
     try:
         server.run()
     except SystemExit as exc:
@@ -405,20 +416,20 @@ async def _announce_ready(
 
 
 def _engine_samples(table: RoutingTable) -> list[EngineSample]:
-    # Replica gates of engine routes are engines.child.Child objects.
+    # The replica gates of engine routes are the children the catalog made.
     return [
         EngineSample(
             model=route.model,
             replica=str(index),
-            up=getattr(replica.gate, "pid", None) is not None,
-            ready=bool(replica.gate.ready),
-            restarts=int(getattr(replica.gate, "restarts", 0)),
-            starts=int(getattr(replica.gate, "starts", 0)),
+            up=replica.gate.pid is not None,
+            ready=replica.gate.ready,
+            restarts=replica.gate.restarts,
+            starts=replica.gate.starts,
         )
         for route in table
         if route.gate is not None
         for index, replica in enumerate(route.replicas)
-        if replica.gate is not None
+        if isinstance(replica.gate, Child)
     ]
 
 
