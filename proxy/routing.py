@@ -89,7 +89,10 @@ class Gate(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Replica:
-    """One of the upstreams that serve a model; ``gate`` None means always tried."""
+    """One of the upstreams that serve a model, as configured; ``gate`` None means always tried.
+
+    Its running side (pool, requests in flight) is the relay's ``Peer``.
+    """
 
     upstream: UpstreamAddress
     gate: ReplicaGate | None = None
@@ -116,7 +119,8 @@ class Route:
     replicas: tuple[Replica, ...] = ()
 
     @property
-    def backends(self) -> tuple[Replica, ...]:
+    def all_replicas(self) -> tuple[Replica, ...]:
+        """The replicas that serve the model: a route given as one upstream has that one."""
         return self.replicas or (Replica(self.upstream),)
 
 
@@ -147,7 +151,7 @@ class RoutingTable:
 
     def upstreams(self) -> list[UpstreamAddress]:
         """Each distinct upstream once, in the order first named."""
-        return list(dict.fromkeys(b.upstream for r in self._routes.values() for b in r.backends))
+        return list(dict.fromkeys(b.upstream for r in self._routes.values() for b in r.all_replicas))
 
 
 def parse_upstream_url(url: str) -> UpstreamAddress:

@@ -1,0 +1,204 @@
+"""The exchange with the upstream: send the request, await the head, relay the response.
+
+No retry once the request is written (the upstream may have acted on it);
+the connection goes back to its pool, or is closed, in one ``finally``.
+Errors before the response starts are OpenAI JSON; after a stream has
+started, one SSE ``data: {"error": ...}`` event ends it; after a non-stream
+body has started, the client's connection is cut before its declared end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from time import perf_counter
+
+from proxy.asgi import Receive, Scope, Send, send_json
+from proxy.auth import CREDENTIAL_HEADERS
+from proxy.errors import echo, sse_error_event
+from proxy.forwarded import ProxyTrust
+from proxy.headers import (
+    add_sse_headers,
+    filter_response_headers,
+    forward_request_headers,
+    is_event_stream,
+    request_drop,
+    request_head,
+)
+from proxy.relay.body import relay_body
+from proxy.relay.built import respond_built
+from proxy.relay.drain import Drain
+from proxy.relay.failures import KEPT_ON_ERRORS, read_error_body, send_upstream_error, upstream_error_body
+from proxy.relay.heartbeat import await_head_with_heartbeats, continue_stream
+from proxy.relay.outcome import Outcome
+from proxy.relay.routes import Peer
+from proxy.relay.settings import RelaySettings
+from proxy.relay.sse import relay_events
+from proxy.relay.timing import server_timing, timing_header
+from proxy.relay.watch import ClientWatch, arm_guards
+from proxy.upstream import ClientGone, Connection, Draining, UpstreamError
+
+
+class Exchange:
+    """How the relay talks to upstreams: its timeouts and header rules, resolved once."""
+
+    def __init__(self, settings: RelaySettings, drain: Drain) -> None:
+        self._drain = drain
+        self._head_timeout_s = settings.head_timeout_s
+        self._read_timeout_s = settings.read_timeout_s
+        self._heartbeat_s = settings.heartbeat_s
+        self._total_timeout_s = settings.total_timeout_s
+        self._send_stall_s = settings.send_stall_s
+        self._trust = ProxyTrust(settings.forwarded_allow_ips)
+        self._request_drop = request_drop(CREDENTIAL_HEADERS if settings.strip_credentials else frozenset())
+
+    async def run(
+        self, scope: Scope, receive: Receive, send: Send, peer: Peer, body: bytes, outcome: Outcome
+    ) -> None:
+        """Send ``body`` to ``peer`` and relay its answer; ``outcome`` says how it went."""
+        head = self._request_head(scope, peer, len(body), outcome.request_id)
+        drain = self._drain
+        if drain.closing:
+            # The drain is over: nothing new starts.
+            await self._refuse(send, outcome, Draining("the gateway is shutting down"))
+            return
+        pool = peer.pool
+        try:
+            conn = await pool.acquire()
+        except UpstreamError as exc:
+            await self._refuse(send, outcome, exc)
+            return
+        if drain.closing:
+            # The drain ended while this connection was being opened: send nothing.
+            pool.release(conn)
+            await self._refuse(send, outcome, Draining("the gateway is shutting down"))
+            return
+        # No retry once the request is written: the upstream may have acted
+        # on it. Dead idle connections are weeded out by acquire() instead.
+        conn.send(head, body)
+        outcome.sent_at = perf_counter()
+        watch = ClientWatch(receive, conn)
+        drain.active.add(conn)
+        guards = arm_guards(conn, outcome, scope, self._total_timeout_s, self._send_stall_s)
+        try:
+            try:
+                if self._heartbeat_s and outcome.stream:
+                    await await_head_with_heartbeats(
+                        conn, send, outcome, self._heartbeat_s, self._head_timeout_s
+                    )
+                else:
+                    await conn.read_head(self._head_timeout_s)
+            except UpstreamError as exc:
+                await self._head_failed(conn, send, outcome, exc)
+                return
+            await self._respond(conn, send, outcome)
+        except ClientGone:
+            outcome.client_gone = True
+        except asyncio.CancelledError:
+            if not outcome.stalled:
+                raise
+            # Our own watchdog cancelled a send the client never took (and
+            # aborted that client's connection).
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            outcome.status, outcome.error = 499, "client_stalled"
+        finally:
+            for guard in guards:
+                guard.cancel()
+            drain.active.discard(conn)
+            if watch.stop():
+                conn.close()
+            else:
+                pool.release(conn)
+
+    def _request_head(self, scope: Scope, peer: Peer, length: int, request_id: bytes) -> bytes:
+        """The head sent upstream: the client's headers that may cross, and the gateway's own."""
+        headers = forward_request_headers(scope["headers"], self._request_drop)
+        headers.append((b"x-request-id", request_id))
+        headers.append((b"x-forwarded-for", self._trust.x_forwarded_for(scope)))
+        target = peer.targets[scope["path"]]
+        if scope["query_string"]:
+            target += b"?" + scope["query_string"]
+        return request_head(b"POST", target, peer.host_header, headers, length)
+
+    async def _refuse(self, send: Send, outcome: Outcome, exc: UpstreamError) -> None:
+        """Answer for an exchange that could not begin (no connection, or the drain is over)."""
+        outcome.failed(exc)
+        await send_upstream_error(send, exc, outcome.request_id, server_timing(outcome.started))
+
+    async def _head_failed(self, conn: Connection, send: Send, outcome: Outcome, exc: UpstreamError) -> None:
+        """No usable head came (a timeout, a close, garbage): tell the client, as an event once streaming."""
+        conn.close()
+        outcome.failed(exc)
+        if outcome.sse_started:
+            event = sse_error_event(exc.status, str(exc), code=exc.code)
+            await send({"type": "http.response.body", "body": event})
+        else:
+            timing = server_timing(outcome.started, outcome.sent_at, perf_counter())
+            await send_upstream_error(send, exc, outcome.request_id, timing)
+
+    async def _respond(self, conn: Connection, send: Send, outcome: Outcome) -> None:
+        """The upstream's head is in: answer with it, or with what is wrong with it."""
+        head_at = perf_counter()
+        started, sent_at = outcome.started, outcome.sent_at
+        status = conn.status
+        outcome.head_s = head_at - started
+        if outcome.sse_started:
+            # The client's first byte was the gateway's own heartbeat; the
+            # gateway's own time is still everything but the upstream's wait.
+            outcome.own_s = sent_at - started + perf_counter() - head_at
+            await continue_stream(conn, send, status, outcome, self._read_timeout_s)
+            return
+        outcome.status = status
+        if not 200 <= status <= 599:
+            conn.close()
+            await self._bad_response(send, outcome, head_at, f"upstream answered with status {status}")
+            return
+        headers = filter_response_headers(conn.headers)
+        sse = is_event_stream(headers)
+        if outcome.built is not None and status == 200 and sse:
+            await respond_built(conn, send, outcome, head_at, self._read_timeout_s)
+            return
+        if outcome.stream and 200 <= status < 300 and not sse:
+            # The client waits for events and would see a clean end of none.
+            conn.close()
+            media = next((v for n, v in headers if n == b"content-type"), b"no content type")
+            given = echo(media.decode("latin-1"))
+            message = f"upstream answered a stream request with {given}, not an event stream"
+            await self._bad_response(send, outcome, head_at, message)
+            return
+        if status >= 400 and not sse:
+            try:
+                body = await read_error_body(conn, self._read_timeout_s)
+            except UpstreamError as exc:
+                # The error body broke or timed out: say that, with its own status.
+                conn.close()
+                outcome.failed(exc)
+                status, body = exc.status, upstream_error_body(exc.status, str(exc), exc.code)
+            kept = [(n, v) for n, v in headers if n in KEPT_ON_ERRORS]
+            timing = server_timing(started, sent_at, perf_counter())
+            await send_json(send, status, body, [(b"x-request-id", outcome.request_id), timing, *kept])
+            return
+        if sse:
+            headers = add_sse_headers(headers)
+        headers.append((b"x-request-id", outcome.request_id))
+        # The gateway's own time, computed once: for the header and the metrics.
+        outcome.own_s = sent_at - started + perf_counter() - head_at
+        headers.append(timing_header(outcome.own_s, head_at - sent_at))
+        if not conn.close_delimited and status not in (204, 304):
+            for name, value in conn.headers:
+                if name == b"content-length":
+                    headers.append((name, value))
+                    break
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        if sse:
+            outcome.error = await relay_events(conn, send, outcome, self._read_timeout_s)
+        else:
+            outcome.error = await relay_body(conn, send, outcome, self._read_timeout_s)
+
+    async def _bad_response(self, send: Send, outcome: Outcome, head_at: float, message: str) -> None:
+        """502 upstream_bad_response: a head the client cannot be given."""
+        outcome.status, outcome.error = 502, "upstream_bad_response"
+        body = upstream_error_body(502, message, "upstream_bad_response")
+        timing = server_timing(outcome.started, outcome.sent_at, head_at)
+        await send_json(send, 502, body, [(b"x-request-id", outcome.request_id), timing])

@@ -1,0 +1,69 @@
+"""Failures as the client is told of them before a response has started.
+
+The gateway's own refusals go out as OpenAI JSON with the status of the
+README's table; an upstream's error body is read whole (bounded) and put in
+OpenAI's envelope, keeping the headers clients act on. After a stream has
+started, a failure is one SSE error event instead (``proxy.errors``).
+"""
+
+from __future__ import annotations
+
+from proxy.asgi import Send, send_json
+from proxy.assembly import AssemblyError
+from proxy.errors import HTTPError, normalize_error
+from proxy.relay.timing import server_timing
+from proxy.upstream import BodyBroken, Connection, UpstreamError
+
+# Upstream error bodies are read whole to be normalised, up to this size.
+_ERROR_BODY_LIMIT_BYTES = 1024 * 1024
+# Upstream error headers that clients act on (openai-python reads them all).
+KEPT_ON_ERRORS = frozenset({b"retry-after", b"retry-after-ms", b"x-should-retry", b"www-authenticate"})
+_RETRY_AFTER_S = b"2"
+
+
+def loading(reason: str) -> HTTPError:
+    """503 model_loading: the model cannot take requests yet (or again)."""
+    return HTTPError(503, reason, code="model_loading", headers=((b"retry-after", _RETRY_AFTER_S),))
+
+
+def draining(reason: str) -> HTTPError:
+    """503 draining: the drain is over and nothing new starts."""
+    return HTTPError(503, reason, code="draining", headers=((b"retry-after", _RETRY_AFTER_S),))
+
+
+async def refuse(send: Send, exc: HTTPError, request_id: bytes, started: float) -> None:
+    """Answer with the gateway's own refusal."""
+    headers = [(b"x-request-id", request_id), server_timing(started), *exc.headers]
+    await send_json(send, exc.status, exc.body(), headers)
+
+
+def upstream_error_body(status: int, message: str, code: str) -> bytes:
+    return HTTPError(status, message, code=code).body()
+
+
+async def send_upstream_error(
+    send: Send, exc: UpstreamError | AssemblyError, request_id: bytes, timing: tuple[bytes, bytes]
+) -> None:
+    """Answer for an upstream that failed before the response started (503s with Retry-After)."""
+    headers = [(b"x-request-id", request_id), timing]
+    if exc.status == 503:
+        headers.append((b"retry-after", _RETRY_AFTER_S))
+    await send_json(send, exc.status, upstream_error_body(exc.status, str(exc), exc.code), headers)
+
+
+async def read_error_body(conn: Connection, read_timeout_s: float) -> bytes:
+    """An upstream error body, read whole (bounded) and put in OpenAI's envelope."""
+    chunks: list[bytes] = []
+    size = 0
+    while size <= _ERROR_BODY_LIMIT_BYTES:
+        try:
+            chunk = await conn.read(read_timeout_s)
+        except BodyBroken:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    if not conn.complete:
+        conn.close()
+    return normalize_error(conn.status, b"".join(chunks))

@@ -1,0 +1,124 @@
+"""The relay's ASGI entry: one request, read, parsed, admitted, exchanged and recorded."""
+
+from __future__ import annotations
+
+from time import perf_counter
+from typing import Any
+
+import orjson
+
+from proxy.accesslog import AccessLog
+from proxy.asgi import Receive, Scope, Send
+from proxy.assembly import ReplyAssembler
+from proxy.errors import HTTPError, echo
+from proxy.metrics import Metrics
+from proxy.payload import ask_for_stream, check_request, parse_request
+from proxy.relay.drain import Drain
+from proxy.relay.exchange import Exchange
+from proxy.relay.failures import refuse
+from proxy.relay.ids import RequestIds
+from proxy.relay.outcome import Outcome
+from proxy.relay.request import read_request
+from proxy.relay.routes import ENDPOINTS, RouteEntry, Routes
+from proxy.relay.settings import RelaySettings
+from proxy.relay.ticket import Ticket
+from proxy.routing import RoutingTable, UpstreamAddress
+from proxy.upstream import ClientGone, Pool
+
+
+class Relay:
+    """The relay endpoint, as a pure ASGI application."""
+
+    def __init__(
+        self,
+        table: RoutingTable,
+        settings: RelaySettings,
+        metrics: Metrics | None = None,
+        access_log: AccessLog | None = None,
+        *,
+        connect_timeout_s: float = 5.0,
+    ) -> None:
+        self._routes = Routes(settings, metrics, connect_timeout_s)
+        self.pools: dict[UpstreamAddress, Pool] = self._routes.pools
+        self._entries: dict[str, RouteEntry] = {}
+        self.update(table)
+        self._metrics = metrics
+        self._access = access_log
+        if metrics is not None:
+            metrics.watch_admission(self._routes.admission_sample)
+        self.request_id_of = RequestIds()
+        self._drain = Drain()
+        self._exchange = Exchange(settings, self._drain)
+        self._max_body_bytes = settings.max_body_bytes
+        self._load_wait_s = settings.load_wait_s
+
+    @property
+    def table(self) -> RoutingTable:
+        return self._routes.table
+
+    def update(self, table: RoutingTable) -> None:
+        """Serve ``table`` from now on (a configuration reload); see ``Routes.update``."""
+        self._entries = self._routes.update(table)
+
+    def abort_all(self, reason: str) -> int:
+        """End everything still running or waiting (a drain that ran out of time); return how many."""
+        return self._drain.end(reason, self._entries.values())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """One request: read, parse, admit, exchange, record."""
+        outcome = Outcome(self.request_id_of(scope))
+        ticket = Ticket()
+        try:
+            try:
+                body = await read_request(scope, receive, self._max_body_bytes)
+                # The client's upload time is not the gateway's.
+                outcome.started = outcome.arrived = perf_counter()
+                entry, doc, rewrite = self._parse(body, scope["path"], outcome)
+                peer = ticket.take(entry) or await ticket.admit(
+                    entry, outcome, receive, self._drain, self._load_wait_s
+                )
+                if entry.rename is not None:
+                    # An alias: the upstream knows the model by its own name only.
+                    doc["model"] = entry.rename
+                    rewrite = True
+                if rewrite:
+                    # The one case besides aliases where the body is not the client's bytes.
+                    body = orjson.dumps(doc)
+            except HTTPError as exc:
+                outcome.refuse(exc)
+            except ClientGone:
+                outcome.gone_early = True
+            else:
+                await self._exchange.run(scope, receive, send, peer, body, outcome)
+        finally:
+            ticket.release()
+        if outcome.refusal is not None:
+            await refuse(send, outcome.refusal, outcome.request_id, outcome.started)
+        outcome.record(scope, self._metrics, self._access)
+
+    def _parse(self, body: bytes, path: str, outcome: Outcome) -> tuple[RouteEntry, dict[str, Any], bool]:
+        """The request's route, its document, and whether the body must be re-serialised; 400 or 404."""
+        model, doc = parse_request(body)
+        entry = self._entries.get(model)
+        if entry is None:
+            raise _not_found(model)
+        outcome.model, outcome.stats = model, entry.stats
+        endpoint = ENDPOINTS[path]
+        guards = entry.guards
+        rewrite = check_request(doc, endpoint, guards)
+        outcome.stream = streamed = doc.get("stream") is True
+        # An engine that cannot tell that a non-stream client left is asked for a stream.
+        if guards.via_stream and not streamed and ask_for_stream(doc, endpoint, guards):
+            outcome.built = ReplyAssembler(chat=endpoint == b"/chat/completions")
+            rewrite = True
+        return entry, doc, rewrite
+
+
+def _not_found(model: str) -> HTTPError:
+    return HTTPError(
+        404,
+        f"The model `{echo(model)}` does not exist or is not served here; "
+        "GET /v1/models lists the models this gateway serves",
+        param="model",
+        code="model_not_found",
+    )

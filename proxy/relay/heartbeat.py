@@ -1,0 +1,67 @@
+"""Heartbeats before a stream's head: the gateway starts the SSE response itself during a long prefill.
+
+After each ``heartbeat_s`` without a head, the gateway sends the client a
+200 text/event-stream head of its own and ``: keepalive`` comments, so that
+an nginx ``proxy_read_timeout`` in front of it does not cut the stream. The
+upstream's head then only continues the stream, or ends it with its error as
+one event.
+"""
+
+from __future__ import annotations
+
+from time import perf_counter
+
+from proxy.asgi import Send
+from proxy.headers import SSE_HEADERS, is_event_stream
+from proxy.relay.failures import read_error_body, upstream_error_body
+from proxy.relay.outcome import Outcome
+from proxy.relay.sse import relay_events
+from proxy.relay.timing import server_timing
+from proxy.upstream import Connection, HeadTimeout, UpstreamError
+
+_HEARTBEAT = b": keepalive\n\n"
+
+
+async def await_head_with_heartbeats(
+    conn: Connection, send: Send, outcome: Outcome, heartbeat_s: float, head_timeout_s: float
+) -> None:
+    """Wait for a stream's head; during a long prefill, keep the client's proxies from timing out."""
+    deadline = outcome.sent_at + head_timeout_s
+    while not await conn.wait_head(max(0.0, min(heartbeat_s, deadline - perf_counter()))):
+        if perf_counter() >= deadline:
+            conn.close()
+            raise HeadTimeout(f"upstream sent no response within {head_timeout_s:g} s")
+        if not outcome.sse_started:
+            headers = [
+                (b"content-type", b"text/event-stream; charset=utf-8"),
+                *SSE_HEADERS,
+                (b"x-request-id", outcome.request_id),
+                server_timing(outcome.started),
+            ]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            outcome.sse_started = True
+            outcome.status = 200
+        await send({"type": "http.response.body", "body": _HEARTBEAT, "more_body": True})
+        outcome.bytes_out += len(_HEARTBEAT)
+
+
+async def continue_stream(
+    conn: Connection, send: Send, status: int, outcome: Outcome, read_timeout_s: float
+) -> None:
+    """The upstream's head after the gateway's heartbeats: relay its events, or its error as one."""
+    if 200 <= status < 300 and is_event_stream(conn.headers):
+        outcome.error = await relay_events(conn, send, outcome, read_timeout_s)
+        return
+    try:
+        body = await read_error_body(conn, read_timeout_s) if status >= 400 else b""
+    except UpstreamError as exc:
+        conn.close()
+        outcome.failed(exc)
+        body = upstream_error_body(502, str(exc), exc.code)
+    if not body:
+        conn.close()
+        body = upstream_error_body(
+            502, f"upstream answered {status} without an event stream", "upstream_bad_response"
+        )
+    outcome.error = outcome.error or "upstream_status"
+    await send({"type": "http.response.body", "body": b"data: " + body + b"\n\n"})

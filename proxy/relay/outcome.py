@@ -1,0 +1,129 @@
+"""One request's record: its clocks, what it sent, how it ended; written out once.
+
+The relay fills an ``Outcome`` as the request goes (no figure is written per
+chunk) and ``record`` writes the metrics and the access-log line once, after
+the response has ended.
+"""
+
+from __future__ import annotations
+
+from time import perf_counter
+
+from proxy.accesslog import AccessLog
+from proxy.asgi import Scope
+from proxy.assembly import ReplyAssembler
+from proxy.errors import HTTPError
+from proxy.metrics import Metrics, ModelMetrics
+from proxy.relay.routes import ROUTE_LABELS
+from proxy.upstream import UpstreamError
+
+
+class Outcome:
+    """How one request went, from its arrival to its end."""
+
+    __slots__ = (
+        "arrived",
+        "built",
+        "bytes_out",
+        "client_gone",
+        "error",
+        "gone_early",
+        "head_s",
+        "model",
+        "own_s",
+        "refusal",
+        "request_id",
+        "sends",
+        "sent_at",
+        "sse_started",
+        "stalled",
+        "started",
+        "stats",
+        "status",
+        "stream",
+    )
+
+    def __init__(self, request_id: bytes) -> None:
+        self.request_id = request_id
+        # The gateway's clock: restarted when the body is in (the client's
+        # upload is not the gateway's time) and after a wait for the model or a slot.
+        self.started = perf_counter()
+        # When the body was in: the start of the request's end-to-end time.
+        self.arrived = self.started
+        # When the request was written upstream.
+        self.sent_at = 0.0
+        # Set once the model is known to be served here.
+        self.model = ""
+        self.stats: ModelMetrics | None = None
+        # The client asked for a stream.
+        self.stream = False
+        # A non-stream reply being built from the stream the engine was asked for.
+        self.built: ReplyAssembler | None = None
+        # The gateway's own answer before any exchange (400, 404, 429, 503...).
+        self.refusal: HTTPError | None = None
+        # The client left before the exchange began (in its upload or a queue).
+        self.gone_early = False
+        self.status = 0
+        self.bytes_out = 0
+        self.sends = 0
+        self.sse_started = False
+        self.own_s: float | None = None
+        self.head_s = 0.0
+        self.error: str | None = None
+        self.client_gone = False
+        self.stalled = False
+
+    def refuse(self, exc: HTTPError) -> None:
+        self.refusal = exc
+        self.status = exc.status
+
+    def failed(self, exc: UpstreamError) -> None:
+        if not self.sse_started:
+            # Once the gateway has started the stream, the client has its 200.
+            self.status = exc.status
+        self.error = exc.code
+
+    def record(self, scope: Scope, metrics: Metrics | None, access: AccessLog | None) -> None:
+        """Write the request's metrics and its access-log line: once, after its response."""
+        if self.gone_early:
+            if metrics is not None:
+                metrics.client_disconnects += 1
+            return
+        now = perf_counter()
+        stats = self.stats
+        if self.refusal is not None:
+            duration_s = now - self.started
+            if stats is not None:
+                stats.count(ROUTE_LABELS[scope["path"]], self.status)
+        else:
+            if not self.status:
+                self.status = 499  # the client left before the response began
+            duration_s = now - self.arrived
+            if stats is not None:
+                self._count(stats, metrics, ROUTE_LABELS[scope["path"]], duration_s)
+        if access is not None:
+            access.write(
+                scope,
+                request_id=self.request_id,
+                model=self.model,
+                status=self.status,
+                bytes_out=self.bytes_out,
+                duration_s=duration_s,
+                ttfb_s=self.head_s if self.own_s is not None else None,
+                overhead_s=self.own_s,
+            )
+
+    def _count(self, stats: ModelMetrics, metrics: Metrics | None, route: str, duration_s: float) -> None:
+        """A relayed request's figures: a few pre-bound metric updates."""
+        stats.count(route, self.status)
+        stats.e2e.observe(duration_s)
+        if self.own_s is not None:
+            stats.overhead.observe(self.own_s)
+            stats.ttft.observe(self.head_s)
+        if self.error is not None:
+            if self.error == "overloaded" and metrics is not None:
+                metrics.overloaded += 1  # the gateway's own, not the upstream's
+            else:
+                stats.upstream_error(self.error)
+        if self.client_gone and metrics is not None:
+            metrics.client_disconnects += 1

@@ -1,0 +1,82 @@
+"""An SSE stream relayed event by event, and vouched for at its end.
+
+No per-event parsing: the only looks at the relayed bytes are where the last
+complete event of a read ends (``bytes.rfind``) and whether the stream's last
+bytes hold ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+from proxy.asgi import Send
+from proxy.errors import sse_error_event
+from proxy.relay.body import SLICE_BYTES, send_all_but_last_slice
+from proxy.relay.outcome import Outcome
+from proxy.upstream import Connection, UpstreamError
+
+# Enough of a stream's end to hold "data: [DONE]" and its newlines.
+_TAIL_BYTES = 32
+# The most of a half-written SSE event held back to wait for its end.
+_PARTIAL_EVENT_LIMIT_BYTES = 64 * 1024
+
+
+async def relay_events(conn: Connection, send: Send, outcome: Outcome, read_timeout_s: float) -> str | None:
+    """Relay an SSE stream event by event as bytes arrive, and vouch for its end.
+
+    Bytes after the last complete event of a read wait for the rest of
+    their event (they are rare: servers write whole events), so that an
+    error event never lands inside a half-written one. On the OpenAI
+    streaming endpoints ``data: [DONE]`` is the end, whatever the framing:
+    a stream that ends without it (and without an error event of its own,
+    a chained gateway's) ends with an error event.
+    """
+    pending = b""
+    tail = b""
+    last = b""
+    try:
+        while chunk := await conn.read(read_timeout_s):
+            if pending:
+                chunk = pending + chunk
+                pending = b""
+            if not chunk.endswith(b"\n\n"):
+                cut = event_end(chunk)
+                if cut < len(chunk) and len(chunk) - cut <= _PARTIAL_EVENT_LIMIT_BYTES:
+                    chunk, pending = chunk[:cut], chunk[cut:]
+                    if not chunk:
+                        continue
+            tail = chunk[-_TAIL_BYTES:] if len(chunk) >= _TAIL_BYTES else (tail + chunk)[-_TAIL_BYTES:]
+            outcome.bytes_out += len(chunk)
+            if len(chunk) > SLICE_BYTES:
+                chunk = await send_all_but_last_slice(send, chunk, outcome)
+            last = chunk
+            if conn.complete and not conn.close_delimited and not pending and ends_stream(tail, last):
+                await send({"type": "http.response.body", "body": chunk})
+                return None
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            outcome.sends += 1
+    except UpstreamError as exc:
+        conn.close()
+        event = sse_error_event(exc.status, str(exc), code=exc.code)
+        await send({"type": "http.response.body", "body": event})
+        return exc.code
+    if not ends_stream(tail, last):
+        # An HTTP/1.0 stream ends with the close either way, and a chunked
+        # one may end cleanly too: without [DONE], the engine crashed or
+        # cut it, or sent something else, and the client must know.
+        message = "upstream stream ended without [DONE]: the response is truncated"
+        event = sse_error_event(502, message, code="upstream_truncated")
+        await send({"type": "http.response.body", "body": event})
+        return "upstream_truncated"
+    await send({"type": "http.response.body", "body": pending})
+    return None
+
+
+def ends_stream(tail: bytes, last: bytes) -> bool:
+    """Whether a stream's last bytes end it: ``[DONE]``, or an error event (a chained gateway's)."""
+    return b"[DONE]" in tail or b'{"error"' in last
+
+
+def event_end(data: bytes) -> int:
+    """Where the last complete SSE event in ``data`` ends (0 if none does)."""
+    lf = data.rfind(b"\n\n")
+    crlf = data.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)

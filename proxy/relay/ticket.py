@@ -1,0 +1,167 @@
+"""Admission: the ticket a request holds while it is served, and the waits to get it.
+
+A ticket is taken piece by piece (the model's gate, then a slot, then a
+replica), each piece only once the one before it is held: at once where
+nothing needs a wait (``take``, the fast path), else by waiting for the
+model's load or a place in the queue (``admit``). It is released
+once, in the handler's one ``finally``: whatever was taken is given back,
+whatever was not is not, on every path (a reply, a refusal, a client that
+left, a cancellation, a drain).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from time import perf_counter
+
+from proxy.admission import Admission
+from proxy.asgi import Receive
+from proxy.errors import HTTPError
+from proxy.relay.drain import Drain
+from proxy.relay.failures import loading
+from proxy.relay.outcome import Outcome
+from proxy.relay.routes import Peer, RouteEntry, least_busy
+from proxy.routing import Gate
+from proxy.upstream import ClientGone
+
+
+class Ticket:
+    """What one request holds: its model's gate (in use), a slot of its admission, a peer's count."""
+
+    __slots__ = ("gate", "peer", "slot")
+
+    def __init__(self) -> None:
+        self.gate: Gate | None = None
+        self.slot: Admission | None = None
+        self.peer: Peer | None = None
+
+    def take(self, entry: RouteEntry) -> Peer | None:
+        """Take the gate, a slot and a peer where none needs a wait (the fast path); None if one does.
+
+        What was taken stays on the ticket: ``admit`` waits for the rest.
+        """
+        gate = entry.gate
+        if gate is not None:
+            if not gate.ready:
+                return None
+            # In use from here, queued or not: never unloaded under this request.
+            gate.enter()
+            self.gate = gate
+        if not entry.admission.try_enter():
+            return None
+        self.slot = entry.admission
+        return self._pick(entry)
+
+    async def admit(
+        self, entry: RouteEntry, outcome: Outcome, receive: Receive, drain: Drain, load_wait_s: float
+    ) -> Peer:
+        """Wait for what ``take`` could not get: the model's load, then a slot; then take a peer.
+
+        Raises HTTPError (429, 503) or ClientGone; what was taken by then
+        stays on the ticket, for ``release``.
+        """
+        gate, admission = entry.gate, entry.admission
+        if gate is not None and self.gate is None:
+            if not gate.ready:
+                admission.wait_for_load(outcome.model)
+                try:
+                    ready = await wait_for_model(gate, receive, drain, load_wait_s)
+                finally:
+                    admission.loading -= 1
+                if not ready:
+                    raise loading(gate.not_ready_reason())
+                # Starting the model, or waiting for it, is not the gateway's own time.
+                outcome.started = perf_counter()
+            gate.enter()
+            self.gate = gate
+        if admission.try_enter():
+            self.slot = admission
+        else:
+            if drain.refusal is not None:
+                raise drain.refusal  # the drain is over: no new place in the queue
+            queued_at = perf_counter()
+            await wait_for_slot(admission, outcome.model, receive)
+            self.slot = admission
+            if entry.stats is not None:
+                entry.stats.queue_time.observe(perf_counter() - queued_at)
+            # Waiting for a slot is not the gateway's own time either.
+            outcome.started = perf_counter()
+            if gate is not None and not gate.ready:
+                # Its children went away while this request was queued.
+                raise loading(gate.not_ready_reason())
+        return self._pick(entry)
+
+    def _pick(self, entry: RouteEntry) -> Peer:
+        """The peer that takes the request, counted as busy with it."""
+        peers = entry.peers
+        peer = peers[0] if len(peers) == 1 else least_busy(peers)
+        if peer is None:
+            # No peer is ready (only a model with several can get here).
+            assert entry.gate is not None
+            raise loading(entry.gate.not_ready_reason())
+        peer.in_flight += 1
+        peer.served += 1
+        self.peer = peer
+        return peer
+
+    def release(self) -> None:
+        """Give back what was taken: the slot, the peer's count, the gate. Called once."""
+        if self.slot is not None:
+            self.slot.leave()
+        if self.peer is not None:
+            self.peer.in_flight -= 1
+        if self.gate is not None:
+            self.gate.leave()
+
+
+async def wait_for_model(gate: Gate, receive: Receive, drain: Drain, load_wait_s: float) -> bool:
+    """Wait for a model to load (or restart), watching the client and the drain; whether it is ready."""
+    ready = asyncio.ensure_future(gate.wait_ready(load_wait_s))
+    gone = asyncio.ensure_future(receive())
+    ended = asyncio.ensure_future(drain.ended.wait())
+    try:
+        await asyncio.wait({ready, gone, ended}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiting in (ready, gone, ended):
+            # Only this wait ends: a load is shared, and goes on.
+            if not waiting.done():
+                waiting.cancel()
+    if ready.done() and not ready.cancelled():
+        return ready.result()
+    if ended.done() and drain.refusal is not None:
+        raise drain.refusal
+    raise ClientGone()
+
+
+async def wait_for_slot(admission: Admission, model: str, receive: Receive) -> None:
+    """Queue for a slot, watching the client: one that leaves while queued gives its place up."""
+    enter = asyncio.ensure_future(admission.enter(model))
+    gone = asyncio.ensure_future(receive())
+    try:
+        await asyncio.wait({enter, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        # Cancelled while queued: give the place (or a slot just granted) back.
+        enter.cancel()
+        try:
+            await enter
+        except (asyncio.CancelledError, HTTPError):
+            pass
+        else:
+            admission.leave()  # the slot had been granted: pass it on
+        raise
+    finally:
+        if not gone.done():
+            gone.cancel()
+    if not gone.done() or gone.cancelled():
+        enter.result()  # the slot, or the 429/503 HTTPError
+        return
+    # The client left while queued.
+    if enter.done():
+        if enter.exception() is None:
+            admission.leave()
+    else:
+        enter.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await enter
+    raise ClientGone()
