@@ -1,4 +1,4 @@
-"""python -m perf receipt|matrix|assembly|affinity [--quick|--smoke] [--out DIR] [--cpu N|none]"""
+"""python -m perf receipt|matrix|assembly|affinity|accesslog [--quick|--smoke] [--out DIR] [--cpu N|none]"""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def _cpu(text: str) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf", description=__doc__)
-    parser.add_argument("what", choices=("receipt", "matrix", "assembly", "affinity"))
+    parser.add_argument("what", choices=("receipt", "matrix", "assembly", "affinity", "accesslog"))
     parser.add_argument("--out", type=Path, default=None, help="output folder [perf/results/<what>-<time>]")
     parser.add_argument("--cpu", type=_cpu, default=0, help="core to pin every process to, or 'none' [0]")
     size = parser.add_mutually_exclusive_group()
@@ -53,6 +53,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.what == "affinity":
         return _affinity(args, out)
+    if args.what == "accesslog":
+        from perf.accesslog import run_accesslog
+
+        print(run_accesslog(out, quick=args.quick or args.smoke), end="")
+        return 0
     if args.what == "matrix":
         from perf.matrix import Plan, run_matrix
 
