@@ -14,6 +14,14 @@ def _cpu(text: str) -> int | None:
     return None if text == "none" else int(text)
 
 
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def _numbers(text: str) -> tuple[int, ...]:
+    return tuple(int(n) for n in _names(text))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf", description=__doc__)
     parser.add_argument("what", choices=("receipt", "matrix", "assembly", "affinity", "accesslog"))
@@ -26,6 +34,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rounds", type=int, default=None, help="matrix rounds; affinity: rounds of each mode"
     )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="matrix: also run blazar-proxy from this checkout, as the surface blazar-base "
+        "(e.g. a worktree of main: before and after in one run)",
+    )
+    parser.add_argument(
+        "--surfaces", type=_names, default=None, help="matrix: comma-separated surfaces (also blazar-no-log)"
+    )
+    parser.add_argument("--workloads", type=_names, default=None, help="matrix: comma-separated workloads")
+    parser.add_argument("--ladder", type=_numbers, default=None, help="matrix: comma-separated concurrencies")
     parser.add_argument("--runs", type=int, default=None, help="receipt runs per surface")
     parser.add_argument(
         "--model",
@@ -59,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         print(run_accesslog(out, quick=args.quick or args.smoke), end="")
         return 0
     if args.what == "matrix":
-        from perf.matrix import Plan, run_matrix
+        from perf.matrix import SURFACES, WORKLOADS, Plan, run_matrix
 
         plan = Plan(cpu=args.cpu)
         if args.quick:
@@ -77,6 +97,24 @@ def main(argv: list[str] | None = None) -> int:
             plan.duration_s = args.duration
         if args.rounds:
             plan.rounds = args.rounds
+        if args.surfaces:
+            plan.surfaces = args.surfaces
+        if args.workloads:
+            plan.workloads = args.workloads
+        if args.ladder:
+            plan.ladder = args.ladder
+        if args.baseline is not None:
+            plan.baseline = str(args.baseline.resolve())
+            if "blazar-base" not in plan.surfaces:
+                at = plan.surfaces.index("blazar") + 1 if "blazar" in plan.surfaces else 1
+                plan.surfaces = (*plan.surfaces[:at], "blazar-base", *plan.surfaces[at:])
+        unknown = [s for s in plan.surfaces if s not in SURFACES] + [
+            w for w in plan.workloads if w not in WORKLOADS
+        ]
+        if unknown:
+            parser.error(f"unknown surface or workload: {', '.join(unknown)}")
+        if "blazar-base" in plan.surfaces and plan.baseline is None:
+            parser.error("the surface blazar-base needs --baseline DIR")
         data = run_matrix(plan, out)
         data["environment"] = report.environment()
         report.write_json(out / "matrix.json", data)
