@@ -39,7 +39,8 @@ FLUSH_AFTER_S = 0.05
 # And at most this many lines wait: the buffer is bounded, and so is one write.
 MAX_LINES = 512
 
-# The running loop or None: asyncio's own (C) accessor, which does not raise.
+# The running loop or None: asyncio's own accessor, which does not raise. It
+# costs a getpid() system call (its fork check), so it is called once a batch.
 _running_loop = asyncio._get_running_loop
 
 _TEXT = '%s "%s %s" %s %s %.3fms ttfb=%sms overhead=%sms model=%s id=%s'
@@ -99,12 +100,12 @@ class AccessLog:
                 model or "-",
                 request_id.decode("latin-1"),
             )
-        lines = self._lines
+        lines, loop = self._lines, self._loop
         lines.append(line)
         if len(lines) == 1:
             self._schedule()
-        elif len(lines) >= MAX_LINES or self._loop is not _running_loop():
-            # Full; or the loop whose timer would write these has gone (a test's, closed).
+        elif len(lines) >= MAX_LINES or loop is None or not loop.is_running():
+            # Full; or the loop whose timer would write these has stopped (a test's).
             self.flush()
 
     def _schedule(self) -> None:
