@@ -1,4 +1,4 @@
-"""python -m perf receipt|matrix|assembly|affinity|accesslog [--quick|--smoke] [--out DIR] [--cpu N|none]"""
+"""python -m perf receipt|matrix|paired|assembly|affinity|accesslog [--quick|--smoke] [--out DIR]"""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from perf import report
 
@@ -24,28 +25,30 @@ def _numbers(text: str) -> tuple[int, ...]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf", description=__doc__)
-    parser.add_argument("what", choices=("receipt", "matrix", "assembly", "affinity", "accesslog"))
+    parser.add_argument("what", choices=("receipt", "matrix", "paired", "assembly", "affinity", "accesslog"))
     parser.add_argument("--out", type=Path, default=None, help="output folder [perf/results/<what>-<time>]")
     parser.add_argument("--cpu", type=_cpu, default=0, help="core to pin every process to, or 'none' [0]")
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="a short version (tox -e perf)")
     size.add_argument("--smoke", action="store_true", help="a few seconds, to prove the harness runs")
-    parser.add_argument("--duration", type=float, default=None, help="seconds per matrix run")
+    parser.add_argument("--duration", type=float, default=None, help="seconds per matrix or paired run")
     parser.add_argument(
-        "--rounds", type=int, default=None, help="matrix rounds; affinity: rounds of each mode"
+        "--rounds", type=int, default=None, help="matrix or paired rounds; affinity: rounds of each mode"
     )
     parser.add_argument(
         "--baseline",
         type=Path,
         default=None,
-        help="matrix: also run blazar-proxy from this checkout, as the surface blazar-base "
+        help="matrix, paired: also run blazar-proxy from this checkout, as blazar-base "
         "(e.g. a worktree of main: before and after in one run)",
     )
     parser.add_argument(
         "--surfaces", type=_names, default=None, help="matrix: comma-separated surfaces (also blazar-no-log)"
     )
     parser.add_argument("--workloads", type=_names, default=None, help="matrix: comma-separated workloads")
-    parser.add_argument("--ladder", type=_numbers, default=None, help="matrix: comma-separated concurrencies")
+    parser.add_argument(
+        "--ladder", type=_numbers, default=None, help="matrix, paired: comma-separated concurrencies"
+    )
     parser.add_argument("--runs", type=int, default=None, help="receipt runs per surface")
     parser.add_argument(
         "--model",
@@ -73,6 +76,23 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.what == "affinity":
         return _affinity(args, out)
+    if args.what == "paired":
+        from perf.paired import run_paired
+
+        kwargs: dict[str, Any] = {"baseline": args.baseline, "cpu": args.cpu}
+        if args.smoke:
+            kwargs.update(ladder=(1,), rounds=1, duration_s=0.5)
+        elif args.quick:
+            kwargs.update(rounds=3, duration_s=1.0)
+        if args.ladder:
+            kwargs["ladder"] = args.ladder
+        if args.rounds:
+            kwargs["rounds"] = args.rounds
+        if args.duration:
+            kwargs["duration_s"] = args.duration
+        run_paired(out, **kwargs)
+        print((out / "paired.md").read_text(), end="")
+        return 0
     if args.what == "accesslog":
         from perf.accesslog import run_accesslog
 

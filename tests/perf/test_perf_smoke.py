@@ -88,6 +88,16 @@ def test_matrix_measures_the_gateway_as_shipped_beside_a_baseline(tmp_path: Path
     assert logged("nginx-*/access.log") >= requests["nginx"] > 0
 
 
+def test_paired_smoke(tmp_path: Path) -> None:
+    """`perf paired --smoke` loads each build at once and reports each one's CPU over blazar-no-log's."""
+    _need("wrk")
+    _run("paired", "--smoke", "--baseline", str(ROOT), "--out", str(tmp_path))
+    text = (tmp_path / "paired.md").read_text()
+    builds = [line.split("|")[2].strip() for line in text.splitlines() if line.startswith("| 1 |")]
+    assert builds == ["blazar", "blazar-base", "blazar-no-log"]
+    assert "| 1 | blazar-no-log | " in text and "| +0.0 |" in text
+
+
 @pytest.fixture(scope="module")
 def receipt_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One `perf receipt --smoke` run, for the tests that read its reports."""
