@@ -9,8 +9,9 @@ A line costs its formatting and a list append on the request's path. The
 lines wait in a buffer that is written in one go, off the request's path:
 by a timer on the event loop ``FLUSH_AFTER_S`` after the first line of a
 batch, at once when ``MAX_LINES`` are waiting, and at exit (so SIGTERM, a
-drain or a crash loses none). Going through ``logging`` for each line, with a
-``write`` and a flush each time, cost ~35 µs a line; see
+drain or an exception that ends the process loses none; SIGKILL loses what
+waits). Going through ``logging`` for each line, with a ``write`` and a flush
+each time, cost 22-37 µs of CPU a line here, this ~4 µs; see
 ``python -m perf accesslog``.
 
 Where the lines go is still the "blazar.access" logger's configuration,
@@ -43,6 +44,7 @@ MAX_LINES = 512
 # costs a getpid() system call (its fork check), so it is called once a batch.
 _running_loop = asyncio._get_running_loop
 
+# The text line; %-formatting gives the same bytes as the f-string it replaced, faster.
 _TEXT = '%s "%s %s" %s %s %.3fms ttfb=%sms overhead=%sms model=%s id=%s'
 
 
