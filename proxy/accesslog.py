@@ -156,22 +156,20 @@ def _emit(lines: list[str], probe: logging.LogRecord) -> None:
     for handler in _handlers():
         if handler.level > logging.INFO:
             continue
-        if (
-            isinstance(handler, logging.StreamHandler)
-            and handler.stream is not None
-            and not handler.filters
-            and handler.format(probe) == "\x00"
-        ):
-            # Writes the bare message: the whole batch in one write, as the handler would have.
-            text = handler.terminator.join(lines) + handler.terminator
+        if isinstance(handler, logging.StreamHandler) and handler.stream is not None and not handler.filters:
             handler.acquire()
             try:
-                handler.stream.write(text)
-                handler.flush()
-            except (OSError, ValueError):
+                if handler.format(probe) == "\x00":
+                    # Writes the bare message: the whole batch in one write, as the handler would have.
+                    handler.stream.write(handler.terminator.join(lines) + handler.terminator)
+                    handler.flush()
+                    continue
+            except Exception:
+                # As logging's own emit does: a log that cannot be written must not
+                # fail the request whose line filled the batch.
                 handler.handleError(probe)
+                continue
             finally:
                 handler.release()
-        else:
-            for line in lines:
-                handler.handle(log.makeRecord(log.name, logging.INFO, __file__, 0, line, (), None))
+        for line in lines:
+            handler.handle(log.makeRecord(log.name, logging.INFO, __file__, 0, line, (), None))

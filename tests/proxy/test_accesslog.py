@@ -209,3 +209,15 @@ asyncio.run(main())
     )
     assert done.returncode == 0, done.stderr
     assert [line.rsplit("id=", 1)[1] for line in done.stderr.splitlines()] == ["exit-0", "exit-1", "exit-2"]
+
+
+def test_a_stream_that_cannot_be_written_fails_no_request(
+    stream: Stream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A closed stream is logging's error to report, not an exception for the request filling the batch."""
+    monkeypatch.setattr(logging, "raiseExceptions", False)
+    stream.close()
+    access = AccessLog()
+    for _ in range(MAX_LINES):
+        write_one(access)
+    assert access.pending() == 0
