@@ -9,7 +9,7 @@ import time
 import pytest
 
 from proxy.admission import Admission
-from proxy.relay import _wait_for_slot
+from proxy.relay.ticket import wait_for_slot
 from tests.e2e.conftest import FakeEngine, StartGateway
 from tests.e2e.raw_http import payload, raw_request, read_all
 
@@ -48,7 +48,7 @@ async def test_request_cancelled_while_queued_leaks_no_slot() -> None:
         await never.wait()
         return {"type": "http.disconnect"}
 
-    waiter = asyncio.ensure_future(_wait_for_slot(admission, "m", receive))
+    waiter = asyncio.ensure_future(wait_for_slot(admission, "m", receive))
     await asyncio.sleep(0.01)
     waiter.cancel()
     with pytest.raises(asyncio.CancelledError):
