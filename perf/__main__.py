@@ -1,4 +1,4 @@
-"""python -m perf receipt|matrix|assembly|affinity [--quick|--smoke] [--out DIR] [--cpu N|none]"""
+"""python -m perf receipt|matrix|paired|assembly|affinity|accesslog [--quick|--smoke] [--out DIR]"""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from perf import report
 
@@ -14,17 +15,39 @@ def _cpu(text: str) -> int | None:
     return None if text == "none" else int(text)
 
 
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def _numbers(text: str) -> tuple[int, ...]:
+    return tuple(int(n) for n in _names(text))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf", description=__doc__)
-    parser.add_argument("what", choices=("receipt", "matrix", "assembly", "affinity"))
+    parser.add_argument("what", choices=("receipt", "matrix", "paired", "assembly", "affinity", "accesslog"))
     parser.add_argument("--out", type=Path, default=None, help="output folder [perf/results/<what>-<time>]")
     parser.add_argument("--cpu", type=_cpu, default=0, help="core to pin every process to, or 'none' [0]")
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="a short version (tox -e perf)")
     size.add_argument("--smoke", action="store_true", help="a few seconds, to prove the harness runs")
-    parser.add_argument("--duration", type=float, default=None, help="seconds per matrix run")
+    parser.add_argument("--duration", type=float, default=None, help="seconds per matrix or paired run")
     parser.add_argument(
-        "--rounds", type=int, default=None, help="matrix rounds; affinity: rounds of each mode"
+        "--rounds", type=int, default=None, help="matrix or paired rounds; affinity: rounds of each mode"
+    )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="matrix, paired: also run blazar-proxy from this checkout, as blazar-base "
+        "(e.g. a worktree of main: before and after in one run)",
+    )
+    parser.add_argument(
+        "--surfaces", type=_names, default=None, help="matrix: comma-separated surfaces (also blazar-no-log)"
+    )
+    parser.add_argument("--workloads", type=_names, default=None, help="matrix: comma-separated workloads")
+    parser.add_argument(
+        "--ladder", type=_numbers, default=None, help="matrix, paired: comma-separated concurrencies"
     )
     parser.add_argument("--runs", type=int, default=None, help="receipt runs per surface")
     parser.add_argument(
@@ -53,8 +76,30 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.what == "affinity":
         return _affinity(args, out)
+    if args.what == "paired":
+        from perf.paired import run_paired
+
+        kwargs: dict[str, Any] = {"baseline": args.baseline, "cpu": args.cpu}
+        if args.smoke:
+            kwargs.update(ladder=(1,), rounds=1, duration_s=0.5)
+        elif args.quick:
+            kwargs.update(rounds=3, duration_s=1.0)
+        if args.ladder:
+            kwargs["ladder"] = args.ladder
+        if args.rounds:
+            kwargs["rounds"] = args.rounds
+        if args.duration:
+            kwargs["duration_s"] = args.duration
+        run_paired(out, **kwargs)
+        print((out / "paired.md").read_text(), end="")
+        return 0
+    if args.what == "accesslog":
+        from perf.accesslog import run_accesslog
+
+        print(run_accesslog(out, quick=args.quick or args.smoke), end="")
+        return 0
     if args.what == "matrix":
-        from perf.matrix import Plan, run_matrix
+        from perf.matrix import SURFACES, WORKLOADS, Plan, run_matrix
 
         plan = Plan(cpu=args.cpu)
         if args.quick:
@@ -72,6 +117,24 @@ def main(argv: list[str] | None = None) -> int:
             plan.duration_s = args.duration
         if args.rounds:
             plan.rounds = args.rounds
+        if args.surfaces:
+            plan.surfaces = args.surfaces
+        if args.workloads:
+            plan.workloads = args.workloads
+        if args.ladder:
+            plan.ladder = args.ladder
+        if args.baseline is not None:
+            plan.baseline = str(args.baseline.resolve())
+            if "blazar-base" not in plan.surfaces:
+                at = plan.surfaces.index("blazar") + 1 if "blazar" in plan.surfaces else 1
+                plan.surfaces = (*plan.surfaces[:at], "blazar-base", *plan.surfaces[at:])
+        unknown = [s for s in plan.surfaces if s not in SURFACES] + [
+            w for w in plan.workloads if w not in WORKLOADS
+        ]
+        if unknown:
+            parser.error(f"unknown surface or workload: {', '.join(unknown)}")
+        if "blazar-base" in plan.surfaces and plan.baseline is None:
+            parser.error("the surface blazar-base needs --baseline DIR")
         data = run_matrix(plan, out)
         data["environment"] = report.environment()
         report.write_json(out / "matrix.json", data)

@@ -1,8 +1,11 @@
 """`python -m perf matrix`: the gateway's own cost, against direct and nginx, as concurrency grows.
 
-One run starts two fast fake engines and, in front of them, blazar-proxy,
-nginx (keepalive to the upstream, no buffering), the httpx reference
-relay and, where it is installed, LiteLLM's proxy. Each cell (workload ×
+One run starts two fast fake engines and, in front of them, blazar-proxy
+with its defaults (access log and metrics on, as a user runs it), nginx
+(keepalive to the upstream, no buffering, its default access log to a file),
+the httpx reference relay and, where it is installed, LiteLLM's proxy; on
+request also blazar-proxy from another checkout (``--baseline``: before and
+after in one run) and blazar-proxy with ``--no-access-log``. Each cell (workload ×
 concurrency) is measured on every surface in turn, rounds interleaved, so
 that drift on this shared machine hits all surfaces alike; figures are
 medians over rounds, and the gateway's cost is quoted as the difference to
@@ -24,7 +27,11 @@ import orjson
 from perf import surfaces
 from perf.loadgen import CellResult, stream_load, wrk_load
 
-SURFACES = ("direct", "blazar", "nginx", "blazar-httpx", "litellm")
+SURFACES = ("direct", "blazar", "blazar-base", "blazar-no-log", "nginx", "blazar-httpx", "litellm")
+# What a plain run measures; blazar-base comes with --baseline, blazar-no-log when asked for.
+DEFAULT_SURFACES = ("direct", "blazar", "nginx", "blazar-httpx", "litellm")
+# The blazar-proxy builds whose goals are reported beside blazar's.
+OTHER_BLAZARS = ("blazar-base", "blazar-no-log")
 PATH = "/v1/chat/completions"
 
 
@@ -57,10 +64,12 @@ WORKLOADS = {
 class Plan:
     ladder: tuple[int, ...] = (1, 4, 16, 64, 256)
     workloads: tuple[str, ...] = tuple(WORKLOADS)
-    surfaces: tuple[str, ...] = SURFACES
+    surfaces: tuple[str, ...] = DEFAULT_SURFACES
     duration_s: float = 3.0
     rounds: int = 2
     cpu: int | None = 0
+    # Another checkout (a worktree of main, say) run as the surface blazar-base.
+    baseline: str | None = None
 
 
 @dataclass
@@ -134,6 +143,16 @@ def run_matrix(plan: Plan, out_dir: Path) -> dict[str, Any]:
         procs["direct"] = engines[0]
         if "blazar" in plan.surfaces:
             procs["blazar"] = surfaces.start_blazar(upstreams, plan.cpu, log_dir)
+        if "blazar-base" in plan.surfaces:
+            if plan.baseline is None:
+                raise ValueError("the surface blazar-base needs a baseline checkout (--baseline DIR)")
+            procs["blazar-base"] = surfaces.start_blazar(
+                upstreams, plan.cpu, log_dir, name="blazar-base", root=Path(plan.baseline).resolve()
+            )
+        if "blazar-no-log" in plan.surfaces:
+            procs["blazar-no-log"] = surfaces.start_blazar(
+                upstreams, plan.cpu, log_dir, "--no-access-log", name="blazar-no-log"
+            )
         if "nginx" in plan.surfaces:
             procs["nginx"] = surfaces.start_nginx([e.port for e in engines], plan.cpu, out_dir)
         if "blazar-httpx" in plan.surfaces:
@@ -227,12 +246,14 @@ def summarize(plan: Plan, cells: dict[tuple[str, int, str], Cell], started: floa
                 mine, base = cell.median(key), direct.median(key)
                 row[f"added_{key}"] = (mine - base) if mine is not None and base is not None else None
         rows.append(row)
+    present = {surface for _, _, surface in cells}
     return {
         "kind": "matrix",
         "plan": asdict(plan),
         "started": started,
         "rows": rows,
         "goals": goals(rows),
+        "other_goals": {s: goals(rows, s) for s in OTHER_BLAZARS if s in present},
     }
 
 
@@ -256,14 +277,14 @@ def _find(rows: list[dict[str, Any]], workload: str, concurrency: int, surface: 
     )
 
 
-def goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The issue's goals, each with the figures it compares and whether it is met."""
+def goals(rows: list[dict[str, Any]], surface: str = "blazar") -> list[dict[str, Any]]:
+    """The issue's goals for ``surface``, each with the figures it compares and whether it is met."""
     out: list[dict[str, Any]] = []
 
     def ratio_goal(
         name: str, workload: str, c: int, key: str, limit: float, *, at_least: bool = False
     ) -> None:
-        ours, theirs = _find(rows, workload, c, "blazar"), _find(rows, workload, c, "nginx")
+        ours, theirs = _find(rows, workload, c, surface), _find(rows, workload, c, "nginx")
         if not ours or not theirs or ours.get(key) is None or not theirs.get(key):
             return
         value = ours[key] / theirs[key]
@@ -280,7 +301,7 @@ def goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         )
 
     ratio_goal("added p50 at C=1 (json)", "json", 1, "added_p50_ms", 4.0)
-    blazar_c1 = _find(rows, "json", 1, "blazar")
+    blazar_c1 = _find(rows, "json", 1, surface)
     if blazar_c1 and blazar_c1.get("added_p99_ms") is not None:
         out.append(
             {

@@ -76,7 +76,14 @@ def matrix_markdown(data: dict[str, Any]) -> str:
         f"All processes pinned to CPU {plan['cpu']}. {plan['duration_s']:g} s per run, "
         f"{plan['rounds']} rounds interleaved; figures are medians over rounds. Upstream: the fake "
         "engine (HTTP/1.1 keep-alive). Non-stream load: wrk; stream load: an asyncio client "
-        "(its own CPU per request is in the last column).",
+        "(its own CPU per request is in the last column). As shipped: blazar-proxy with its defaults "
+        "(access log on stderr, redirected to a file; metrics on), nginx with its default combined "
+        "access log to a file."
+        + (
+            f" blazar-base: blazar-proxy from {plan['baseline']}, same defaults."
+            if plan.get("baseline")
+            else ""
+        ),
         "",
         "## Goals",
         "",
@@ -88,6 +95,7 @@ def matrix_markdown(data: dict[str, Any]) -> str:
         f"{_fmt(goal.get('ratio'), 2)} | {goal['limit']} | {'yes' if goal['met'] else '**no**'} |"
         for goal in data["goals"]
     ]
+    lines += other_goals_markdown(data)
     lines += litellm_markdown(data)
     workloads = list(dict.fromkeys(r["workload"] for r in data["rows"]))
     for workload in workloads:
@@ -108,6 +116,38 @@ def matrix_markdown(data: dict[str, Any]) -> str:
                 f"{_fmt(row['client_cpu_us_per_request'], 1)} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def other_goals_markdown(data: dict[str, Any]) -> list[str]:
+    """The same goals for the other blazar-proxy builds of the run (the baseline, no access log)."""
+    others: dict[str, list[dict[str, Any]]] = data.get("other_goals") or {}
+    if not others:
+        return []
+    ours = {g["goal"]: g for g in data["goals"]}
+    names = list(others)
+    lines = [
+        "",
+        "## The same goals, other builds in this run",
+        "",
+        "| goal | nginx | blazar | " + " | ".join(names) + " |",
+        "|---|---|---|" + "---|" * len(names),
+    ]
+    for goal, mine in ours.items():
+        cells = []
+        for name in names:
+            theirs = next((g for g in others[name] if g["goal"] == goal), None)
+            cells.append(_goal_cell(theirs))
+        lines.append(
+            f"| {goal} | {_fmt(mine.get('nginx'))} | {_goal_cell(mine)} | " + " | ".join(cells) + " |"
+        )
+    return lines
+
+
+def _goal_cell(goal: dict[str, Any] | None) -> str:
+    if goal is None:
+        return "–"
+    ratio = f" ({goal['ratio']:.2f}×)" if goal.get("ratio") is not None else ""
+    return f"{_fmt(goal.get('blazar'))}{ratio}{'' if goal['met'] else ' **no**'}"
 
 
 def litellm_markdown(data: dict[str, Any]) -> list[str]:
@@ -173,6 +213,8 @@ def _row(rows: list[dict[str, Any]], workload: str, c: int, surface: str) -> dic
 _COLORS = {
     "direct": "tab:gray",
     "blazar": "tab:blue",
+    "blazar-base": "tab:cyan",
+    "blazar-no-log": "tab:purple",
     "nginx": "tab:green",
     "blazar-httpx": "tab:red",
     "litellm": "tab:orange",

@@ -30,7 +30,8 @@ pid {prefix}/nginx.pid;
 error_log {prefix}/nginx-error.log warn;
 events {{ worker_connections 4096; }}
 http {{
-    access_log off;
+    # As shipped: every request logged, in nginx's default (combined) format, to a file.
+    access_log {prefix}/access.log combined;
     client_body_temp_path {prefix}/body;
     proxy_temp_path {prefix}/proxy;
     fastcgi_temp_path {prefix}/fastcgi;
@@ -69,8 +70,8 @@ def pinned(argv: list[str], cpu: int | None) -> list[str]:
     return ["taskset", "-c", str(cpu), *argv] if cpu is not None else argv
 
 
-def child_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+def child_env(root: Path = ROOT) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(root), "PYTHONUNBUFFERED": "1"}
 
 
 @dataclass
@@ -144,28 +145,28 @@ def start_fake_engine(cpu: int | None, log_dir: Path, *args: str) -> Process:
     return Process("engine", proc, int(line.split()[1]))
 
 
-def start_blazar(upstreams: dict[str, str], cpu: int | None, log_dir: Path, *args: str) -> Process:
+def start_blazar(
+    upstreams: dict[str, str],
+    cpu: int | None,
+    log_dir: Path,
+    *args: str,
+    name: str = "blazar",
+    root: Path = ROOT,
+) -> Process:
+    """blazar-proxy as a user runs it: its defaults, access log (stderr, here a file) and metrics on.
+
+    ``root`` is the checkout whose code runs (another worktree, for a before-and-after in one run).
+    """
     port = free_port()
-    # Like nginx here (access_log off): the cost of a log line is not the relay's.
-    argv = [
-        sys.executable,
-        "-m",
-        "proxy",
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-        "--no-access-log",
-        *args,
-    ]
-    for name, url in upstreams.items():
-        argv += ["--upstream", f"{name}={url}"]
-    log = (log_dir / f"blazar-{port}.log").open("wb")
+    argv = [sys.executable, "-m", "proxy", "--port", str(port), "--log-level", "warning", *args]
+    for model, url in upstreams.items():
+        argv += ["--upstream", f"{model}={url}"]
+    log = (log_dir / f"{name}-{port}.log").open("wb")
     proc = subprocess.Popen(
-        pinned(argv, cpu), cwd=ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT
+        pinned(argv, cpu), cwd=root, env=child_env(root), stdout=log, stderr=subprocess.STDOUT
     )
     wait_until_ready(f"http://127.0.0.1:{port}/livez", proc)
-    return Process("blazar", proc, port)
+    return Process(name, proc, port)
 
 
 def start_httpx_gateway(upstreams: dict[str, str], cpu: int | None, log_dir: Path) -> Process:
@@ -186,7 +187,7 @@ def nginx_binary() -> str | None:
 
 
 def start_nginx(upstream_ports: list[int], cpu: int | None, work_dir: Path) -> Process:
-    """nginx from Debian, with a config written here: upstream keepalive, no buffering."""
+    """nginx from Debian, with a config written here: upstream keepalive, no buffering, access log on."""
     binary = nginx_binary()
     if binary is None:
         raise RuntimeError("nginx is not installed (apt-get install nginx-light)")
@@ -290,7 +291,7 @@ def start_litellm(
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     env.update(
         PYTHONUNBUFFERED="1",
-        # ERROR also sets its uvicorn's log level: no access log, as for nginx and blazar here.
+        # ERROR also sets its uvicorn's log level: no access log (blazar and nginx log here).
         LITELLM_LOG="ERROR",
         LITELLM_LOCAL_MODEL_COST_MAP="True",
         LITELLM_TELEMETRY="False",

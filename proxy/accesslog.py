@@ -4,11 +4,28 @@ Written after the response has ended, never per chunk. Probes and /metrics
 are not logged. The client address is the peer's, or, when the peer is one
 of the configured proxies (--forwarded-allow-ips), the nearest untrusted
 address in its X-Forwarded-For; keys and bodies are never logged.
+
+A line costs its formatting and a list append on the request's path. The
+lines wait in a buffer that is written in one go, off the request's path:
+by a timer on the event loop ``FLUSH_AFTER_S`` after the first line of a
+batch, at once when ``MAX_LINES`` are waiting, and at exit (so SIGTERM, a
+drain or an exception that ends the process loses none; SIGKILL loses what
+waits). Going through ``logging`` for each line, with a ``write`` and a flush
+each time, cost 22-37 µs of CPU a line here, this ~4 µs; see
+``python -m perf accesslog``.
+
+Where the lines go is still the "blazar.access" logger's configuration,
+read at each flush: a handler that writes the bare message to a stream (the
+CLI's, on stderr) gets the whole batch in one write; any other handler gets
+one record per line, as before.
 """
 
 from __future__ import annotations
 
+import asyncio
+import atexit
 import logging
+import weakref
 from collections.abc import Iterable
 
 import orjson
@@ -18,6 +35,18 @@ from proxy.forwarded import ProxyTrust
 
 log = logging.getLogger("blazar.access")
 
+# A line waits at most this long (plus the loop's own lag) before it is written.
+FLUSH_AFTER_S = 0.05
+# And at most this many lines wait: the buffer is bounded, and so is one write.
+MAX_LINES = 512
+
+# The running loop or None: asyncio's own accessor, which does not raise. It
+# costs a getpid() system call (its fork check), so it is called once a batch.
+_running_loop = asyncio._get_running_loop
+
+# The text line; %-formatting gives the same bytes as the f-string it replaced, faster.
+_TEXT = '%s "%s %s" %s %s %.3fms ttfb=%sms overhead=%sms model=%s id=%s'
+
 
 class AccessLog:
     def __init__(self, fmt: str = "text", trusted_proxies: Iterable[str] = ()) -> None:
@@ -25,6 +54,14 @@ class AccessLog:
             raise ValueError(f"log format {fmt!r}: text or json")
         self.json = fmt == "json"
         self.client = ProxyTrust(trusted_proxies).client
+        self._lines: list[str] = []
+        # The loop whose timer will write the waiting lines, and that timer.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        # Formatted by each handler at each flush: one that gives back the bare
+        # message gets the batch in one write (made once: a record costs ~5 µs).
+        self._probe = logging.LogRecord(log.name, logging.INFO, __file__, 0, "\x00", (), None)
+        atexit.register(_flush_at_exit, weakref.ref(self))
 
     def write(
         self,
@@ -40,11 +77,10 @@ class AccessLog:
     ) -> None:
         if not log.isEnabledFor(logging.INFO):
             return
-        client = self.client(scope)
         if self.json:
             line = orjson.dumps(
                 {
-                    "client": client,
+                    "client": self.client(scope),
                     "method": scope["method"],
                     "path": scope["path"],
                     "request_id": request_id.decode("latin-1"),
@@ -57,11 +93,83 @@ class AccessLog:
                 }
             ).decode()
         else:
-            ttfb = f"{ttfb_s * 1000:.3f}" if ttfb_s is not None else "-"
-            overhead = f"{overhead_s * 1000:.3f}" if overhead_s is not None else "-"
-            line = (
-                f'{client} "{scope["method"]} {scope["path"]}" {status} {bytes_out} '
-                f"{duration_s * 1000:.3f}ms ttfb={ttfb}ms overhead={overhead}ms "
-                f"model={model or '-'} id={request_id.decode('latin-1')}"
+            line = _TEXT % (
+                self.client(scope),
+                scope["method"],
+                scope["path"],
+                status,
+                bytes_out,
+                duration_s * 1000,
+                "%.3f" % (ttfb_s * 1000) if ttfb_s is not None else "-",
+                "%.3f" % (overhead_s * 1000) if overhead_s is not None else "-",
+                model or "-",
+                request_id.decode("latin-1"),
             )
-        log.info(line)
+        lines, loop = self._lines, self._loop
+        lines.append(line)
+        if len(lines) == 1:
+            self._schedule()
+        elif len(lines) >= MAX_LINES or loop is None or not loop.is_running():
+            # Full; or the loop whose timer would write these has stopped (a test's).
+            self.flush()
+
+    def _schedule(self) -> None:
+        """Arm the timer that writes the batch this line begins: once per batch, not per line."""
+        loop = _running_loop()
+        self._loop = loop
+        if loop is None:
+            self.flush()  # no loop to write later from: write now
+        else:
+            self._timer = loop.call_later(FLUSH_AFTER_S, self.flush)
+
+    def flush(self) -> None:
+        """Write every waiting line now, in one write per handler."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        lines, self._lines = self._lines, []
+        if lines:
+            _emit(lines, self._probe)
+
+    def pending(self) -> int:
+        """How many lines wait to be written."""
+        return len(self._lines)
+
+
+def _flush_at_exit(ref: weakref.ReferenceType[AccessLog]) -> None:
+    access = ref()
+    if access is not None:
+        access.flush()
+
+
+def _handlers() -> list[logging.Handler]:
+    """The handlers "blazar.access" records reach, as ``Logger.callHandlers`` walks them."""
+    found: list[logging.Handler] = []
+    logger: logging.Logger | None = log
+    while logger is not None:
+        found += logger.handlers
+        logger = logger.parent if logger.propagate else None
+    return found
+
+
+def _emit(lines: list[str], probe: logging.LogRecord) -> None:
+    for handler in _handlers():
+        if handler.level > logging.INFO:
+            continue
+        if isinstance(handler, logging.StreamHandler) and handler.stream is not None and not handler.filters:
+            handler.acquire()
+            try:
+                if handler.format(probe) == "\x00":
+                    # Writes the bare message: the whole batch in one write, as the handler would have.
+                    handler.stream.write(handler.terminator.join(lines) + handler.terminator)
+                    handler.flush()
+                    continue
+            except Exception:
+                # As logging's own emit does: a log that cannot be written must not
+                # fail the request whose line filled the batch.
+                handler.handleError(probe)
+                continue
+            finally:
+                handler.release()
+        for line in lines:
+            handler.handle(log.makeRecord(log.name, logging.INFO, __file__, 0, line, (), None))

@@ -58,6 +58,46 @@ def test_matrix_smoke(tmp_path: Path) -> None:
     assert (tmp_path / "matrix.png").read_bytes().startswith(b"\x89PNG")
 
 
+def test_matrix_measures_the_gateway_as_shipped_beside_a_baseline(tmp_path: Path) -> None:
+    """blazar and nginx log every request; --baseline adds blazar-base, and blazar-no-log logs nothing."""
+    _need("nginx")
+    _need("wrk")
+    _run(
+        "matrix", "--smoke", "--workloads", "json", "--surfaces", "direct,blazar,blazar-no-log,nginx",
+        "--baseline", str(ROOT), "--out", str(tmp_path),
+    )  # fmt: skip
+    data = orjson.loads((tmp_path / "matrix.json").read_bytes())
+    assert {r["surface"] for r in data["rows"]} == {
+        "direct",
+        "blazar",
+        "blazar-base",
+        "blazar-no-log",
+        "nginx",
+    }
+    assert set(data["other_goals"]) == {"blazar-base", "blazar-no-log"}
+    assert "## The same goals, other builds in this run" in (tmp_path / "matrix.md").read_text()
+
+    def logged(pattern: str) -> int:
+        (log,) = tmp_path.glob(pattern)
+        return sum(1 for line in log.read_text().splitlines() if '"POST /v1/chat/completions' in line)
+
+    requests = {r["surface"]: r["requests"] for r in data["rows"]}
+    assert logged("logs/blazar-[0-9]*.log") >= requests["blazar"] > 0
+    assert logged("logs/blazar-base-*.log") >= requests["blazar-base"] > 0
+    assert logged("logs/blazar-no-log-*.log") == 0
+    assert logged("nginx-*/access.log") >= requests["nginx"] > 0
+
+
+def test_paired_smoke(tmp_path: Path) -> None:
+    """`perf paired --smoke` loads each build at once and reports each one's CPU over blazar-no-log's."""
+    _need("wrk")
+    _run("paired", "--smoke", "--baseline", str(ROOT), "--out", str(tmp_path))
+    text = (tmp_path / "paired.md").read_text()
+    builds = [line.split("|")[2].strip() for line in text.splitlines() if line.startswith("| 1 |")]
+    assert builds == ["blazar", "blazar-base", "blazar-no-log"]
+    assert "| 1 | blazar-no-log | " in text and "| +0.0 |" in text
+
+
 @pytest.fixture(scope="module")
 def receipt_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One `perf receipt --smoke` run, for the tests that read its reports."""

@@ -1,0 +1,223 @@
+"""The access log's lines (proxy/accesslog.py): their bytes, and when and how they are written."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from proxy import accesslog
+from proxy.accesslog import FLUSH_AFTER_S, MAX_LINES, AccessLog
+from proxy.asgi import Scope
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SCOPE: Scope = {
+    "method": "POST",
+    "path": "/v1/chat/completions",
+    "client": ("10.0.0.7", 40000),
+    "headers": [],
+}
+ODD: Scope = {"method": "POST", "path": '/v1/café "x"', "client": None, "headers": []}
+
+# What the gateway printed before lines were buffered (main at 993e768), byte for byte.
+TEXT = (
+    '10.0.0.7 "POST /v1/chat/completions" 200 1234 12.346ms ttfb=0.456ms overhead=0.100ms model=m1 id=req-1\n'
+    '- "POST /v1/café "x"" 400 0 0.500ms ttfb=-ms overhead=-ms model=- id=éid\n'
+)
+JSON = (
+    '{"client":"10.0.0.7","method":"POST","path":"/v1/chat/completions","request_id":"req-1",'
+    '"model":"m1","status":200,"bytes":1234,"duration_ms":12.346,"ttfb_ms":0.456,"overhead_ms":0.1}\n'
+    '{"client":"-","method":"POST","path":"/v1/café \\"x\\"","request_id":"éid","model":"",'
+    '"status":400,"bytes":0,"duration_ms":0.5,"ttfb_ms":null,"overhead_ms":null}\n'
+)
+
+
+class Stream(io.StringIO):
+    """A real text stream that also counts the writes it is given."""
+
+    writes = 0
+
+    def write(self, text: str) -> int:
+        self.writes += 1
+        return super().write(text)
+
+
+@pytest.fixture
+def stream() -> Iterator[Stream]:
+    """ "blazar.access" set up as the CLI sets it up, on a stream of our own; restored afterwards."""
+    logger = accesslog.log
+    saved = (logger.handlers[:], logger.level, logger.propagate)
+    out = Stream()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.handlers[:] = [handler]
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    yield out
+    logger.handlers[:] = saved[0]
+    logger.setLevel(saved[1])
+    logger.propagate = saved[2]
+
+
+def write_both(access: AccessLog) -> None:
+    access.write(
+        SCOPE,
+        request_id=b"req-1",
+        model="m1",
+        status=200,
+        bytes_out=1234,
+        duration_s=0.0123456,
+        ttfb_s=0.0004565,
+        overhead_s=0.0000995,
+    )
+    access.write(
+        ODD,
+        request_id=b"\xe9id",
+        model="",
+        status=400,
+        bytes_out=0,
+        duration_s=0.0005,
+        ttfb_s=None,
+        overhead_s=None,
+    )
+
+
+def write_one(access: AccessLog, request_id: bytes = b"r") -> None:
+    access.write(
+        SCOPE,
+        request_id=request_id,
+        model="m1",
+        status=200,
+        bytes_out=1,
+        duration_s=0.001,
+        ttfb_s=None,
+        overhead_s=None,
+    )
+
+
+@pytest.mark.parametrize(("fmt", "expected"), [("text", TEXT), ("json", JSON)])
+def test_lines_are_the_same_bytes_as_before(stream: Stream, fmt: str, expected: str) -> None:
+    """Text and JSON lines are byte for byte what the per-line logger wrote ('-' or null when unknown)."""
+    access = AccessLog(fmt)
+    write_both(access)  # no running loop: written at once
+    assert stream.getvalue() == expected
+
+
+@pytest.mark.anyio
+async def test_lines_wait_for_one_write_per_batch(stream: Stream) -> None:
+    """On the loop, lines wait in a buffer; the timer writes them all in one write, without a flush call."""
+    access = AccessLog()
+    for index in range(5):
+        write_one(access, b"%d" % index)
+    assert stream.getvalue() == "" and access.pending() == 5
+    await asyncio.sleep(FLUSH_AFTER_S * 4)
+    assert access.pending() == 0
+    assert [line.rsplit("id=", 1)[1] for line in stream.getvalue().splitlines()] == ["0", "1", "2", "3", "4"]
+    assert stream.writes == 1
+
+
+@pytest.mark.anyio
+async def test_a_full_buffer_is_written_at_once(stream: Stream) -> None:
+    """The buffer is bounded: the MAX_LINES-th line writes the batch without waiting for the timer."""
+    access = AccessLog()
+    for _ in range(MAX_LINES - 1):
+        write_one(access)
+    assert stream.writes == 0
+    write_one(access)
+    assert access.pending() == 0 and stream.writes == 1
+    assert len(stream.getvalue().splitlines()) == MAX_LINES
+
+
+def test_lines_left_by_a_closed_loop_go_with_the_next_loops_line(stream: Stream) -> None:
+    """Lines of a loop that closed before its timer ran are written by the next line, on a new loop."""
+    access = AccessLog()
+
+    async def one(request_id: bytes) -> None:
+        write_one(access, request_id)
+
+    asyncio.run(one(b"first"))
+    assert access.pending() == 1
+    asyncio.run(one(b"second"))
+    assert "id=first" in stream.getvalue()
+
+
+@pytest.mark.anyio
+async def test_other_handlers_get_one_record_per_line(stream: Stream) -> None:
+    """A handler with a formatter of its own, or a level above INFO, is served as logging would serve it."""
+    framed_out = io.StringIO()
+    framed = logging.StreamHandler(framed_out)
+    framed.setFormatter(logging.Formatter("access: %(message)s"))
+    quiet_out = io.StringIO()
+    quiet = logging.StreamHandler(quiet_out)
+    quiet.setLevel(logging.WARNING)
+    accesslog.log.addHandler(framed)
+    accesslog.log.addHandler(quiet)
+    access = AccessLog()
+    write_one(access, b"a")
+    write_one(access, b"b")
+    access.flush()
+    assert framed_out.getvalue().splitlines() == [
+        f"access: {line}" for line in stream.getvalue().splitlines()
+    ]
+    assert len(framed_out.getvalue().splitlines()) == 2
+    assert quiet_out.getvalue() == ""
+
+
+def test_a_logger_above_info_costs_no_line(stream: Stream) -> None:
+    """With "blazar.access" above INFO nothing is formatted, buffered or written."""
+    accesslog.log.setLevel(logging.WARNING)
+    access = AccessLog()
+    write_one(access)
+    assert access.pending() == 0 and stream.getvalue() == ""
+
+
+def test_lines_still_waiting_at_exit_are_written() -> None:
+    """A process whose loop ends before the timer runs still writes its lines, on its way out."""
+    script = """
+import asyncio, logging, sys
+from proxy.accesslog import AccessLog, log
+handler = logging.StreamHandler(sys.stderr)
+handler.setFormatter(logging.Formatter("%(message)s"))
+log.addHandler(handler)
+log.setLevel(logging.INFO)
+access = AccessLog()
+
+async def main():
+    for n in range(3):
+        access.write({"method": "POST", "path": "/v1/completions", "client": ("127.0.0.1", 1), "headers": []},
+            request_id=b"exit-%d" % n, model="m", status=200, bytes_out=1, duration_s=0.001,
+            ttfb_s=None, overhead_s=None)
+    assert access.pending() == 3
+
+asyncio.run(main())
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert [line.rsplit("id=", 1)[1] for line in done.stderr.splitlines()] == ["exit-0", "exit-1", "exit-2"]
+
+
+def test_a_stream_that_cannot_be_written_fails_no_request(
+    stream: Stream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A closed stream is logging's error to report, not an exception for the request filling the batch."""
+    monkeypatch.setattr(logging, "raiseExceptions", False)
+    stream.close()
+    access = AccessLog()
+    for _ in range(MAX_LINES):
+        write_one(access)
+    assert access.pending() == 0
