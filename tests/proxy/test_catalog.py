@@ -1,4 +1,4 @@
-"""proxy.catalog: model settings into routes, reload planning, and reloads applied, without sockets.
+"""proxy.startup.catalog: model settings into routes, reload planning, and reloads applied, without sockets.
 
 Engine models are assembled from hand-planned children (a real ``ChildConfig``
 and the real engine spec): nothing is installed and no child starts.
