@@ -1,4 +1,4 @@
-"""proxy.startup.configfile: the TOML file read into model settings, and each error naming file, key and reason."""
+"""proxy.startup.configfile: the TOML file read into model settings, each error naming file, key, reason."""
 
 from __future__ import annotations
 
