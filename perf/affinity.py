@@ -54,7 +54,7 @@ ENGINE = "mlx-0.32.0"
 # system prompt would take minutes. builtin:tiny prefills 1,500 tokens in ~0.8 s
 # and its byte-level tokenizer makes a character one token.
 DEFAULT_MODEL = "builtin:tiny"
-# The gateway's routing switch (not in proxy/cli.py yet): an integer N >= 0 turns
+# The gateway's routing switch (not in proxy/startup/cli.py yet): an integer N >= 0 turns
 # prompt-cache affinity on with a slack of N requests; "off" routes by load alone.
 AFFINITY_FLAG = "--affinity-slack"
 AFFINITY_OFF = "off"
