@@ -1,35 +1,36 @@
-"""Which served models run: lazy starts, idle unloading, least-recently-used eviction.
+"""Which served models run: room for loads, idle unloading, reload swaps, start and shutdown.
 
-One registry per gateway process. Every decision to start or stop a model is
-taken under one lock, so the count of loaded models is never read and then
-acted on by two tasks at once:
+One registry per gateway process; it keeps the models (``engines.served``)
+and the policy between them. Each model owns its own state; the registry
+asks it to start, stop or retire, and answers its one question, ``admit``:
+may it load now, and whom must it displace?
 
-- ``load`` is single-flight per model: the first request for an unloaded
-  model starts its children; every request that arrives meanwhile awaits the
-  same task. The load is done when one replica is ready; a replica that
-  fails keeps retrying on its own, out of rotation.
-- Before a load would pass ``max_loaded``, the least recently used loaded
-  model that is not always-loaded and has no request in flight is stopped.
-  If there is none, the load fails with a clear reason (the client gets 503
-  with Retry-After) rather than stopping a model that is serving.
-- Stopping starts by clearing ``wanted``, synchronously: from then on the
-  model is not ready, so no request can be let in under a stopping child.
-- A sweeper unloads models idle for longer than their TTL.
+- ``admit`` is synchronous: the count of models holding a slot is read and
+  changed in one step, with no await, so two loads never both take the
+  last slot. Before a load would pass ``max_loaded``, the least recently
+  used loaded model that is not always-loaded and has no request in flight
+  is stopped; its state changes at once, so no request enters it between
+  the choice and the stop. If there is none, the load fails with a clear
+  reason (the client gets 503 with Retry-After) rather than stopping a
+  model that is serving. The loading model then waits for every stop under
+  way before its children start: their memory is not free until then.
+- Always-loaded models start with the registry, with three attempts; one
+  that cannot start stops the gateway (``start``'s ``on_start_failed``).
+- A sweeper asks each model to ``expire``: one idle past its TTL stops.
 - ``replace`` swaps models on a config reload: the new ones are added, and
-  the replaced ones are stopped once their requests in flight have finished.
+  the replaced ones retire once their requests in flight have finished.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any
 
-from engines.child import Child, ChildFailed, last_words
-from engines.served import LoadFailed, ServedModel
+from engines.child import last_words
+from engines.served import Lifetime, LoadFailed, ModelState, ServedModel
 
 log = logging.getLogger("blazar.engines")
 
@@ -41,8 +42,6 @@ _SWEEP_MAX_S = 1.0
 _START_ATTEMPTS = 3
 # Engine output lines shown when an always-loaded model cannot start.
 _FAILURE_LINES = 8
-# A child's stop is SIGTERM, its grace, SIGKILL and a reap; past this, something is wrong.
-_STOP_MARGIN_S = 10.0
 
 
 class Registry:
@@ -50,7 +49,6 @@ class Registry:
 
     def __init__(
         self,
-        models: Iterable[ServedModel] = (),
         *,
         max_loaded: int = 0,
         announce: Callable[[str], None] = log.info,
@@ -62,28 +60,64 @@ class Registry:
         # Told why, when a model started with the registry can never be ready (start()).
         self._on_start_failed: Callable[[str], None] | None = None
         self._unload_wait_s = unload_wait_s
-        self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
         self._retiring: set[ServedModel] = set()
         self._sweeper: asyncio.Task[None] | None = None
         self._closed = False
-        for model in models:
-            self.add(model)
 
     def add(self, model: ServedModel) -> None:
-        """Take a model in (at startup, or from ``replace``)."""
+        """Take a model in (at startup, or from ``replace``); it was made with this registry as keeper."""
         if model.name in self.models:
             raise ValueError(f"model {model.name!r} is given twice")
-        model.registry = self
+        if model.keeper is not self:
+            raise ValueError(f"model {model.name!r} was made for another registry")
         self.models[model.name] = model
 
     def loaded(self) -> list[ServedModel]:
-        """Models whose children are wanted running (ready or starting)."""
-        return [m for m in self.models.values() if m.wanted]
+        """Models holding a slot: their children are wanted running (ready or starting)."""
+        return [m for m in self.models.values() if m.lifecycle in (ModelState.LOADING, ModelState.LOADED)]
 
     def _running_count(self) -> int:
         # Retiring models still hold their memory until their last request ends.
         return len(self.loaded()) + sum(1 for m in self._retiring if m.running)
+
+    # -- what a model asks (engines.served.Keeper) -----------------------------
+
+    @property
+    def unload_wait_s(self) -> float:
+        return self._unload_wait_s
+
+    def announce(self, line: str) -> None:
+        self._announce(line)
+
+    def admit(self, model: ServedModel) -> list[Awaitable[None]]:
+        """Make room for ``model`` to load, now, with no await; or ``LoadFailed`` with why not.
+
+        The models it displaces are asked to stop in the same step as the
+        choice, so no request can enter them between choosing and stopping.
+        Returns their stops and every other one under way, for the model to
+        wait on before its children start.
+        """
+        if self._closed:
+            raise LoadFailed("the gateway is shutting down")
+        if self.models.get(model.name) is not model:
+            raise LoadFailed(f"model `{model.name}` was removed by a configuration reload; retry")
+        if self.max_loaded:
+            while self._running_count() >= self.max_loaded:
+                candidates = [m for m in self.loaded() if m is not model and m.evictable]
+                if not candidates:
+                    names = ", ".join(sorted(m.name for m in self.loaded())) or "models being replaced"
+                    raise LoadFailed(
+                        f"model `{model.name}` cannot be loaded now: {self.max_loaded} models are loaded "
+                        f"(--max-loaded) and none can be unloaded ({names}: in use or always loaded); "
+                        "retry shortly"
+                    )
+                victim = min(candidates, key=lambda m: m.last_used)
+                self._announce(
+                    f"unloading model {victim.name!r} (least recently used) to load {model.name!r}"
+                )
+                victim.stop()
+        return [m.stop() for m in self.models.values() if m.lifecycle is ModelState.STOPPING]
 
     # -- lifecycle of the whole registry --------------------------------------
 
@@ -105,14 +139,16 @@ class Registry:
         self._sweeper = asyncio.ensure_future(self._sweep())
 
     def _start_eagerly(self, model: ServedModel, *, at_start: bool = False) -> None:
-        # Wanted at once, before any request can see the model as unloaded.
-        model.wanted = True
-        model.last_used = time.monotonic()
-        self._background(self._start_model(model, at_start=at_start))
+        # The model holds its slot from this call on: no request sees it unloaded.
+        starting = model.start(_START_ATTEMPTS)
+        if starting is not None:
+            self._background(self._report_start(model, starting, at_start=at_start))
 
-    async def _start_model(self, model: ServedModel, *, at_start: bool) -> None:
-        """Start an always-loaded model's replicas; if none can become ready, stop it and say why."""
-        errors = await asyncio.gather(*(_start_child(child) for child in model.children))
+    async def _report_start(
+        self, model: ServedModel, starting: Awaitable[list[str | None]], *, at_start: bool
+    ) -> None:
+        """Say which replicas failed to start; if all did, why (and stop the gateway, if started with it)."""
+        errors = await starting
         failed = [(child, error) for child, error in zip(model.children, errors, strict=True) if error]
         if len(failed) < len(model.children):
             for child, error in failed:
@@ -122,14 +158,7 @@ class Registry:
             return
         child = failed[-1][0]
         summary = f"model {model.name!r} cannot start"
-        reason = f"{summary}: its engine did not become ready: {child.failure or child.last_error}"
-        # No crash loop in the background: a request tries again (a lazy load) and gets the reason.
-        model.load_error = (
-            f"model `{model.name}` cannot start: {child.last_error} (log: {child.config.log_path})"
-        )
-        async with self._lock:
-            await self._stop(model)
-        self._announce(reason)
+        self._announce(f"{summary}: its engine did not become ready: {child.failure or child.last_error}")
         lines = last_words(child.output(), _FAILURE_LINES)
         if lines:
             self._announce(f"the engine's last lines (its whole output is in {child.config.log_path}):")
@@ -150,12 +179,7 @@ class Registry:
         for task in list(self._tasks):
             task.cancel()
         models = [*self.models.values(), *self._retiring]
-        for model in models:
-            model.wanted = False
-            if model.loading is not None:
-                model.loading.cancel()
-        children = [c for m in models for c in m.children]
-        await asyncio.gather(*(child.shutdown() for child in children), return_exceptions=True)
+        await asyncio.gather(*(model.shutdown() for model in models), return_exceptions=True)
 
     def kill_now(self) -> None:
         """SIGKILL every child, retiring ones included, without waiting (the gateway exits at once)."""
@@ -175,159 +199,6 @@ class Registry:
                 )
             )
 
-    # -- load -----------------------------------------------------------------
-
-    async def load(self, model: ServedModel) -> None:
-        """Make ``model`` loaded; one start however many callers ask at once.
-
-        Raises ``LoadFailed`` with the reason when it cannot be loaded.
-        """
-        if model.loading is None:
-            if model.ready:
-                return
-            model.load_error = None
-            model.loading = asyncio.ensure_future(self._load(model))
-            model.loading.add_done_callback(lambda _: setattr(model, "loading", None))
-        try:
-            # Shielded: one waiter giving up (its client left) must not cancel
-            # the start that the others wait for.
-            await asyncio.shield(model.loading)
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():
-                raise  # this waiter itself is being cancelled
-            model.load_error = (
-                f"model `{model.name}` stopped loading: the gateway is shutting down or its "
-                "configuration was reloaded; retry"
-            )
-            raise LoadFailed(model.load_error) from None
-
-    async def _load(self, model: ServedModel) -> None:
-        try:
-            await self._load_once(model)
-        except LoadFailed as exc:
-            # Kept for the 503 of the requests that waited for this load.
-            model.load_error = str(exc)
-            raise
-
-    async def _load_once(self, model: ServedModel) -> None:
-        if self._closed:
-            raise LoadFailed("the gateway is shutting down")
-        async with self._lock:
-            if self.models.get(model.name) is not model:
-                raise LoadFailed(f"model `{model.name}` was removed by a configuration reload; retry")
-            was_wanted = model.wanted
-            if not was_wanted:
-                victims = self._make_room(model)
-                model.wanted = True
-                for victim in victims:
-                    await self._stop(victim)
-        started = time.monotonic()
-        if not was_wanted:
-            self._announce(f"loading model {model.name!r} ({model.description or 'engine'})")
-        failure = await self._first_ready(model)
-        if failure is None:
-            model.last_used = time.monotonic()
-            if not was_wanted:
-                self._announce(f"model {model.name!r} loaded in {time.monotonic() - started:.1f} s")
-            return
-        reason = f"model `{model.name}` failed to load: {failure}"
-        self._announce(reason)
-        if not was_wanted:
-            # A model that was not running is not left crash-looping in the
-            # background (an always-loaded one that could not start either);
-            # the next request tries again. One that was already wanted keeps
-            # its children's own restarts with backoff.
-            async with self._lock:
-                if not model.busy and not model.ready:
-                    await self._stop(model)
-        raise LoadFailed(reason)
-
-    async def _first_ready(self, model: ServedModel) -> str | None:
-        """Start every replica; None once one is ready, else the last failure."""
-        starts_of = {asyncio.ensure_future(child.ensure_ready()): child for child in model.children}
-        starts = set(starts_of)
-        failure = "no replica became ready"
-        try:
-            while starts:
-                done, starts = await asyncio.wait(starts, return_when=asyncio.FIRST_COMPLETED)
-                for task, child in ((t, starts_of[t]) for t in done):
-                    exc = task.exception()
-                    if exc is None:
-                        return None
-                    failure = f"{exc} (log: {child.config.log_path})"
-            return failure
-        finally:
-            # The others keep starting under their children's owners; only the waits end.
-            for task in starts:
-                task.cancel()
-
-    def _make_room(self, model: ServedModel) -> list[ServedModel]:
-        """Under the lock, with no await: pick the models to stop so that ``model`` fits.
-
-        Their ``wanted`` is cleared here, in the same step as the choice, so
-        that no request can enter them between choosing and stopping.
-        """
-        victims: list[ServedModel] = []
-        if not self.max_loaded:
-            return victims
-        while self._running_count() >= self.max_loaded:
-            candidates = [
-                m
-                for m in self.loaded()
-                if m is not model and not m.lifetime.always_loaded and not m.busy and m.loading is None
-            ]
-            if not candidates:
-                names = ", ".join(sorted(m.name for m in self.loaded())) or "models being replaced"
-                raise LoadFailed(
-                    f"model `{model.name}` cannot be loaded now: {self.max_loaded} models are loaded "
-                    f"(--max-loaded) and none can be unloaded ({names}: in use or always loaded); "
-                    "retry shortly"
-                )
-            victim = min(candidates, key=lambda m: m.last_used)
-            self._announce(f"unloading model {victim.name!r} (least recently used) to load {model.name!r}")
-            victim.wanted = False
-            victims.append(victim)
-        return victims
-
-    # -- unload ---------------------------------------------------------------
-
-    async def unload(self, model: ServedModel) -> str | None:
-        """Stop ``model``'s children once its requests in flight end; None, or why not.
-
-        New requests stop entering at once. If some are still running after
-        the unload wait (``--drain-timeout``), the model is left loaded and
-        the reason is returned: unloading never cuts a request.
-        """
-        if model.loading is not None:
-            with contextlib.suppress(LoadFailed, asyncio.CancelledError):
-                await asyncio.shield(model.loading)
-        async with self._lock:
-            if not model.wanted:
-                return None
-            model.wanted = False
-        if not await model.wait_idle(self._unload_wait_s):
-            async with self._lock:
-                model.wanted = True
-            return (
-                f"model `{model.name}` still has {model.in_flight} requests in flight after "
-                f"{self._unload_wait_s:g} s; it stays loaded"
-            )
-        async with self._lock:
-            if model.wanted:
-                return f"model `{model.name}` was asked for again while it was unloading; it stays loaded"
-            await self._stop(model)
-        self._announce(f"model {model.name!r} unloaded")
-        return None
-
-    async def _stop(self, model: ServedModel) -> None:
-        model.wanted = False
-        try:
-            async with asyncio.timeout(max(c.config.stop_grace_s for c in model.children) + _STOP_MARGIN_S):
-                await asyncio.gather(*(child.stop() for child in model.children))
-        except TimeoutError:
-            log.error("model %s: its children did not stop in time", model.name)
-
     # -- idle unloading -------------------------------------------------------
 
     async def _sweep(self) -> None:
@@ -341,17 +212,10 @@ class Registry:
 
     async def _sweep_once(self) -> None:
         for model in list(self.models.values()):
-            ttl_s = model.lifetime.ttl_s
-            if not (
-                ttl_s > 0 and model.wanted and not model.lifetime.always_loaded and model.loading is None
-            ):
-                continue
-            async with self._lock:
-                # Checked under the lock, and stopped in the same step: a
-                # request may have come in while the lock was awaited.
-                if model.wanted and not model.busy and time.monotonic() - model.last_used >= ttl_s:
-                    self._announce(f"unloading model {model.name!r}: idle for {ttl_s:g} s")
-                    await self._stop(model)
+            stopping = model.expire(time.monotonic())
+            if stopping is not None:
+                self._announce(f"unloading model {model.name!r}: idle for {model.lifetime.ttl_s:g} s")
+                await stopping
 
     # -- configuration reload -------------------------------------------------
 
@@ -368,21 +232,18 @@ class Registry:
                 self._start_eagerly(model)
         for model in retiring:
             self._retiring.add(model)
-            self._background(self._retire(model))
+            self._background(self._retire(model, model.retire()))
 
-    def retune(self, model: ServedModel) -> None:
-        """A running model's lifetime changed on a reload: start it if it is now always-loaded."""
-        if model.lifetime.always_loaded and not model.wanted:
+    def retune(self, model: ServedModel, lifetime: Lifetime) -> None:
+        """A running model's lifetime changed on a reload: it takes it, and starts if now always-loaded."""
+        model.retune(lifetime)
+        if lifetime.always_loaded:
             self._start_eagerly(model)
 
-    async def _retire(self, model: ServedModel) -> None:
+    async def _retire(self, model: ServedModel, retiring: Awaitable[None]) -> None:
         # Nothing new can reach it (it is out of the routing table); its
         # requests in flight end by their own timeouts.
-        model.wanted = False
-        await model.wait_idle(None)
-        if model.loading is not None:
-            model.loading.cancel()
-        await asyncio.gather(*(child.shutdown() for child in model.children), return_exceptions=True)
+        await retiring
         self._retiring.discard(model)
         self._announce(f"model {model.name!r} retired")
 
@@ -390,12 +251,3 @@ class Registry:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-
-async def _start_child(child: Child) -> str | None:
-    """None once the child is ready, or why it did not become ready within its start attempts."""
-    try:
-        await child.ensure_ready(attempts=_START_ATTEMPTS)
-    except ChildFailed as exc:
-        return str(exc)
-    return None

@@ -12,6 +12,7 @@ import string
 import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 VARIANTS = ("cpu", "cuda12", "cuda13", "metal")
@@ -22,7 +23,7 @@ CUDA_VARIANTS = frozenset({"cuda12", "cuda13"})
 # alias: {model} is the model's path and {served_name} its name (an engine
 #   that serves one model, whatever the request's model field says).
 MODEL_FIELD_MODES = frozenset({"run-dir-symlink", "alias"})
-_PLACEHOLDERS = frozenset({"python", "model", "served_name", "host", "port", "half_the_cores"})
+_PLACEHOLDERS = frozenset({"python", "model", "served_name", "host", "port", "half_the_cores", "engines_dir"})
 # A PEP 517 config setting, KEY=VALUE, such as cmake.args=-DGGML_CUDA=on.
 _CONFIG_SETTING = re.compile(r"[A-Za-z_][\w.-]*=")
 
@@ -117,6 +118,8 @@ class EngineSpec:
         values = {
             # For engines that would take every core and stall under other load.
             "half_the_cores": str(max(1, (os.cpu_count() or 2) // 2)),
+            # Scripts of this package that a child runs with its engine's Python.
+            "engines_dir": str(Path(__file__).resolve().parent),
             "python": python,
             "model": model,
             "served_name": model if served_name is None else served_name,

@@ -1,4 +1,4 @@
-"""python -m perf receipt|matrix|assembly [--quick|--smoke] [--out DIR] [--cpu N|none]"""
+"""python -m perf receipt|matrix|assembly|affinity [--quick|--smoke] [--out DIR] [--cpu N|none]"""
 
 from __future__ import annotations
 
@@ -16,20 +16,28 @@ def _cpu(text: str) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf", description=__doc__)
-    parser.add_argument("what", choices=("receipt", "matrix", "assembly"))
+    parser.add_argument("what", choices=("receipt", "matrix", "assembly", "affinity"))
     parser.add_argument("--out", type=Path, default=None, help="output folder [perf/results/<what>-<time>]")
     parser.add_argument("--cpu", type=_cpu, default=0, help="core to pin every process to, or 'none' [0]")
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="a short version (tox -e perf)")
     size.add_argument("--smoke", action="store_true", help="a few seconds, to prove the harness runs")
     parser.add_argument("--duration", type=float, default=None, help="seconds per matrix run")
-    parser.add_argument("--rounds", type=int, default=None, help="matrix rounds")
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="matrix rounds; affinity: rounds of each mode"
+    )
     parser.add_argument("--runs", type=int, default=None, help="receipt runs per surface")
     parser.add_argument(
         "--model",
         default=None,
-        help="receipt: builtin:NAME (smollm2, the real model; tiny or bench: random weights) "
-        "or a model directory [builtin:smollm2; --smoke: builtin:tiny]",
+        help="receipt, affinity: builtin:NAME (smollm2, the real model; tiny or bench: random weights) "
+        "or a model directory [receipt: builtin:smollm2, --smoke: builtin:tiny; affinity: builtin:tiny]",
+    )
+    parser.add_argument("--modes", default=None, help="affinity: comma-separated modes [all four]")
+    parser.add_argument("--slack", type=int, default=None, help="affinity: the affinity slack [4]")
+    parser.add_argument("--conversations", type=int, default=None, help="affinity: conversations at once [8]")
+    parser.add_argument(
+        "--think", type=float, default=None, help="affinity: mean pause in s before a later turn [0.5]"
     )
     parser.add_argument(
         "--concurrent", type=int, default=None, help="receipt: also aggregate tok/s at C=N [off]"
@@ -43,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
 
         print(run_assembly(out, quick=args.quick or args.smoke), end="")
         return 0
+    if args.what == "affinity":
+        return _affinity(args, out)
     if args.what == "matrix":
         from perf.matrix import Plan, run_matrix
 
@@ -103,6 +113,44 @@ def main(argv: list[str] | None = None) -> int:
         (out / "receipt.md").write_text(report.receipt_markdown(data))
         print(report.receipt_markdown(data))
         print(f"written: {out / 'receipt.md'}, {out / 'receipt.json'}")
+    return 0
+
+
+def _affinity(args: argparse.Namespace, out: Path) -> int:
+    from perf.affinity import MODES, AffinityError, AffinityPlan, markdown, run_affinity
+
+    plan = AffinityPlan()
+    if args.quick:
+        plan = AffinityPlan(conversations=4, turns=3, max_tokens=16)
+    if args.smoke:
+        plan = AffinityPlan(conversations=2, turns=2, system_tokens=200, max_tokens=4, think_s=0)
+    if args.model:
+        plan.model = args.model
+    if args.slack is not None:
+        plan.slack = args.slack
+    if args.rounds:
+        plan.rounds = args.rounds
+    if args.think is not None:
+        plan.think_s = args.think
+    if args.conversations:
+        plan.conversations = args.conversations
+    if args.modes:
+        plan.modes = tuple(args.modes.split(","))
+        unknown = set(plan.modes) - set(MODES)
+        if unknown:
+            print(
+                f"perf affinity: unknown modes {sorted(unknown)}; known: {', '.join(MODES)}", file=sys.stderr
+            )
+            return 2
+    try:
+        data = run_affinity(plan, out)
+    except AffinityError as exc:
+        print(f"perf affinity: {exc}", file=sys.stderr)
+        return 2
+    report.write_json(out / "affinity.json", data)
+    (out / "affinity.md").write_text(markdown(data))
+    print(markdown(data))
+    print(f"written: {out / 'affinity.md'}, {out / 'affinity.json'}")
     return 0
 
 

@@ -6,11 +6,13 @@ relay). An engine model becomes a ``ServedModel`` with one child per replica,
 each on its own port; a static upstream becomes a plain route.
 
 A reload reads the file again and compares each model's settings with the
-running ones. Unchanged models keep their route object, so the relay keeps
-their queues, pools and requests in flight; changed and new ones are built
-(installing engines off the event loop); changed and removed ones are
-retired once their requests in flight end. A file with an error changes
-nothing.
+running ones (``plan_reload``, a pure function). Unchanged models keep their
+route object, so the relay keeps their queues, pools and requests in flight;
+models whose children's settings are unchanged keep their children and are
+retuned (aliases, limits, lifetime, asked of the registry); changed and new
+ones are built (installing engines off the event loop); changed and removed
+ones are retired once their requests in flight end. A file with an error
+changes nothing.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -29,7 +31,7 @@ from proxy.routing import Replica, Route, RoutingTable, UpstreamAddress, Upstrea
 
 if TYPE_CHECKING:
     from engines.home import Home
-    from engines.manager import PlannedChild
+    from engines.plan import PlannedChild
     from engines.registry import Registry
     from engines.served import ServedModel
     from engines.spec import EngineSpec
@@ -81,13 +83,19 @@ class Catalog:
             route = Route(
                 model=config.name, upstream=parse_upstream_url(config.upstream), aliases=config.aliases
             )
+            if config.engine is not None:
+                # An engine on another host: nothing to install or start, but
+                # the same checks and non-stream handling as for a child.
+                from engines import spec as specs
+
+                route = dataclasses.replace(route, guards=_guards(specs.load(config.engine)))
             return dataclasses.replace(route, max_in_flight=config.max_in_flight or self.max_in_flight)
         return self._plan_engine(config)
 
     def _plan_engine(self, config: ModelConfig) -> _Prepared:
         from engines import builtin
         from engines import install as installing
-        from engines.manager import free_port, plan
+        from engines.plan import free_port, plan
 
         assert self.home is not None and config.engine is not None
         engine = config.engine
@@ -166,6 +174,7 @@ class Catalog:
             prepared.name,
             children,
             Lifetime(always_loaded=config.always_loaded, ttl_s=config.ttl_s),
+            keeper=self.registry,
             description=f"{first.engine} ({first.variant}), {len(children)} replica(s)",
         )
         batch = spec.batch_size * len(children)
@@ -174,16 +183,7 @@ class Catalog:
             model=prepared.name,
             upstream=UpstreamAddress(first.config.host, first.config.port),
             gate=served,
-            guards=RequestGuards(
-                min_max_tokens=spec.guards.min_max_tokens,
-                require_input=spec.guards.require_input,
-                check_types=spec.guards.check_types,
-                seed_min=spec.guards.seed_min,
-                top_logprobs_max=spec.guards.top_logprobs_max,
-                completion_logprobs=spec.guards.completion_logprobs,
-                via_stream=spec.nonstream.via_stream,
-                stream_cannot_carry=spec.nonstream.stream_cannot_carry,
-            ),
+            guards=_guards(spec),
             # The engines generate this many at once; more would only queue inside them.
             max_in_flight=config.max_in_flight or self.max_in_flight or batch,
             aliases=config.aliases,
@@ -211,7 +211,9 @@ class Catalog:
         the engine serves, or a hub repo id for an engine that downloads.
         """
         for config in configs:
-            if config.engine is not None:
+            if config.upstream is not None and config.engine is not None:
+                _check_upstream_engine(config)
+            elif config.engine is not None:
                 _check_engine_model(config)
 
     def build(self, configs: Sequence[ModelConfig]) -> None:
@@ -230,7 +232,7 @@ class Catalog:
         from engines import install as installing
         from engines import spec as specs
         from engines.environment import ServedNameError
-        from engines.manager import PlanError
+        from engines.plan import PlanError
 
         where = config.source or (f"model {config.name!r}" if config.name else "the --engine model")
         try:
@@ -246,8 +248,11 @@ class Catalog:
         except ValueError as exc:  # engines.formats: not a model it recognises
             raise ConfigError(f"{where}: {exc}") from None
 
-    def served_models(self) -> list[Any]:
-        return [route.gate for _, route in self.entries.values() if route.gate is not None]
+    def served_models(self) -> list[ServedModel]:
+        # An engine route's gate is the ServedModel that assemble made.
+        return [
+            cast("ServedModel", route.gate) for _, route in self.entries.values() if route.gate is not None
+        ]
 
     # -- reloading ------------------------------------------------------------
 
@@ -256,35 +261,22 @@ class Catalog:
 
         Raises ``ConfigError`` and changes nothing when a model cannot be built.
         """
-        check_names(file.models, str(file.path))
-        wanted = {c.name: c for c in file.models if c.name is not None}
-        clash = set(wanted) & set(keep)
-        if clash:
-            raise ConfigError(f"{file.path}: model {sorted(clash)[0]!r} is also given on the command line")
-        if not wanted and not keep:
-            # An editor that truncates before writing would otherwise stop every model.
-            raise ConfigError(f"{file.path}: names no models, and nothing else would be served; not applied")
-        changed = [c for name, c in wanted.items() if name not in self.entries or self.entries[name][0] != c]
-        # Only the aliases, limits or lifetime changed: the children keep running.
-        retuned = [c for c in changed if c.name in self.entries and _same_children(self.entries[c.name], c)]
-        rebuilt = [c for c in changed if c not in retuned]
-        removed = [name for name in self.entries if name not in keep and name not in wanted]
-        replaced = [c.name for c in rebuilt if c.name is not None and c.name in self.entries]
-        if not changed and not removed:
+        changes = plan_reload({name: config for name, (config, _) in self.entries.items()}, file, keep)
+        if changes is None:
             self.announce(f"reload: {file.path}: no model changed")
             return
-        self.check(rebuilt)
+        self.check(changes.rebuilt)
         # Installing and planning may take a while: off the event loop.
-        prepared = [await asyncio.to_thread(self._prepare_checked, c) for c in rebuilt]
+        prepared = [await asyncio.to_thread(self._prepare_checked, c) for c in changes.rebuilt]
         entries = dict(self.entries)
-        for name in removed:
+        for name in changes.removed:
             del entries[name]
         new_routes = []
-        for config, item in zip(rebuilt, prepared, strict=True):
+        for config, item in zip(changes.rebuilt, prepared, strict=True):
             route = self.assemble(item)
             entries[route.model] = (config, route)
             new_routes.append(route)
-        for config in retuned:
+        for config in changes.retuned:
             assert config.name is not None
             route = self.entries[config.name][1]
             limit = config.max_in_flight or self.max_in_flight or self._batch[config.name]
@@ -296,37 +288,53 @@ class Catalog:
             table = RoutingTable(route for _, route in entries.values())
         except UpstreamSpecError as exc:
             raise ConfigError(f"{file.path}: {exc}") from None
-        old = [self.entries[name][1] for name in (*removed, *replaced)]
+        old = [self.entries[name][1] for name in (*changes.removed, *changes.replaced)]
         self.entries = entries
         relay.update(table)
         from engines.served import Lifetime
 
-        for config in retuned:
-            assert config.name is not None
-            served = cast("ServedModel", entries[config.name][1].gate)
-            served.lifetime = Lifetime(always_loaded=config.always_loaded, ttl_s=config.ttl_s)
-            if self.registry is not None:
-                self.registry.retune(served)
         if self.registry is not None:
+            for config in changes.retuned:
+                assert config.name is not None
+                # The model's lifetime is its own: the registry asks it to take the new one.
+                served = cast("ServedModel", entries[config.name][1].gate)
+                self.registry.retune(served, Lifetime(always_loaded=config.always_loaded, ttl_s=config.ttl_s))
             await self.registry.replace(
                 added=[cast("ServedModel", r.gate) for r in new_routes if r.gate is not None],
                 removed=[r.model for r in old if r.gate is not None],
             )
-        started = [c.name for c in changed if c.name not in replaced]
-        report = [
-            f"started {', '.join(map(str, started))}" if started else "",
-            f"restarted {', '.join(replaced)}" if replaced else "",
-            f"removed {', '.join(removed)}" if removed else "",
-            f"updated {', '.join(str(c.name) for c in retuned)} (children kept)" if retuned else "",
-        ]
-        self.announce("reload: " + "; ".join(part for part in report if part))
+        self.announce(f"reload: {changes.report()}")
+
+
+def _guards(spec: EngineSpec) -> RequestGuards:
+    """An engine spec's request checks and non-stream handling, for the relay."""
+    return RequestGuards(
+        min_max_tokens=spec.guards.min_max_tokens,
+        require_input=spec.guards.require_input,
+        check_types=spec.guards.check_types,
+        seed_min=spec.guards.seed_min,
+        top_logprobs_max=spec.guards.top_logprobs_max,
+        completion_logprobs=spec.guards.completion_logprobs,
+        via_stream=spec.nonstream.via_stream,
+        stream_cannot_carry=spec.nonstream.stream_cannot_carry,
+    )
+
+
+def _check_upstream_engine(config: ModelConfig) -> None:
+    from engines import spec as specs
+
+    assert config.engine is not None
+    try:
+        specs.load(config.engine)
+    except specs.SpecError as exc:
+        raise ConfigError(f"{config.where('engine')}: {exc}") from None
 
 
 def _check_engine_model(config: ModelConfig) -> None:
     from engines import builtin
     from engines import spec as specs
     from engines.formats import FormatError, check_model
-    from engines.manager import PlanError, check_engine_args
+    from engines.plan import PlanError, check_engine_args
 
     assert config.engine is not None
     spec = None
@@ -356,7 +364,7 @@ def _check_engine_model(config: ModelConfig) -> None:
     except FormatError as exc:
         raise ConfigError(f"{config.where('model')}: {exc}") from None
     if kind == "hub" and config.name is not None and config.name != model:
-        # The child downloads the repo and answers to its id only (engines.manager.plan).
+        # The child downloads the repo and answers to its id only (engines.plan.plan).
         if config.source.startswith("--engine"):
             raise ConfigError(
                 f"--served-name {config.name}: a hub model is served under its repo id {model!r}; "
@@ -373,6 +381,63 @@ def _check_engine_model(config: ModelConfig) -> None:
 _CHILD_SETTINGS = ("engine", "model", "upstream", "replicas", "engine_args", "variant")
 
 
-def _same_children(entry: tuple[ModelConfig, Route], config: ModelConfig) -> bool:
-    running, route = entry
-    return route.gate is not None and all(getattr(running, k) == getattr(config, k) for k in _CHILD_SETTINGS)
+@dataclass(frozen=True, slots=True)
+class ReloadPlan:
+    """What a reload changes, by model name, decided before anything is built."""
+
+    # New models, and models whose children change: built, then started or restarted.
+    rebuilt: tuple[ModelConfig, ...] = ()
+    # Engine models whose aliases, limits or lifetime changed: their children keep running.
+    retuned: tuple[ModelConfig, ...] = ()
+    # Running models the file no longer names.
+    removed: tuple[str, ...] = ()
+    # The rebuilt models that were running (the others are new).
+    replaced: tuple[str, ...] = ()
+
+    def report(self) -> str:
+        """The reload's line in the gateway's output."""
+        started = [str(c.name) for c in self.rebuilt if c.name not in self.replaced]
+        parts = [
+            f"started {', '.join(started)}" if started else "",
+            f"restarted {', '.join(self.replaced)}" if self.replaced else "",
+            f"removed {', '.join(self.removed)}" if self.removed else "",
+            f"updated {', '.join(str(c.name) for c in self.retuned)} (children kept)" if self.retuned else "",
+        ]
+        return "; ".join(part for part in parts if part)
+
+
+def plan_reload(
+    running: Mapping[str, ModelConfig], file: FileConfig, keep: Collection[str]
+) -> ReloadPlan | None:
+    """Compare the file's models with the running ones; None when no model changed.
+
+    ``running``: each served model's settings, in the order configured;
+    ``keep``: the models from the command line, which a reload leaves alone.
+    Raises ``ConfigError`` for a file that must not be applied: a name given
+    twice, a name the command line already serves, or no model at all.
+    """
+    check_names(file.models, str(file.path))
+    wanted = {c.name: c for c in file.models if c.name is not None}
+    clash = set(wanted) & set(keep)
+    if clash:
+        raise ConfigError(f"{file.path}: model {sorted(clash)[0]!r} is also given on the command line")
+    if not wanted and not keep:
+        # An editor that truncates before writing would otherwise stop every model.
+        raise ConfigError(f"{file.path}: names no models, and nothing else would be served; not applied")
+    changed = [c for name, c in wanted.items() if running.get(name) != c]
+    retuned = tuple(
+        c for c in changed if c.name is not None and c.name in running and _same_children(running[c.name], c)
+    )
+    rebuilt = tuple(c for c in changed if c not in retuned)
+    removed = tuple(name for name in running if name not in keep and name not in wanted)
+    if not changed and not removed:
+        return None
+    replaced = tuple(c.name for c in rebuilt if c.name is not None and c.name in running)
+    return ReloadPlan(rebuilt=rebuilt, retuned=retuned, removed=removed, replaced=replaced)
+
+
+def _same_children(running: ModelConfig, config: ModelConfig) -> bool:
+    """Whether ``config`` keeps ``running``'s children: an engine model, the same child settings."""
+    return running.upstream is None and all(
+        getattr(running, k) == getattr(config, k) for k in _CHILD_SETTINGS
+    )

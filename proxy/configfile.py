@@ -193,9 +193,16 @@ def _model(path: Path, name: str, table: Any) -> ModelConfig:
         attr, check = spec
         values[attr] = check(f"{where} {key}", value)
     config = ModelConfig(**values)
-    if (config.engine is None) == (config.upstream is None):
-        raise ConfigError(f"{where}: give either engine (with model) or upstream, not both or neither")
+    if config.engine is None and config.upstream is None:
+        raise ConfigError(f"{where}: give engine (with model), or upstream")
     if config.upstream is not None:
+        # With an upstream, engine names the engine that server runs: its
+        # spec's request checks and non-stream handling apply to it too.
+        if config.engine == "auto":
+            raise ConfigError(
+                f'{where} engine: "auto" picks an engine from a model\'s files, and an upstream has none '
+                "here: name the engine the upstream runs (blazar-proxy engines list), or leave engine out"
+            )
         try:
             parse_upstream_url(config.upstream)
         except UpstreamSpecError as exc:

@@ -1,14 +1,21 @@
-"""Shared fixtures, and the fault catalogue's one-line summary at the end of a run.
+"""Shared fixtures, and the fault catalogue that the suite prints at the end of a run.
 
-Tests that inject a fault (a dying engine, a stalled stream, a slowloris
-client, a drain, ...) carry the `fault` marker. The run ends with
+A test that injects a fault (a hostile client, a broken upstream, a dying
+engine, a drain, ...) says which case of the catalogue it provokes:
 
-    faults injected N, survived N, requests lost 0, orphans 0
+    @pytest.mark.fault("upstreams", "heads too large or ambiguously framed")
+
+(or `pytestmark = pytest.mark.fault(...)` for a module; the closest marker
+wins). The group and the case must be in CATALOGUE below, so that a typo is a
+collection error, not a case of its own. The run ends with the catalogue, one
+line per case that had a test in it, and then
+
+    faults injected N, survived N, requests lost N, orphans N
 
 where "survived" counts fault tests that passed (each asserts that its
 requests were answered, none silently cut), "requests lost" the fault tests
-that failed, and "orphans" the engine or fake-engine processes left running
-by the suite once it is over.
+that failed (each listed under its case), and "orphans" the engine or
+fake-engine processes left running by the suite once it is over.
 """
 
 from __future__ import annotations
@@ -19,61 +26,93 @@ from pathlib import Path
 
 import pytest
 
-_FAULT_FILES = {
-    "test_disconnect.py",
-    "test_review_regressions.py",
-    "test_admission.py",
-    "test_drain.py",
-    "test_client_limits.py",
-    "test_child.py",
-    "test_send_limits.py",
-    "test_heartbeat.py",
-    "test_review5_regressions.py",
-    "test_load_balancer.py",
+# Group -> its cases, in the order they are printed.
+CATALOGUE: dict[str, tuple[str, ...]] = {
+    "clients": (
+        "slowloris: heads and bodies that trickle or never come",
+        "oversized heads and bodies",
+        "smuggling, upgrades and hop-by-hop headers",
+        "bodies that are not JSON, or are sent as forms",
+        "spoofed forwarding and cookies",
+        "huge input echoed in an error",
+        "a client that leaves mid-request",
+        "a client that stops reading, or reads slowly",
+        "idle keep-alive connections",
+    ),
+    "upstreams": (
+        "connection refused",
+        "no head before the first-byte timeout",
+        "garbage or an empty reply instead of a head",
+        "a pooled connection closed as it is reused",
+        "heads too large or ambiguously framed",
+        "a body cut short or malformed mid-way",
+        "a stream without [DONE], or not an event stream",
+        "silence mid-response, and the total timeout",
+        "error statuses",
+        "a long prefill, bridged by heartbeats",
+    ),
+    "engines": (
+        "a child's start: proven, shared, or failing with why",
+        "a child that crashes, hangs or turns unhealthy",
+        "a child stopped: its group killed and reaped",
+        "requests that would break the engine",
+        "a replica that fails",
+    ),
+    "overload": (
+        "the limit and the queue: 429 and 503 with Retry-After",
+        "slots released on every path, cancelled waiters too",
+        "out of file descriptors",
+    ),
+    "drain": (
+        "SIGTERM with requests in flight",
+        "the drain deadline",
+        "a second and a third signal",
+    ),
+    "balancers": (
+        "nginx in front",
+        "HAProxy in front",
+        "a gateway in front (chained gateways)",
+        "idle connections at the keep-alive limits",
+    ),
 }
-_FAULT_TESTS = {
-    "test_broken_upstream_is_502",
-    "test_truncated_stream_ends_with_error_event",
-    "test_non_stream_body_cut_short_is_not_a_clean_response",
-    "test_first_byte_timeout_is_504",
-    "test_upstream_down_is_503_with_retry_after",
-    "test_stream_that_dies_raises_api_error",
-    "test_empty_reply_is_internal_server_error_502",
-    "test_bad_field_type_gets_400_not_a_hang",
-    "test_crashed_child_comes_back_and_requests_meanwhile_get_503",
-    "test_sigterm_stops_gateway_and_reaps_child",
-    "test_sigkill_of_gateway_leaves_no_orphan",
-    "test_sigterm_lets_a_real_stream_finish_then_reaps_the_child",
-    "test_load_wait_holds_requests_until_the_child_is_back",
-    "test_a_draining_gateways_503_is_retried_and_its_check_takes_it_out",
-    "test_a_gateway_that_died_is_retried_on_the_other",
-    "test_sigterm_under_load_loses_nothing_and_the_gateway_rejoins",
-    "test_upstream_error_status_through_a_is_bs_error",
-    "test_stream_that_breaks_behind_b_is_one_error_event_at_a",
-    "test_error_after_bs_heartbeats_is_one_error_event_at_a",
-    "test_bs_refused_upstream_reaches_the_client_as_bs_503_with_retry_after",
-    "test_draining_b_reaches_the_client_as_503_draining_with_retry_after",
-    "test_client_leaving_a_mid_stream_closes_b_and_the_engine",
-    "test_client_leaving_a_during_prefill_closes_b_and_the_engine",
-}
-
 
 # Every process this run starts inherits this mark (the gateway passes its
 # environment on to engine children), so that the closing line counts only
 # the run's own leftovers, not engines that belong to something else.
 _RUN_MARK = "BLAZAR_TEST_RUN"
 
+# The user property that carries a fault test's case from its item to its reports.
+_PROPERTY = "fault"
+
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "fault: the test injects a fault and checks that nothing is lost")
+    config.addinivalue_line(
+        "markers",
+        "fault(group, case): the test injects a fault of the catalogue (tests/conftest.py) "
+        "and checks that nothing is lost",
+    )
     os.environ.setdefault(_RUN_MARK, f"{os.getpid()}-{uuid.uuid4().hex}")
+
+
+def _case_of(item: pytest.Item) -> tuple[str, str] | None:
+    marker = item.get_closest_marker("fault")
+    if marker is None:
+        return None
+    args = marker.args
+    if marker.kwargs or len(args) != 2 or not all(isinstance(a, str) for a in args):
+        raise pytest.UsageError(f"{item.nodeid}: the fault marker takes (group, case), got {marker}")
+    group, case = args
+    if case not in CATALOGUE.get(group, ()):
+        raise pytest.UsageError(
+            f"{item.nodeid}: fault case {group!r}, {case!r} is not in the catalogue (tests/conftest.py)"
+        )
+    return group, case
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        name = getattr(item, "originalname", item.name)
-        if Path(str(item.fspath)).name in _FAULT_FILES or name in _FAULT_TESTS:
-            item.add_marker(pytest.mark.fault)
+        if (case := _case_of(item)) is not None:
+            item.user_properties.append((_PROPERTY, case))
 
 
 def _orphans() -> int:
@@ -95,24 +134,57 @@ def _orphans() -> int:
     return count
 
 
-_ENGINE_PROGRAMS = (b"tests.fake_engine", b"mlx_lm.server", b"llama_cpp.server")
+_ENGINE_PROGRAMS = (b"tests.fake_engine", b"mlx_lm.server", b"llama_cpp.server", b"llamacpp_server.py")
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     stats = terminalreporter.stats
-
-    def faults(outcome: str) -> set[str]:
-        return {r.nodeid for r in stats.get(outcome, []) if "fault" in getattr(r, "keywords", {})}
-
-    passed = faults("passed")
-    lost = faults("failed") | faults("error")
+    cases: dict[str, tuple[str, str]] = {}  # nodeid -> (group, case), for fault tests
+    outcomes: dict[str, set[str]] = {"passed": set(), "lost": set(), "skipped": set()}
+    for category, reports in stats.items():
+        for report in reports:
+            case = dict(getattr(report, "user_properties", ())).get(_PROPERTY)
+            if case is None:
+                continue
+            cases[report.nodeid] = case
+            if category == "passed":
+                outcomes["passed"].add(report.nodeid)
+            elif category in ("failed", "error"):
+                outcomes["lost"].add(report.nodeid)
+            elif category == "skipped":
+                outcomes["skipped"].add(report.nodeid)
+    passed, lost = outcomes["passed"], outcomes["lost"]
     injected = len(passed | lost)
     if not injected:
         return
+    terminalreporter.section("fault catalogue", sep="-")
+    for line in _catalogue_lines(cases, passed - lost, lost, outcomes["skipped"] - passed - lost):
+        terminalreporter.write_line(line)
     terminalreporter.write_line(
         f"faults injected {injected}, survived {len(passed - lost)}, requests lost {len(lost)}, "
         f"orphans {_orphans()}"
     )
+
+
+def _catalogue_lines(
+    cases: dict[str, tuple[str, str]], survived: set[str], lost: set[str], skipped: set[str]
+) -> list[str]:
+    """Each group that had a fault test, each of its cases with passed of ran, and the lost by id."""
+    width = max(len(case) for _, case in cases.values())
+    lines: list[str] = []
+    for group, group_cases in CATALOGUE.items():
+        heading = [group]
+        for case in group_cases:
+            ids = sorted(nodeid for nodeid, at in cases.items() if at == (group, case))
+            if not ids:
+                continue
+            ran = len(survived.intersection(ids)) + len(lost.intersection(ids))
+            line = f"  {case:<{width}}  {len(survived.intersection(ids))}/{ran} passed"
+            if n_skipped := len(skipped.intersection(ids)):
+                line += f", {n_skipped} skipped"
+            lines += [*heading, line, *(f"      lost: {i}" for i in ids if i in lost)]
+            heading = []
+    return lines
 
 
 @pytest.fixture

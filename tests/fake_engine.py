@@ -29,7 +29,12 @@ chunk after the first event): flags, where a bare key means true; head
 huge, one 70 KB header line; te-twice, ``Transfer-Encoding: chunked,
 chunked``; cl-te, Content-Length and Transfer-Encoding both); no-done (a
 stream that ends cleanly, its last chunk or its close, without ``[DONE]``);
-not-sse (a stream request answered with a JSON body). An unknown key
+not-sse (a stream request answered with a JSON body); reasoning=N (chat:
+N pieces of reasoning before the text, ``reasoning`` in the message or the
+deltas, as mlx sends it); tool-calls=N (chat: N tool calls after the text,
+named after the request's tools in turn, finish_reason ``tool_calls``; a
+stream sends each the way OpenAI and vLLM do: a first delta with its index,
+id, type and name, then its arguments in three pieces). An unknown key
 gets a 400 so that a typo in a test cannot pass silently.
 
 Observability: every request (but the admin routes) is recorded; ``GET
@@ -134,6 +139,8 @@ class FakeOptions:
     head: str | None = None
     no_done: bool = False
     not_sse: bool = False
+    reasoning: int = 0
+    tool_calls: int = 0
 
     def is_plain(self) -> bool:
         """True when nothing asks for a delay or a fault: the cheap path applies."""
@@ -212,6 +219,8 @@ _CONTROLS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "head": ("head", _parse_bad_head),
     "no-done": ("no_done", _parse_flag),
     "not-sse": ("not_sse", _parse_flag),
+    "reasoning": ("reasoning", _parse_count),
+    "tool-calls": ("tool_calls", _parse_count),
 }
 
 
@@ -625,18 +634,35 @@ class FakeEngine:
             return _mlx_error_reply(404, {"error": "generation thread died"})
         count = opts.chunks if opts.chunks is not None else int(max_tokens)
         model = body.get("model", "default_model")
-        prompt_tokens = max(1, len(req.body) // 8)
+        # From the prompt alone, as an engine counts: a request sent as a stream counts the same.
+        prompt = body.get("messages") if is_chat else body.get("prompt")
+        prompt_tokens = max(1, len(orjson.dumps(prompt)) // 8)
+        extras = _Extras.of(body, opts) if is_chat else _Extras()
         if body.get("stream", False):
-            return self._reply_stream(body, is_chat, model, count, prompt_tokens, opts)
-        return self._reply_complete(is_chat, model, count, prompt_tokens, opts)
+            return self._reply_stream(body, is_chat, model, count, prompt_tokens, opts, extras)
+        return self._reply_complete(is_chat, model, count, prompt_tokens, opts, extras)
 
     def _reply_complete(
-        self, is_chat: bool, model: str, count: int, prompt_tokens: int, opts: FakeOptions
+        self,
+        is_chat: bool,
+        model: str,
+        count: int,
+        prompt_tokens: int,
+        opts: FakeOptions,
+        extras: _Extras,
     ) -> _Reply:
         text = _full_text(count, opts.chunk_bytes)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+        choice: dict[str, Any] = {"index": 0, "finish_reason": extras.finish_reason}
         if is_chat:
-            choice["message"] = {"role": "assistant", "content": text or None}
+            message: dict[str, Any] = {"role": "assistant", "content": text or None}
+            if extras.reasoning:
+                message["reasoning"] = "".join(extras.reasoning)
+            if extras.calls:
+                message["tool_calls"] = [
+                    {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                    for c in extras.calls
+                ]
+            choice["message"] = message
         else:
             choice["text"] = text
         payload = {
@@ -646,7 +672,7 @@ class FakeEngine:
             "model": model,
             "created": int(time.time()),
             "choices": [choice],
-            "usage": _usage(prompt_tokens, count),
+            "usage": _usage(prompt_tokens, count + extras.tokens),
         }
         return _json_reply(200, payload, with_length=True)
 
@@ -658,17 +684,19 @@ class FakeEngine:
         count: int,
         prompt_tokens: int,
         opts: FakeOptions,
+        extras: _Extras,
     ) -> _Reply:
         request_id = _completion_id("chatcmpl-" if is_chat else "cmpl-")
         created = int(time.time())
         object_type = "chat.completion.chunk" if is_chat else "text_completion"
 
-        def chunk(content: str | None, finish_reason: str | None) -> dict[str, Any]:
+        def chunk(content: str | None, finish_reason: str | None, **delta: Any) -> dict[str, Any]:
             choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
             if is_chat:
                 choice["delta"] = {"role": "assistant"}
                 if content:
                     choice["delta"]["content"] = content
+                choice["delta"].update(delta)
             else:
                 choice["text"] = content or ""
             return {
@@ -686,8 +714,16 @@ class FakeEngine:
         before, _, after = template.partition(orjson.dumps(_CONTENT_SENTINEL))
         before = b"data: " + before
         after += b"\n\n"
-        events = [before + p + after for p in _encoded_pieces(count, opts.chunk_bytes)]
-        events.append(b"data: " + orjson.dumps(chunk(None, "length")) + b"\n\n")
+        events = [
+            b"data: " + orjson.dumps(chunk(None, None, reasoning=r)) + b"\n\n" for r in extras.reasoning
+        ]
+        events += [before + p + after for p in _encoded_pieces(count, opts.chunk_bytes)]
+        for index, call in enumerate(extras.calls):
+            first = {"index": index, "id": call.id, "type": "function"}
+            first["function"] = {"name": call.name, "arguments": ""}
+            deltas = [first] + [{"index": index, "function": {"arguments": a}} for a in call.pieces()]
+            events += [b"data: " + orjson.dumps(chunk(None, None, tool_calls=[d])) + b"\n\n" for d in deltas]
+        events.append(b"data: " + orjson.dumps(chunk(None, extras.finish_reason)) + b"\n\n")
         cut = False
         stream_options = body.get("stream_options")
         if stream_options is not None:
@@ -704,7 +740,7 @@ class FakeEngine:
                         "model": model,
                         "created": created,
                         "choices": [],
-                        "usage": _usage(prompt_tokens, count),
+                        "usage": _usage(prompt_tokens, count + extras.tokens),
                     }
                     events.append(b"data: " + orjson.dumps(usage_chunk) + b"\n\n")
         reply = _Reply(status=200, reason="OK", header_lines=_stream_headers(), events=events)
@@ -814,6 +850,56 @@ class FakeEngine:
             return False
         path = req.path
         return path in _CHAT_PATHS or path == _TEXT_PATH or (self.embeddings and path == _EMBEDDINGS_PATH)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _ToolCall:
+    id: str
+    name: str
+    arguments: str
+
+    def pieces(self) -> list[str]:
+        """The arguments in three pieces, as a stream sends them."""
+        third = max(1, len(self.arguments) // 3)
+        return [self.arguments[:third], self.arguments[third : 2 * third], self.arguments[2 * third :]]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Extras:
+    """What a chat reply carries besides its text: reasoning before it, tool calls after it."""
+
+    reasoning: tuple[str, ...] = ()
+    calls: tuple[_ToolCall, ...] = ()
+
+    @classmethod
+    def of(cls, body: dict[str, Any], opts: FakeOptions) -> _Extras:
+        if not (opts.reasoning or opts.tool_calls):
+            return cls()
+        tools = body.get("tools")
+        names = [
+            t["function"]["name"]
+            for t in (tools if isinstance(tools, list) else [])
+            if isinstance(t, dict)
+            and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str)
+        ] or ["tool"]
+        calls = tuple(
+            _ToolCall(
+                f"call_{i}",
+                names[i % len(names)],
+                orjson.dumps({"call": i, "city": "Paris", "unit": "celsius"}).decode(),
+            )
+            for i in range(opts.tool_calls)
+        )
+        return cls(tuple(f"think{i} " for i in range(opts.reasoning)), calls)
+
+    @property
+    def finish_reason(self) -> str:
+        return "tool_calls" if self.calls else "length"
+
+    @property
+    def tokens(self) -> int:
+        return len(self.reasoning) + 8 * len(self.calls)
 
 
 def _not_found_reply() -> _Reply:

@@ -52,6 +52,7 @@ def in_flight_at_engine(fake: FakeEngine) -> int:
     return sum(1 for r in fake.records() if r["outcome"] is None)
 
 
+@pytest.mark.fault("overload", "the limit and the queue: 429 and 503 with Retry-After")
 def test_limit_queue_full_and_queue_timeout(
     limited: Running, fake: FakeEngine, http: httpx.Client, sockets: list[socket.socket]
 ) -> None:
@@ -74,6 +75,7 @@ def test_limit_queue_full_and_queue_timeout(
         assert b"retry-after" in response.lower()
 
 
+@pytest.mark.fault("overload", "slots released on every path, cancelled waiters too")
 def test_slots_are_released_on_every_path(
     start_gateway: StartGateway, fake: FakeEngine, http: httpx.Client, sockets: list[socket.socket]
 ) -> None:

@@ -138,6 +138,7 @@ def test_non_stream_response_through_a_is_bs_byte_for_byte(
     assert chained.headers["content-length"] == str(len(chained.content))
 
 
+@pytest.mark.fault("balancers", "a gateway in front (chained gateways)")
 @pytest.mark.parametrize(
     ("status", "error_class"),
     [
@@ -171,6 +172,7 @@ def test_upstream_error_status_through_a_is_bs_error(
     assert isinstance(raised.value.body, dict) and raised.value.body["message"] == "fake error"
 
 
+@pytest.mark.fault("balancers", "a gateway in front (chained gateways)")
 @pytest.mark.parametrize("fault", ["die-after=3", "die-after=3; mid-event"])
 def test_stream_that_breaks_behind_b_is_one_error_event_at_a(
     chain: tuple[Running, Running], http: httpx.Client, fault: str
@@ -201,6 +203,7 @@ def test_stream_that_breaks_behind_b_is_one_error_event_at_a(
     assert received == ["tok0 ", "tok1 ", "tok2 "]
 
 
+@pytest.mark.fault("balancers", "a gateway in front (chained gateways)")
 def test_error_after_bs_heartbeats_is_one_error_event_at_a(
     start_gateway: StartGateway, fake: FakeEngine, http: httpx.Client
 ) -> None:
@@ -216,6 +219,7 @@ def test_error_after_bs_heartbeats_is_one_error_event_at_a(
     assert error["message"] == "fake error" and error["type"] == "server_error"
 
 
+@pytest.mark.fault("balancers", "a gateway in front (chained gateways)")
 def test_bs_refused_upstream_reaches_the_client_as_bs_503_with_retry_after(
     start_gateway: StartGateway, http: httpx.Client
 ) -> None:
@@ -230,6 +234,7 @@ def test_bs_refused_upstream_reaches_the_client_as_bs_503_with_retry_after(
     assert chained.headers["retry-after"] == direct.headers["retry-after"]
 
 
+@pytest.mark.fault("balancers", "a gateway in front (chained gateways)")
 def test_draining_b_reaches_the_client_as_503_draining_with_retry_after(
     chain: tuple[Running, Running], http: httpx.Client, holding: list[httpx.Response]
 ) -> None:
@@ -258,6 +263,7 @@ def test_draining_b_reaches_the_client_as_503_draining_with_retry_after(
     assert gone.headers["retry-after"]
 
 
+@pytest.mark.fault("balancers", "a gateway in front (chained gateways)")
 def test_client_leaving_a_mid_stream_closes_b_and_the_engine(
     chain: tuple[Running, Running], fake: FakeEngine, http: httpx.Client
 ) -> None:
@@ -274,6 +280,7 @@ def test_client_leaving_a_mid_stream_closes_b_and_the_engine(
     assert record["events_sent"] < 400 and record["closed_at"] is not None
 
 
+@pytest.mark.fault("balancers", "a gateway in front (chained gateways)")
 def test_client_leaving_a_during_prefill_closes_b_and_the_engine(
     chain: tuple[Running, Running], fake: FakeEngine
 ) -> None:

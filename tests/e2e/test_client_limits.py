@@ -38,6 +38,7 @@ def exchange(gateway: Running, *parts: bytes, pause_s: float = 0.0) -> bytes:
         return received
 
 
+@pytest.mark.fault("clients", "slowloris: heads and bodies that trickle or never come")
 def test_slowloris_head_gets_408_and_close(strict: Running, fake: FakeEngine) -> None:
     """A head sent a few bytes at a time past the head deadline gets 408 in OpenAI's envelope."""
     started = time.monotonic()
@@ -49,6 +50,7 @@ def test_slowloris_head_gets_408_and_close(strict: Running, fake: FakeEngine) ->
     assert fake.records() == []
 
 
+@pytest.mark.fault("clients", "slowloris: heads and bodies that trickle or never come")
 def test_silent_connection_is_closed(strict: Running) -> None:
     """A connection that sends nothing is answered 408 and closed at the head deadline."""
     with socket.create_connection(("127.0.0.1", strict.port), timeout=5) as sock:
@@ -59,6 +61,7 @@ def test_silent_connection_is_closed(strict: Running) -> None:
         assert time.monotonic() - started < 3
 
 
+@pytest.mark.fault("clients", "slowloris: heads and bodies that trickle or never come")
 def test_slow_body_gets_408(strict: Running, fake: FakeEngine) -> None:
     """A body that does not arrive within the body deadline gets 408 and the engine never sees it."""
     head = (
@@ -71,6 +74,7 @@ def test_slow_body_gets_408(strict: Running, fake: FakeEngine) -> None:
     assert fake.records() == []
 
 
+@pytest.mark.fault("clients", "slowloris: heads and bodies that trickle or never come")
 def test_a_head_that_declares_a_body_then_sends_nothing_gets_408(strict: Running, fake: FakeEngine) -> None:
     """The body deadline runs from the end of the head: a declared body of which no byte comes is cut."""
     head = (
@@ -87,6 +91,7 @@ def test_a_head_that_declares_a_body_then_sends_nothing_gets_408(strict: Running
     assert fake.records() == []
 
 
+@pytest.mark.fault("clients", "smuggling, upgrades and hop-by-hop headers")
 def test_an_upgrade_request_is_refused_and_closed(strict: Running, fake: FakeEngine) -> None:
     """POST with Connection: upgrade and a body: 400 upgrade_not_supported and close, not a lost body."""
     head = (
@@ -104,6 +109,7 @@ def test_an_upgrade_request_is_refused_and_closed(strict: Running, fake: FakeEng
     assert fake.records() == []
 
 
+@pytest.mark.fault("clients", "oversized heads and bodies")
 def test_oversized_headers_get_431(strict: Running, fake: FakeEngine) -> None:
     """Headers past --max-header-bytes get 431 and close, before any body is read."""
     response = exchange(
@@ -117,6 +123,7 @@ def test_oversized_headers_get_431(strict: Running, fake: FakeEngine) -> None:
     assert fake.records() == []
 
 
+@pytest.mark.fault("clients", "smuggling, upgrades and hop-by-hop headers")
 def test_content_length_with_transfer_encoding_is_400_and_close(gateway: Running, fake: FakeEngine) -> None:
     """Content-Length with Transfer-Encoding (request smuggling) gets 400 and close, as OpenAI JSON."""
     response = exchange(
@@ -129,6 +136,7 @@ def test_content_length_with_transfer_encoding_is_400_and_close(gateway: Running
     assert fake.records() == []
 
 
+@pytest.mark.fault("clients", "idle keep-alive connections")
 def test_normal_requests_are_unaffected(strict: Running, fake: FakeEngine) -> None:
     """Keep-alive requests well within the limits pass, one after another on one connection."""
     request = (
@@ -145,6 +153,7 @@ def test_normal_requests_are_unaffected(strict: Running, fake: FakeEngine) -> No
             time.sleep(0.3)
 
 
+@pytest.mark.fault("clients", "idle keep-alive connections")
 def test_idle_client_connections_are_kept_for_the_keep_alive_timeout(
     start_gateway: StartGateway, fake: FakeEngine
 ) -> None:

@@ -253,7 +253,7 @@ _UP = "http://127.0.0.1:9/v1"
             ["model name 'x' is used by both 'a' and 'b'"],
         ),
         ('[models.a]\nengine = "auto"\n', ["[models.a] engine:", "model is needed"]),
-        ("[models.a]\nttl = 5\n", ["[models.a]: give either engine", "or upstream"]),
+        ("[models.a]\nttl = 5\n", ["[models.a]: give engine (with model), or upstream"]),
     ],
 )
 def test_bad_file_at_startup_exits_before_listening(tmp_path: Path, text: str, expected: list[str]) -> None:

@@ -17,6 +17,8 @@ import pytest
 
 from tests.e2e.conftest import FakeEngine, Running
 
+pytestmark = pytest.mark.fault("clients", "a client that leaves mid-request")
+
 _NOTICE_WITHIN_S = 1.0
 
 

@@ -8,6 +8,7 @@ import time
 
 import httpx
 import orjson
+import pytest
 
 from tests.e2e.conftest import FakeEngine, Running, StartGateway
 
@@ -38,6 +39,7 @@ def last_event(raw: bytes) -> bytes:
     return [e for e in raw.split(b"\n\n") if e.strip()][-1]
 
 
+@pytest.mark.fault("drain", "SIGTERM with requests in flight")
 def test_sigterm_with_20_streams_in_flight_loses_none(
     start_gateway: StartGateway, fake: FakeEngine, http: httpx.Client
 ) -> None:
@@ -60,6 +62,7 @@ def test_sigterm_with_20_streams_in_flight_loses_none(
     assert gateway.proc.wait(15) == 0
 
 
+@pytest.mark.fault("drain", "the drain deadline")
 def test_drain_timeout_ends_the_rest_with_an_error_event(
     start_gateway: StartGateway, fake: FakeEngine
 ) -> None:
@@ -76,6 +79,7 @@ def test_drain_timeout_ends_the_rest_with_an_error_event(
     fake.wait_for_record(lambda r: all(x["closed_at"] is not None for x in fake.records()), timeout_s=5)
 
 
+@pytest.mark.fault("drain", "a second and a third signal")
 def test_second_signal_exits_at_once(start_gateway: StartGateway, fake: FakeEngine) -> None:
     """A second signal during a long drain ends the streams with an error event and exits 0 at once."""
     gateway = start_gateway({"fake": fake.url}, "--drain-timeout", "60")
@@ -92,6 +96,7 @@ def test_second_signal_exits_at_once(start_gateway: StartGateway, fake: FakeEngi
     assert "Traceback" not in gateway.log(), gateway.log()
 
 
+@pytest.mark.fault("drain", "a second and a third signal")
 def test_third_signal_exits_without_waiting(start_gateway: StartGateway, fake: FakeEngine) -> None:
     """A third signal leaves even if the second one's shutdown is still under way."""
     gateway = start_gateway({"fake": fake.url}, "--drain-timeout", "60")

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -25,12 +26,14 @@ from typing import Any
 
 import httpx
 import openai
+import orjson
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from engines.home import Home
 from engines.install import read_manifest
 from tests.e2e.conftest import ROOT, free_port, openai_client
+from tests.e2e.test_nonstream_via_stream import cpu_s, wait_idle
 
 pytestmark = pytest.mark.llamacpp
 
@@ -173,12 +176,13 @@ def chat(prompt: str, max_tokens: int = 16, **extra: Any) -> dict[str, Any]:
 
 
 def test_startup_line_and_child_command_line(gateway: EngineGateway, gguf_file: Path) -> None:
-    """The child is llama_cpp.server from the engine venv, given the file and its alias."""
+    """The child is llama_cpp.server (through engines/llamacpp_server.py) from the engine venv, given the
+    file and its alias."""
     line = next(line for line in gateway.log().splitlines() if "ready in" in line)
     assert f"engine {ENGINE} (cpu) serving '{SERVED}'" in line
     cmdline = Path(f"/proc/{gateway.child_pid}/cmdline").read_bytes().decode().split("\0")
     assert cmdline[0] == str(engine_home() / "engines" / ENGINE / "venv" / "bin" / "python")
-    assert cmdline[1:3] == ["-m", "llama_cpp.server"]
+    assert cmdline[1] == str(ROOT / "engines" / "llamacpp_server.py")
     assert cmdline[cmdline.index("--model") + 1] == str(gguf_file)
     assert cmdline[cmdline.index("--model_alias") + 1] == SERVED
     with httpx.Client(trust_env=False, timeout=10) as http:
@@ -238,6 +242,7 @@ def test_stream_parity_direct_and_through_gateway(gateway: EngineGateway) -> Non
     assert texts[0] == texts[1] and len(texts[0]) == 20
 
 
+@pytest.mark.fault("engines", "requests that would break the engine")
 def test_guards_answer_400_before_the_engine(gateway: EngineGateway) -> None:
     """max_tokens 0 (unbounded in llama-cpp-python) and a chat without messages get a 400 from the gateway."""
     with httpx.Client(trust_env=False, timeout=30) as http:
@@ -253,6 +258,7 @@ def test_guards_answer_400_before_the_engine(gateway: EngineGateway) -> None:
         assert time.monotonic() - started < 2.0
 
 
+@pytest.mark.fault("engines", "requests that would break the engine")
 def test_bad_field_type_gets_a_400_at_the_gateway(gateway: EngineGateway) -> None:
     """A sampling field of the wrong type gets a 400 naming it, before the engine (which would say 500)."""
     with httpx.Client(trust_env=False, timeout=30) as http:
@@ -280,6 +286,43 @@ def test_engine_validation_error_is_relayed_in_openai_shape(gateway: EngineGatew
     assert "mirostat_tau" in error["message"]
 
 
+@pytest.mark.fault("clients", "a client that leaves mid-request")
+def test_a_client_that_leaves_a_non_stream_request_frees_the_engine(gateway: EngineGateway) -> None:
+    """While its client waits the child generates; once the client has left, it stops within about a second.
+
+    llama_cpp.server alone generates on to max_tokens for nobody (2.97 s of
+    CPU in the 3 s after the client left, measured here); the child runs it
+    through engines/llamacpp_server.py, which ends the token loop once the
+    request's connection is gone. Then the child serves the next request.
+    """
+    # 1900 tokens (the context is 2048) take 10-20 s here: it would generate all through the test.
+    long_story = chat("Tell me a very long story about a dragon.", 1900)
+    wait_idle(gateway.child_pid)
+    with socket.create_connection(("127.0.0.1", gateway.port)) as sock:
+        data = orjson.dumps(long_story)
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n" % len(data) + data
+        )
+        time.sleep(1.5)
+        # The client still waits: the child is generating, and the CPU figure sees it.
+        waiting = cpu_s(gateway.child_pid)
+        time.sleep(1.5)
+        generating = cpu_s(gateway.child_pid) - waiting
+    left = cpu_s(gateway.child_pid)
+    time.sleep(3.0)
+    used = cpu_s(gateway.child_pid) - left
+    # Under other load a child gets less than its core; generating on, it would use about twice
+    # in 3 s what it used in 1.5 s, and it uses next to nothing once stopped.
+    assert generating > 0.2, f"the child used only {generating:.2f} s of CPU in 1.5 s of generating"
+    assert used < min(1.0, generating / 2), (
+        f"the child used {used:.2f} s of CPU in the 3 s after its client left "
+        f"({generating:.2f} s in 1.5 s while it generated)"
+    )
+    reply = httpx.post(gateway.url + "/v1/chat/completions", json=chat("Say hello.", 4), timeout=60)
+    assert reply.status_code == 200, reply.text
+
+
 def test_a_waiting_request_does_not_cut_a_stream_short(gateway: EngineGateway) -> None:
     """With --interrupt_requests false, a request queued behind a stream (a probe) leaves it whole."""
     received: list[str] = []
@@ -302,6 +345,7 @@ def test_a_waiting_request_does_not_cut_a_stream_short(gateway: EngineGateway) -
     assert received[0].count('"content"') == 800
 
 
+@pytest.mark.fault("engines", "a child stopped: its group killed and reaped")
 def test_builtin_tiny_then_sigterm_reaps_the_child(engine_python: Path, logs_dir: Path) -> None:
     """`--model builtin:tiny` serves the GGUF demo model; SIGTERM exits 0 and the child is gone."""
     gateway = start_gateway(logs_dir, "--engine", ENGINE, "--model", "builtin:tiny")

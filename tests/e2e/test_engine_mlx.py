@@ -194,6 +194,7 @@ def test_parity_direct_and_through_gateway(mlx_gateway: EngineGateway) -> None:
             assert ask(direct, prompt) == ask(proxied, prompt), prompt
 
 
+@pytest.mark.fault("engines", "requests that would break the engine")
 def test_engine_guards_answer_400_before_the_engine(mlx_gateway: EngineGateway) -> None:
     """max_tokens 0 and a chat without messages get 400 at the gateway; the child stays healthy."""
     with httpx.Client(trust_env=False, timeout=30) as http:
@@ -207,6 +208,7 @@ def test_engine_guards_answer_400_before_the_engine(mlx_gateway: EngineGateway) 
         assert http.get(f"http://127.0.0.1:{mlx_gateway.child_port}/health").status_code == 200
 
 
+@pytest.mark.fault("engines", "requests that would break the engine")
 def test_bad_field_type_gets_400_not_a_hang(mlx_gateway: EngineGateway) -> None:
     """A field type mlx cannot handle (it would close with 0 bytes) gets a 400 naming it; it serves on."""
     with httpx.Client(trust_env=False, timeout=30) as http:
@@ -236,6 +238,7 @@ def test_bad_field_type_gets_400_not_a_hang(mlx_gateway: EngineGateway) -> None:
         assert after.status_code == 200, after.text
 
 
+@pytest.mark.fault("engines", "a child that crashes, hangs or turns unhealthy")
 def test_crashed_child_comes_back_and_requests_meanwhile_get_503(
     engine_installed: None, logs_dir: Path
 ) -> None:
@@ -267,6 +270,7 @@ def test_crashed_child_comes_back_and_requests_meanwhile_get_503(
         stop(gateway)
 
 
+@pytest.mark.fault("engines", "a child stopped: its group killed and reaped")
 def test_sigterm_stops_gateway_and_reaps_child(engine_installed: None, logs_dir: Path) -> None:
     """SIGTERM: the gateway exits 0 and its child is gone."""
     gateway = start_engine_gateway(logs_dir)
@@ -275,6 +279,7 @@ def test_sigterm_stops_gateway_and_reaps_child(engine_installed: None, logs_dir:
     assert not _pid_alive(gateway.child_pid)
 
 
+@pytest.mark.fault("engines", "a child stopped: its group killed and reaped")
 def test_sigkill_of_gateway_leaves_no_orphan(engine_installed: None, logs_dir: Path) -> None:
     """SIGKILL the gateway: its child dies within 2 s (parent-death signal)."""
     gateway = start_engine_gateway(logs_dir)
@@ -286,6 +291,7 @@ def test_sigkill_of_gateway_leaves_no_orphan(engine_installed: None, logs_dir: P
     assert not _pid_alive(gateway.child_pid)
 
 
+@pytest.mark.fault("drain", "a second and a third signal")
 def test_third_signal_kills_the_child_and_exits_130(engine_installed: None, logs_dir: Path) -> None:
     """Three signals in a row: the gateway exits 130 at once and SIGKILLs its child itself."""
     gateway = start_engine_gateway(logs_dir)
@@ -299,6 +305,7 @@ def test_third_signal_kills_the_child_and_exits_130(engine_installed: None, logs
     assert not _pid_alive(gateway.child_pid)
 
 
+@pytest.mark.fault("engines", "a child that crashes, hangs or turns unhealthy")
 def test_load_wait_holds_requests_until_the_child_is_back(engine_installed: None, logs_dir: Path) -> None:
     """With --load-wait, a request made while the child restarts waits for it and succeeds."""
     gateway = start_engine_gateway(logs_dir, "--load-wait", "60")
@@ -313,6 +320,7 @@ def test_load_wait_holds_requests_until_the_child_is_back(engine_installed: None
         stop(gateway)
 
 
+@pytest.mark.fault("drain", "SIGTERM with requests in flight")
 def test_sigterm_lets_a_real_stream_finish_then_reaps_the_child(
     engine_installed: None, logs_dir: Path
 ) -> None:

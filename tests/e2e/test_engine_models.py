@@ -281,6 +281,7 @@ def _replica_pids(gateway: ConfigGateway, model: str, replicas: int) -> dict[int
     return pids
 
 
+@pytest.mark.fault("engines", "a replica that fails")
 def test_failed_replica_leaves_rotation_and_its_request_is_not_retried(
     demo_model: Path, tmp_path: Path, gateway_factory: list[ConfigGateway]
 ) -> None:

@@ -24,7 +24,10 @@ from tests.e2e.test_engine_mlx import ENGINE, _env, engine_home
 from tests.e2e.test_engine_mlx import engine_installed as engine_installed
 from tests.e2e.test_engine_models import ConfigGateway
 
-pytestmark = pytest.mark.usefixtures("engine_installed")
+pytestmark = [
+    pytest.mark.usefixtures("engine_installed"),
+    pytest.mark.fault("engines", "a child's start: proven, shared, or failing with why"),
+]
 
 # Two mlx starts (imports take seconds on a busy machine) and a backoff.
 _EXIT_WITHIN_S = 120.0

@@ -328,6 +328,7 @@ def test_load_spreads_and_streams_pass_event_by_event(pair: Pair, http: httpx.Cl
     assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"]
 
 
+@pytest.mark.fault("balancers", "HAProxy in front")
 def test_a_draining_gateways_503_is_retried_and_its_check_takes_it_out(
     pair: Pair, http: httpx.Client
 ) -> None:
@@ -371,6 +372,7 @@ def test_a_draining_gateways_503_is_retried_and_its_check_takes_it_out(
     assert gw1.proc.wait(15) == 0
 
 
+@pytest.mark.fault("balancers", "HAProxy in front")
 def test_a_gateway_that_died_is_retried_on_the_other(pair: Pair) -> None:
     """Checks paused, a killed gateway's refused connections are retried on the other; resumed, it is out."""
     haproxy, (gw1, gw2) = pair.haproxy, pair.gateways
@@ -384,6 +386,7 @@ def test_a_gateway_that_died_is_retried_on_the_other(pair: Pair) -> None:
     assert row["check_status"] == "L4CON", row
 
 
+@pytest.mark.fault("balancers", "HAProxy in front")
 @pytest.mark.timeout(150)
 def test_sigterm_under_load_loses_nothing_and_the_gateway_rejoins(
     pair: Pair, start_gateway: StartGateway, http: httpx.Client

@@ -26,6 +26,7 @@ def events(raw: bytes) -> list[bytes]:
     return [e for e in raw.split(b"\n\n") if e.strip()]
 
 
+@pytest.mark.fault("upstreams", "a long prefill, bridged by heartbeats")
 def test_long_prefill_stream_gets_keepalives_then_the_stream(beating: Running, http: httpx.Client) -> None:
     """The gateway starts the SSE response with comments during prefill, then relays the events."""
     started = time.monotonic()
@@ -45,6 +46,7 @@ def test_long_prefill_stream_gets_keepalives_then_the_stream(beating: Running, h
     assert any(e.startswith(b"data: {") for e in stream)
 
 
+@pytest.mark.fault("upstreams", "error statuses")
 def test_upstream_error_after_heartbeats_is_an_error_event(beating: Running, http: httpx.Client) -> None:
     """An upstream error status after the gateway started the stream arrives as one SSE error event."""
     raw = http.post(
@@ -55,6 +57,7 @@ def test_upstream_error_after_heartbeats_is_an_error_event(beating: Running, htt
     assert set(error) == {"message", "type", "param", "code"}
 
 
+@pytest.mark.fault("upstreams", "no head before the first-byte timeout")
 def test_first_byte_timeout_after_heartbeats_is_an_error_event(beating: Running, http: httpx.Client) -> None:
     """A head that never comes ends the heartbeats with an upstream_timeout error event."""
     raw = http.post(beating.url + CHAT, json=chat(stream=True), headers={"x-fake": "prefill=5"}).content
@@ -62,6 +65,7 @@ def test_first_byte_timeout_after_heartbeats_is_an_error_event(beating: Running,
     assert error["code"] == "upstream_timeout"
 
 
+@pytest.mark.fault("upstreams", "a long prefill, bridged by heartbeats")
 def test_non_stream_requests_get_no_heartbeats(beating: Running, http: httpx.Client) -> None:
     """A non-stream request during a long prefill gets its JSON answer, no SSE comments."""
     response = http.post(beating.url + CHAT, json=chat(), headers={"x-fake": "prefill=0.6"})

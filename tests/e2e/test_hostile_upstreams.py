@@ -16,8 +16,6 @@ from tests.e2e.conftest import FakeEngine, Running, StartFakeEngine, StartGatewa
 CHAT = "/v1/chat/completions"
 BODY = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
-pytestmark = pytest.mark.fault
-
 
 def rss_mib(pid: int) -> float:
     with open(f"/proc/{pid}/status") as status:
@@ -38,6 +36,7 @@ def assert_bad_response(reply: httpx.Response, says: str) -> None:
     assert error["code"] == "upstream_bad_response" and says in error["message"], error
 
 
+@pytest.mark.fault("upstreams", "heads too large or ambiguously framed")
 def test_endless_upstream_head_is_a_502_and_memory_stays_flat(gateway: Running, fake: FakeEngine) -> None:
     """Header lines without end: 502 once the head passes 64 KiB, with the gateway's memory flat."""
     ask(gateway, "")  # warm: pools, imports
@@ -49,6 +48,7 @@ def test_endless_upstream_head_is_a_502_and_memory_stays_flat(gateway: Running, 
     assert ask(gateway, "").status_code == 200
 
 
+@pytest.mark.fault("upstreams", "heads too large or ambiguously framed")
 def test_a_huge_upstream_header_line_is_not_relayed(gateway: Running, fake: FakeEngine) -> None:
     """One 70 KB header line from the upstream: 502, not relayed to the client."""
     reply = ask(gateway, "head=huge")
@@ -56,6 +56,7 @@ def test_a_huge_upstream_header_line_is_not_relayed(gateway: Running, fake: Fake
     assert "x-huge" not in reply.headers
 
 
+@pytest.mark.fault("upstreams", "heads too large or ambiguously framed")
 @pytest.mark.parametrize(
     ("fault", "says"),
     # llhttp itself refuses Content-Length beside chunked; the gateway, chunked twice.
@@ -80,6 +81,7 @@ def last_event_error(reply: httpx.Response) -> dict[str, object]:
     return error
 
 
+@pytest.mark.fault("upstreams", "a stream without [DONE], or not an event stream")
 @pytest.mark.parametrize("framing", ["", "--http11"])
 def test_a_stream_that_ends_cleanly_without_done_ends_with_an_error_event(
     start_fake_engine: StartFakeEngine, start_gateway: StartGateway, framing: str
@@ -95,6 +97,7 @@ def test_a_stream_that_ends_cleanly_without_done_ends_with_an_error_event(
     assert whole.content.endswith(b"data: [DONE]\n\n") and b'"error"' not in whole.content
 
 
+@pytest.mark.fault("upstreams", "a stream without [DONE], or not an event stream")
 def test_a_stream_request_answered_without_an_event_stream_is_a_502(
     gateway: Running, fake: FakeEngine
 ) -> None:
@@ -102,6 +105,7 @@ def test_a_stream_request_answered_without_an_event_stream_is_a_502(
     assert_bad_response(stream(gateway, "not-sse"), "not an event stream")
 
 
+@pytest.mark.fault("overload", "out of file descriptors")
 def test_running_out_of_file_descriptors_is_the_gateways_own_503(
     start_gateway: StartGateway, fake: FakeEngine
 ) -> None:

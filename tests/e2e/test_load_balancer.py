@@ -21,6 +21,8 @@ from perf.surfaces import nginx_binary
 from tests.e2e.balancers import chat, counted, start_pair, wait_listening
 from tests.e2e.conftest import ROOT, FakeEngine, StartGateway, free_port
 
+pytestmark = pytest.mark.fault("balancers", "nginx in front")
+
 
 def render_nginx(work: Path, listen: int, backends: list[int]) -> Path:
     """deploy/nginx.conf with this test's ports, and a prefix nginx can write to."""

@@ -14,6 +14,8 @@ import os
 import re
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -24,6 +26,8 @@ import httpx
 import orjson
 import pytest
 
+from tests.e2e.balancers import wait_until
+from tests.e2e.conftest import ROOT, FakeEngine, Running, StartGateway, free_port
 from tests.e2e.test_engine_mlx import DEMO, EngineGateway, start_engine_gateway, stop
 from tests.e2e.test_engine_mlx import engine_installed as engine_installed
 
@@ -138,7 +142,7 @@ def test_built_reply_equals_the_engines_own_non_stream_reply(
     assert set(mine["usage"]) == set(theirs["usage"])
 
 
-@pytest.mark.fault
+@pytest.mark.fault("clients", "a client that leaves mid-request")
 def test_a_client_that_leaves_a_non_stream_request_frees_the_engine(gateway: EngineGateway) -> None:
     """The child stops generating within about a second of the client leaving (its CPU says so)."""
     wait_idle(gateway.child_pid)
@@ -171,14 +175,19 @@ def test_time_to_first_token_is_real_for_non_stream_requests(gateway: EngineGate
     reply = post(gateway.url, "/v1/chat/completions", chat("Count to a hundred.", 400))
     assert reply.status_code == 200
     request_id = reply.headers["x-request-id"]
-    line = next(line for line in gateway.log().splitlines() if request_id in line)
+
+    def logged() -> str | None:
+        # The line is written once the response has ended, after the client may have it.
+        return next((line for line in gateway.log().splitlines() if request_id in line), None)
+
+    line = wait_until(logged, 10, f"the access log line of {request_id}")
     match = re.search(r" ([\d.]+)ms ttfb=([\d.]+)ms ", line)
     assert match is not None, line
     total_ms, ttfb_ms = float(match.group(1)), float(match.group(2))
     assert ttfb_ms < total_ms / 2, line
 
 
-@pytest.mark.fault
+@pytest.mark.fault("engines", "a child that crashes, hangs or turns unhealthy")
 def test_a_child_that_dies_under_a_built_reply_is_a_502_not_a_short_reply(gateway: EngineGateway) -> None:
     """SIGKILL of the child mid-generation: the client gets 502 in OpenAI's envelope, not part of a reply."""
     wait_idle(gateway.child_pid)
@@ -196,3 +205,82 @@ def test_a_child_that_dies_under_a_built_reply_is_a_502_not_a_short_reply(gatewa
     assert reply.status_code == 502, reply.text
     error = reply.json()["error"]
     assert error["code"] in ("upstream_truncated", "upstream_empty_reply") and error["message"]
+
+
+# -- an mlx engine on another host: the fake one, declared in the config file -------------
+
+WEATHER_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}},
+]
+
+
+@pytest.fixture
+def remote_mlx(tmp_path: Path, start_gateway: StartGateway, fake: FakeEngine) -> Running:
+    """A gateway whose model "remote" is the fake engine, declared to run mlx-0.32.0."""
+    config = tmp_path / "blazar.toml"
+    config.write_text(f'[models.remote]\nupstream = "{fake.url}"\nengine = "mlx-0.32.0"\n')
+    return start_gateway({}, "--config", str(config))
+
+
+def test_an_upstream_that_runs_mlx_gets_non_stream_requests_as_streams(
+    remote_mlx: Running, fake: FakeEngine
+) -> None:
+    """engine = "mlx-0.32.0" beside upstream: a non-stream request reaches it as a stream, with usage."""
+    body = {"model": "remote", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    response = post(remote_mlx.url, "/v1/chat/completions", body)
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    assert response.json()["choices"][0]["message"]["content"] == "tok0 tok1 tok2 "
+    sent = orjson.loads(fake.records()[-1]["body"])
+    assert sent["stream"] is True and sent["stream_options"] == {"include_usage": True}
+
+
+def test_tool_call_deltas_and_reasoning_are_assembled_as_the_engines_own_reply(
+    remote_mlx: Running, fake: FakeEngine
+) -> None:
+    """Tool calls streamed in pieces (id and name first, then the arguments) and reasoning, built into
+    the reply the engine sends for a non-stream request."""
+    body = {
+        "model": "remote",
+        "messages": [{"role": "user", "content": "Weather and time in Paris?"}],
+        "max_tokens": 2,
+        "tools": WEATHER_TOOLS,
+    }
+    headers = {"x-fake": "tool-calls=3; reasoning=2"}
+    with httpx.Client(trust_env=False, timeout=30) as http:
+        built = http.post(remote_mlx.url + "/v1/chat/completions", json=body, headers=headers)
+        own = http.post(fake.url + "/v1/chat/completions", json=body, headers=headers)
+    assert built.status_code == own.status_code == 200, built.text
+    assert int(built.headers["content-length"]) == len(built.content)
+    sent = orjson.loads(fake.records()[-2]["body"])
+    assert sent["stream"] is True, "the gateway did not ask for a stream"
+    built_reply, own_reply = built.json(), own.json()
+    for reply in (built_reply, own_reply):
+        del reply["id"], reply["created"]  # the engine's own, different for each request
+    assert built_reply == own_reply
+    message = built_reply["choices"][0]["message"]
+    assert [c["function"]["name"] for c in message["tool_calls"]] == [
+        "get_weather",
+        "get_time",
+        "get_weather",
+    ]
+    assert orjson.loads(message["tool_calls"][1]["function"]["arguments"])["call"] == 1
+    assert message["reasoning"] == "think0 think1 "
+    assert built_reply["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_an_upstream_engine_that_is_not_known_stops_the_start(tmp_path: Path, fake: FakeEngine) -> None:
+    """engine = "mlx-9" beside upstream: the start fails at once, naming the file, the table and the key."""
+    config = tmp_path / "blazar.toml"
+    config.write_text(f'[models.remote]\nupstream = "{fake.url}"\nengine = "mlx-9"\n')
+    result = subprocess.run(
+        [sys.executable, "-m", "proxy", "--config", str(config), "--port", str(free_port())],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0
+    assert f"{config}: [models.remote] engine" in result.stderr and "mlx-9" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr

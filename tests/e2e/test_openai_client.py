@@ -89,6 +89,7 @@ def test_unknown_model_is_not_found_error(gateway: Running, fake: FakeEngine) ->
     assert fake.records() == []
 
 
+@pytest.mark.fault("engines", "requests that would break the engine")
 def test_max_tokens_zero_is_bad_request(gateway: Running, fake: FakeEngine) -> None:
     """max_tokens 0, which kills mlx_lm.server's generation thread, is refused at the gateway."""
     with client(gateway) as c, pytest.raises(openai.BadRequestError) as info:
@@ -97,6 +98,7 @@ def test_max_tokens_zero_is_bad_request(gateway: Running, fake: FakeEngine) -> N
     assert fake.records() == []
 
 
+@pytest.mark.fault("upstreams", "error statuses")
 def test_upstream_flat_error_keeps_status_and_message(gateway: Running, fake: FakeEngine) -> None:
     """mlx's flat {"error": "..."} with 404 reaches the client as NotFoundError with its text."""
     with client(gateway) as c, pytest.raises(openai.NotFoundError) as info:
@@ -109,6 +111,7 @@ def test_upstream_flat_error_keeps_status_and_message(gateway: Running, fake: Fa
     assert info.value.body["message"] == "fake error"
 
 
+@pytest.mark.fault("upstreams", "error statuses")
 def test_upstream_rate_limit_keeps_retry_after(gateway: Running, fake: FakeEngine) -> None:
     """An upstream 429 stays a 429 with its Retry-After, as RateLimitError."""
     with client(gateway) as c, pytest.raises(openai.RateLimitError) as info:
@@ -121,6 +124,7 @@ def test_upstream_rate_limit_keeps_retry_after(gateway: Running, fake: FakeEngin
     assert info.value.type == "rate_limit_error"
 
 
+@pytest.mark.fault("upstreams", "a body cut short or malformed mid-way")
 def test_stream_that_dies_raises_api_error(gateway: Running, fake: FakeEngine) -> None:
     """An upstream that dies mid-stream makes the client raise APIError, not end quietly."""
     with client(gateway) as c:
@@ -137,6 +141,7 @@ def test_stream_that_dies_raises_api_error(gateway: Running, fake: FakeEngine) -
     assert len(received) == 3
 
 
+@pytest.mark.fault("upstreams", "garbage or an empty reply instead of a head")
 def test_empty_reply_is_internal_server_error_502(gateway: Running, fake: FakeEngine) -> None:
     """An upstream that closes without a response becomes a 502 whose message says so."""
     with client(gateway) as c, pytest.raises(openai.InternalServerError) as info:

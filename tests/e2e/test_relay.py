@@ -64,6 +64,7 @@ def test_chunked_client_body_reaches_upstream_with_one_content_length(
     assert base64.b64decode(record["body_b64"]) == body
 
 
+@pytest.mark.fault("clients", "smuggling, upgrades and hop-by-hop headers")
 def test_hop_by_hop_headers_do_not_cross(gateway: Running, fake: FakeEngine) -> None:
     """Connection, the fields it names, Keep-Alive, TE and Proxy-* stay on the client's hop."""
     body = orjson.dumps(chat())
@@ -150,6 +151,7 @@ def test_paths_without_v1_are_served(gateway: Running, fake: FakeEngine, http: h
     assert [r["path"] for r in fake.records()] == ["/v1/chat/completions", "/v1/completions"]
 
 
+@pytest.mark.fault("clients", "bodies that are not JSON, or are sent as forms")
 @pytest.mark.parametrize(
     ("body", "code", "param"),
     [
@@ -180,6 +182,7 @@ def test_wrong_method_is_405(gateway: Running, http: httpx.Client) -> None:
     assert http.put(gateway.url + "/v1/models").status_code == 405
 
 
+@pytest.mark.fault("clients", "bodies that are not JSON, or are sent as forms")
 def test_wrong_content_type_is_415(gateway: Running, fake: FakeEngine, http: httpx.Client) -> None:
     """A body declared as something other than JSON is 415; curl's default form type is accepted."""
     response = http.post(
@@ -223,6 +226,7 @@ def test_probes(gateway: Running, http: httpx.Client) -> None:
     assert ready.json()["models"] == {"fake": "ready", "org/fake-2": "ready"}
 
 
+@pytest.mark.fault("clients", "oversized heads and bodies")
 def test_body_over_limit_is_413(start_gateway: StartGateway, fake: FakeEngine, http: httpx.Client) -> None:
     """A body past --max-body-bytes is 413, whether declared by Content-Length or streamed chunked."""
     gw = start_gateway({"fake": fake.url}, "--max-body-bytes", "200")
@@ -235,6 +239,7 @@ def test_body_over_limit_is_413(start_gateway: StartGateway, fake: FakeEngine, h
     assert len(fake.records()) == 1
 
 
+@pytest.mark.fault("upstreams", "connection refused")
 def test_upstream_down_is_503_with_retry_after(start_gateway: StartGateway, http: httpx.Client) -> None:
     """An upstream that refuses connections gives 503 with Retry-After, and /readyz says why."""
     gw = start_gateway({"gone": f"http://127.0.0.1:{free_port()}"})
@@ -247,6 +252,7 @@ def test_upstream_down_is_503_with_retry_after(start_gateway: StartGateway, http
     assert "no model can be served now" in ready.json()["reason"]
 
 
+@pytest.mark.fault("upstreams", "no head before the first-byte timeout")
 def test_first_byte_timeout_is_504(start_gateway: StartGateway, fake: FakeEngine, http: httpx.Client) -> None:
     """No response head within --first-byte-timeout gives 504, and the engine's connection is closed."""
     gw = start_gateway({"fake": fake.url}, "--first-byte-timeout", "0.3")
@@ -257,6 +263,7 @@ def test_first_byte_timeout_is_504(start_gateway: StartGateway, fake: FakeEngine
     assert record["outcome"] == "peer_closed"
 
 
+@pytest.mark.fault("upstreams", "garbage or an empty reply instead of a head")
 @pytest.mark.parametrize(
     ("fault", "code"), [("garbage", "upstream_bad_response"), ("reset", "upstream_empty_reply")]
 )
@@ -269,6 +276,7 @@ def test_broken_upstream_is_502(
     assert error_of(response)["code"] == code
 
 
+@pytest.mark.fault("upstreams", "a body cut short or malformed mid-way")
 def test_non_stream_body_cut_short_is_not_a_clean_response(
     gateway: Running, fake: FakeEngine, http: httpx.Client
 ) -> None:
@@ -277,6 +285,7 @@ def test_non_stream_body_cut_short_is_not_a_clean_response(
         http.post(gateway.url + CHAT, json=chat(max_tokens=20), headers={"x-fake": "die-after=1"})
 
 
+@pytest.mark.fault("upstreams", "a body cut short or malformed mid-way")
 def test_truncated_stream_ends_with_error_event(
     gateway: Running, fake: FakeEngine, http: httpx.Client
 ) -> None:
@@ -357,6 +366,7 @@ def test_every_response_has_request_id_and_server_timing(
     assert response.headers["server-timing"].startswith("gateway;dur=")
 
 
+@pytest.mark.fault("clients", "huge input echoed in an error")
 def test_error_messages_echo_client_input_as_a_short_prefix(gateway: Running, http: httpx.Client) -> None:
     """A 10 KiB model name and a 16 KiB path come back in the error cut to a prefix, with their length."""
     long_model = "m" * 10 * 1024
@@ -374,6 +384,7 @@ def test_error_messages_echo_client_input_as_a_short_prefix(gateway: Running, ht
     assert media.status_code == 415 and len(str(error_of(media)["message"])) < 300
 
 
+@pytest.mark.fault("clients", "spoofed forwarding and cookies")
 def test_cookies_and_client_claimed_forwarding_never_reach_the_engine(
     gateway: Running, fake: FakeEngine, http: httpx.Client
 ) -> None:
@@ -385,6 +396,7 @@ def test_cookies_and_client_claimed_forwarding_never_reach_the_engine(
     assert seen["x-forwarded-for"] == "127.0.0.1"
 
 
+@pytest.mark.fault("clients", "spoofed forwarding and cookies")
 def test_a_trusted_proxys_chain_reaches_the_engine_with_the_peer_appended(
     start_gateway: StartGateway, fake: FakeEngine, http: httpx.Client
 ) -> None:

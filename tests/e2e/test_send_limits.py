@@ -7,12 +7,14 @@ import time
 
 import httpx
 import orjson
+import pytest
 
 from tests.e2e.conftest import FakeEngine, StartFakeEngine, StartGateway
 
 CHAT = "/v1/chat/completions"
 
 
+@pytest.mark.fault("clients", "a client that stops reading, or reads slowly")
 def test_client_that_stops_reading_is_cut_and_its_upstream_closed(
     start_gateway: StartGateway, start_fake_engine: StartFakeEngine, http: httpx.Client
 ) -> None:
@@ -41,6 +43,7 @@ def test_client_that_stops_reading_is_cut_and_its_upstream_closed(
         sock.close()
 
 
+@pytest.mark.fault("upstreams", "silence mid-response, and the total timeout")
 def test_total_timeout_ends_a_long_stream_with_an_error_event(
     start_gateway: StartGateway, fake: FakeEngine, http: httpx.Client
 ) -> None:

@@ -75,6 +75,7 @@ async def wait_until(predicate: object, timeout_s: float = 10.0) -> None:
         await asyncio.sleep(0.02)
 
 
+@pytest.mark.fault("engines", "a child's start: proven, shared, or failing with why")
 async def test_child_becomes_ready_and_logs(tmp_path: Path) -> None:
     """ensure_ready starts the process, proves readiness by a generation, and logs its output."""
     child = Child(config(tmp_path))
@@ -95,6 +96,7 @@ async def test_child_becomes_ready_and_logs(tmp_path: Path) -> None:
     assert child.status().state == "shutdown"
 
 
+@pytest.mark.fault("engines", "a child stopped: its group killed and reaped")
 async def test_child_runs_in_its_own_process_group(tmp_path: Path) -> None:
     """The child leads a new session, so signals to the gateway's group do not reach it by accident."""
     child = Child(config(tmp_path))
@@ -106,6 +108,7 @@ async def test_child_runs_in_its_own_process_group(tmp_path: Path) -> None:
         await child.shutdown()
 
 
+@pytest.mark.fault("engines", "a child that crashes, hangs or turns unhealthy")
 async def test_crashed_child_is_restarted(tmp_path: Path) -> None:
     """SIGKILL of a ready child moves it out of READY, and it comes back on a new process."""
     child = Child(config(tmp_path))
@@ -122,6 +125,7 @@ async def test_crashed_child_is_restarted(tmp_path: Path) -> None:
         await child.shutdown()
 
 
+@pytest.mark.fault("engines", "a child that crashes, hangs or turns unhealthy")
 async def test_unhealthy_child_is_restarted(tmp_path: Path) -> None:
     """A child whose /health turns 503 (mlx after max_tokens 0) is restarted like a crashed one."""
     child = Child(config(tmp_path))
@@ -141,6 +145,7 @@ async def test_unhealthy_child_is_restarted(tmp_path: Path) -> None:
         await child.shutdown()
 
 
+@pytest.mark.fault("engines", "a child that crashes, hangs or turns unhealthy")
 async def test_child_without_health_path_is_watched_by_the_probe_alone(tmp_path: Path) -> None:
     """With no health path (llama_cpp.server has none) nothing but the generation probe reaches the child."""
     child = Child(config(tmp_path, health_path="", probe_interval_s=0.3))
@@ -160,6 +165,7 @@ async def test_child_without_health_path_is_watched_by_the_probe_alone(tmp_path:
         await child.shutdown()
 
 
+@pytest.mark.fault("engines", "a child that crashes, hangs or turns unhealthy")
 async def test_child_whose_generation_hangs_is_restarted(tmp_path: Path) -> None:
     """A child that answers /health but no longer generates is restarted after the probe deadline."""
     port = free_port()
@@ -176,6 +182,7 @@ async def test_child_whose_generation_hangs_is_restarted(tmp_path: Path) -> None
         await child.shutdown()
 
 
+@pytest.mark.fault("engines", "a child stopped: its group killed and reaped")
 async def test_stop_kills_the_whole_group_and_reaps(tmp_path: Path) -> None:
     """stop() ends the child and anything it started in its group, then it can start again."""
     port = free_port()
@@ -197,6 +204,7 @@ async def test_stop_kills_the_whole_group_and_reaps(tmp_path: Path) -> None:
         await child.shutdown()
 
 
+@pytest.mark.fault("engines", "a child stopped: its group killed and reaped")
 async def test_sigterm_ignored_is_followed_by_sigkill(tmp_path: Path) -> None:
     """A child that ignores SIGTERM is killed after the grace period."""
     port = free_port()
@@ -211,6 +219,7 @@ async def test_sigterm_ignored_is_followed_by_sigkill(tmp_path: Path) -> None:
     assert time.monotonic() - started < 5
 
 
+@pytest.mark.fault("engines", "a child's start: proven, shared, or failing with why")
 async def test_child_that_exits_reports_why(tmp_path: Path) -> None:
     """A child that exits at once makes ensure_ready fail with its exit code and last output."""
     argv = [sys.executable, "-c", "print('model not found: nope'); raise SystemExit(3)"]
@@ -224,6 +233,7 @@ async def test_child_that_exits_reports_why(tmp_path: Path) -> None:
         await child.shutdown()
 
 
+@pytest.mark.fault("engines", "a child's start: proven, shared, or failing with why")
 async def test_child_that_never_answers_times_out(tmp_path: Path) -> None:
     """A child that never answers a generation fails readiness at its deadline and is killed."""
     argv = [sys.executable, "-c", "import time; print('loading', flush=True); time.sleep(300)"]
@@ -236,6 +246,7 @@ async def test_child_that_never_answers_times_out(tmp_path: Path) -> None:
     assert child.status().state == "shutdown"
 
 
+@pytest.mark.fault("engines", "a child's start: proven, shared, or failing with why")
 async def test_requests_to_a_starting_child_wait_for_one_start(tmp_path: Path) -> None:
     """Concurrent ensure_ready calls share one start: one process serves them all."""
     child = Child(config(tmp_path))
@@ -249,6 +260,7 @@ async def test_requests_to_a_starting_child_wait_for_one_start(tmp_path: Path) -
         await child.shutdown()
 
 
+@pytest.mark.fault("engines", "a child stopped: its group killed and reaped")
 async def test_shutdown_before_start_is_final(tmp_path: Path) -> None:
     """A child shut down before it ever started cannot be started afterwards."""
     child = Child(config(tmp_path))
@@ -256,6 +268,7 @@ async def test_shutdown_before_start_is_final(tmp_path: Path) -> None:
     assert child.state is ChildState.SHUTDOWN
 
 
+@pytest.mark.fault("engines", "a child's start: proven, shared, or failing with why")
 async def test_child_whose_generation_fails_the_same_way_every_time_fails_at_once(tmp_path: Path) -> None:
     """A child that answers every readiness generation with the same error is not left starting."""
     port = free_port()
@@ -273,6 +286,7 @@ async def test_child_whose_generation_fails_the_same_way_every_time_fails_at_onc
         await child.shutdown()
 
 
+@pytest.mark.fault("engines", "a child's start: proven, shared, or failing with why")
 async def test_child_that_exits_the_same_way_twice_has_failed_for_good(tmp_path: Path) -> None:
     """Two attempts that exit with the same code and words are enough: a third would only repeat them."""
     argv = [sys.executable, "-c", "print('model not found: nope'); raise SystemExit(3)"]
@@ -286,6 +300,7 @@ async def test_child_that_exits_the_same_way_twice_has_failed_for_good(tmp_path:
         await child.shutdown()
 
 
+@pytest.mark.fault("engines", "a child's start: proven, shared, or failing with why")
 async def test_child_that_exits_differently_each_time_gets_every_attempt(tmp_path: Path) -> None:
     """Exits that differ (a transient fault) are retried with backoff up to the attempts asked for."""
     counter = tmp_path / "count"
@@ -302,6 +317,7 @@ async def test_child_that_exits_differently_each_time_gets_every_attempt(tmp_pat
         await child.shutdown()
 
 
+@pytest.mark.fault("engines", "a child's start: proven, shared, or failing with why")
 async def test_output_is_the_last_process_s_own(tmp_path: Path) -> None:
     """output() holds what the last process wrote, not the lines of the attempts before it."""
     counter = tmp_path / "count"
@@ -319,6 +335,7 @@ async def test_output_is_the_last_process_s_own(tmp_path: Path) -> None:
         await child.shutdown()
 
 
+@pytest.mark.fault("engines", "a child's start: proven, shared, or failing with why")
 def test_last_words_leave_out_access_lines_frames_and_blanks() -> None:
     """The lines that can say why a child failed: its messages and exceptions, not probes or frames."""
     lines = [

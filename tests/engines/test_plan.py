@@ -1,4 +1,4 @@
-"""engines.manager.plan, and the demo models: from "engine E, model M" to a child's config."""
+"""engines.plan.plan, and the demo models: from "engine E, model M" to a child's config."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from engines.builtin import BuiltinError, ensure_builtin
 from engines.environment import ServedNameError
 from engines.home import Home
 from engines.install import Installation
-from engines.manager import PlanError, free_port, plan
+from engines.plan import PlanError, free_port, plan
 from engines.spec import EngineSpec, load
 
 MLX = "mlx-0.32.0"
@@ -67,7 +67,8 @@ def test_gguf_file_is_served_under_its_stem(home: Home, llamacpp: EngineSpec, tm
     config = planned.config
     assert config.served_model == "Qwen2.5-0.5B-Q4_K_M"
     assert config.name == f"{LLAMACPP}--Qwen2.5-0.5B-Q4_K_M"
-    assert config.argv[:3] == (str(home.venv(LLAMACPP) / "bin" / "python"), "-m", "llama_cpp.server")
+    assert config.argv[0] == str(home.venv(LLAMACPP) / "bin" / "python")
+    assert config.argv[1].endswith("/engines/llamacpp_server.py")
     assert flag(config.argv, "--model") == str(model.resolve())
     assert flag(config.argv, "--model_alias") == "Qwen2.5-0.5B-Q4_K_M"
     assert flag(config.argv, "--port") == "8123"
@@ -279,9 +280,9 @@ def test_replanning_a_name_for_other_weights_leaves_the_running_childs_link(
 
 def test_free_port_copes_with_a_narrow_range(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """An ephemeral range starting just above 20000 leaves a few ports to draw from, not an error."""
-    import engines.manager
+    import engines.plan
 
     narrow = tmp_path / "range"
     narrow.write_text("20010\t60999\n")
-    monkeypatch.setattr(engines.manager, "_EPHEMERAL_RANGE", narrow)
+    monkeypatch.setattr(engines.plan, "_EPHEMERAL_RANGE", narrow)
     assert 20000 <= free_port() < 20010

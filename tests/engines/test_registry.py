@@ -19,7 +19,7 @@ import pytest
 
 from engines.child import Child, ChildState
 from engines.registry import Registry
-from engines.served import Lifetime, LoadFailed, ServedModel
+from engines.served import Lifetime, LoadFailed, ModelState, ServedModel
 from proxy.relay import Relay, RelaySettings
 from proxy.routing import Replica, Route, RoutingTable, UpstreamAddress
 from tests.engines.test_child import alive, config, free_port, wait_until
@@ -27,12 +27,23 @@ from tests.engines.test_child import alive, config, free_port, wait_until
 pytestmark = pytest.mark.anyio
 
 
-def served(tmp_path: Path, name: str, lifetime: Lifetime | None = None, replicas: int = 1) -> ServedModel:
+def kept(
+    registry: Registry, name: str, children: list[Child], lifetime: Lifetime | None = None
+) -> ServedModel:
+    """A model made with ``registry`` as its keeper, and taken in by it."""
+    model = ServedModel(name, children, lifetime or Lifetime(), keeper=registry)
+    registry.add(model)
+    return model
+
+
+def served(
+    tmp_path: Path, registry: Registry, name: str, lifetime: Lifetime | None = None, replicas: int = 1
+) -> ServedModel:
     children = [
         Child(config(tmp_path, name=f"{name}-{i}", log_path=tmp_path / "logs" / f"{name}-{i}.log"))
         for i in range(replicas)
     ]
-    return ServedModel(name, children, lifetime or Lifetime())
+    return kept(registry, name, children, lifetime)
 
 
 def slow_fake_engine(port: int, delay_s: float) -> list[str]:
@@ -47,8 +58,8 @@ def slow_fake_engine(port: int, delay_s: float) -> list[str]:
 
 async def test_fifty_concurrent_first_requests_start_exactly_one_child(tmp_path: Path) -> None:
     """50 requests for a cold model at once all wait for one start, and all find it ready."""
-    model = served(tmp_path, "cold")
-    registry = Registry([model])
+    registry = Registry()
+    model = served(tmp_path, registry, "cold")
     await registry.start()
     try:
         assert model.state == "unloaded"
@@ -62,8 +73,8 @@ async def test_fifty_concurrent_first_requests_start_exactly_one_child(tmp_path:
 
 async def test_idle_model_is_unloaded_after_its_ttl_but_not_while_in_use(tmp_path: Path) -> None:
     """A model with a TTL stays while a request is in flight, and is unloaded once idle that long."""
-    model = served(tmp_path, "ttl", Lifetime(ttl_s=0.5))
-    registry = Registry([model])
+    registry = Registry()
+    model = served(tmp_path, registry, "ttl", Lifetime(ttl_s=0.5))
     await registry.start()
     try:
         assert await model.wait_ready(0)
@@ -85,8 +96,8 @@ async def test_idle_model_is_unloaded_after_its_ttl_but_not_while_in_use(tmp_pat
 
 async def test_max_loaded_unloads_the_least_recently_used_idle_model(tmp_path: Path) -> None:
     """With two slots, loading a third model unloads the one used longest ago."""
-    a, b, c = (served(tmp_path, n) for n in "abc")
-    registry = Registry([a, b, c], max_loaded=2)
+    registry = Registry(max_loaded=2)
+    a, b, c = (served(tmp_path, registry, n) for n in "abc")
     await registry.start()
     try:
         assert await a.wait_ready(0)
@@ -102,8 +113,8 @@ async def test_max_loaded_unloads_the_least_recently_used_idle_model(tmp_path: P
 
 async def test_max_loaded_never_evicts_a_model_with_requests_in_flight(tmp_path: Path) -> None:
     """When every loaded model is in use, a load fails with a reason instead of stopping one."""
-    a, b = served(tmp_path, "a"), served(tmp_path, "b")
-    registry = Registry([a, b], max_loaded=1)
+    registry = Registry(max_loaded=1)
+    a, b = served(tmp_path, registry, "a"), served(tmp_path, registry, "b")
     await registry.start()
     try:
         assert await a.wait_ready(0)
@@ -120,15 +131,15 @@ async def test_max_loaded_never_evicts_a_model_with_requests_in_flight(tmp_path:
 
 async def test_always_loaded_model_starts_with_the_registry_and_is_never_evicted(tmp_path: Path) -> None:
     """An always-loaded model runs from the start and holds its slot against lazy ones."""
-    always = served(tmp_path, "always", Lifetime(always_loaded=True))
-    lazy = served(tmp_path, "lazy")
-    registry = Registry([always, lazy], max_loaded=1)
+    registry = Registry(max_loaded=1)
+    always = served(tmp_path, registry, "always", Lifetime(always_loaded=True))
+    lazy = served(tmp_path, registry, "lazy")
     await registry.start()
     try:
         await registry.wait_ready(15)
         assert always.state == "loaded"
         with pytest.raises(LoadFailed, match="always loaded"):
-            await registry.load(lazy)
+            await lazy.ensure_loaded()
         assert always.state == "loaded"
     finally:
         await registry.shutdown()
@@ -136,10 +147,10 @@ async def test_always_loaded_model_starts_with_the_registry_and_is_never_evicted
 
 async def test_failed_lazy_load_stops_the_child_and_says_why(tmp_path: Path) -> None:
     """A model whose engine exits at once is not retried in the background; the reason is kept for the 503."""
+    registry = Registry()
     argv = [sys.executable, "-c", "print('no model here'); raise SystemExit(3)"]
     child = Child(config(tmp_path, argv=argv))
-    model = ServedModel("broken", [child])
-    registry = Registry([model])
+    model = kept(registry, "broken", [child])
     await registry.start()
     try:
         assert not await model.wait_ready(0)
@@ -155,8 +166,8 @@ async def test_failed_lazy_load_stops_the_child_and_says_why(tmp_path: Path) -> 
 
 async def test_unload_waits_for_requests_in_flight(tmp_path: Path) -> None:
     """An admin unload lets the request in flight finish before stopping the children."""
-    model = served(tmp_path, "busy")
-    registry = Registry([model])
+    registry = Registry()
+    model = served(tmp_path, registry, "busy")
     await registry.start()
     try:
         assert await model.wait_ready(0)
@@ -176,8 +187,8 @@ async def test_replace_retires_the_old_model_once_idle_and_starts_an_always_load
     tmp_path: Path,
 ) -> None:
     """A reload's replaced model stops after its request ends; its always-loaded successor starts."""
-    old = served(tmp_path, "m", Lifetime(always_loaded=True))
-    registry = Registry([old])
+    registry = Registry()
+    old = served(tmp_path, registry, "m", Lifetime(always_loaded=True))
     await registry.start()
     try:
         await registry.wait_ready(15)
@@ -186,6 +197,7 @@ async def test_replace_retires_the_old_model_once_idle_and_starts_an_always_load
             "m",
             [Child(config(tmp_path, name="m-new", log_path=tmp_path / "logs" / "m-new.log"))],
             Lifetime(always_loaded=True),
+            keeper=registry,
         )
         await registry.replace(added=[new], removed=["m"])
         assert registry.models["m"] is new
@@ -201,8 +213,8 @@ async def test_replace_retires_the_old_model_once_idle_and_starts_an_always_load
 
 async def test_a_replica_that_crashes_leaves_the_model_ready_on_the_others(tmp_path: Path) -> None:
     """With two replicas, killing one keeps the model ready; the dead one restarts."""
-    model = served(tmp_path, "pair", Lifetime(always_loaded=True), replicas=2)
-    registry = Registry([model])
+    registry = Registry()
+    model = served(tmp_path, registry, "pair", Lifetime(always_loaded=True), replicas=2)
     await registry.start()
     try:
         await registry.wait_ready(15)
@@ -263,13 +275,13 @@ async def _relay_call(relay: Relay, model: str, *, gone: bool = False) -> tuple[
 
 async def test_a_model_chosen_for_eviction_is_not_ready_from_that_moment(tmp_path: Path) -> None:
     """Once the registry picks a model to stop, the relay sees it not ready at once, not loop turns later."""
-    a, b = served(tmp_path, "a"), served(tmp_path, "b")
-    registry = Registry([a, b], max_loaded=1)
+    registry = Registry(max_loaded=1)
+    a, b = served(tmp_path, registry, "a"), served(tmp_path, registry, "b")
     await registry.start()
     try:
         assert await a.wait_ready(0)
         loading_b = asyncio.ensure_future(b.wait_ready(0))
-        while a.wanted:  # noqa: ASYNC110 - one loop turn at a time is the point
+        while a.lifecycle is ModelState.LOADED:  # noqa: ASYNC110 - one loop turn at a time is the point
             await asyncio.sleep(0)
         assert a.children[0].state is ChildState.READY  # still up, being stopped
         assert not a.ready and a.state == "unloading"
@@ -280,8 +292,8 @@ async def test_a_model_chosen_for_eviction_is_not_ready_from_that_moment(tmp_pat
 
 async def test_admin_load_counts_as_use_for_the_ttl(tmp_path: Path) -> None:
     """A model loaded by hand with ttl = 2 stays at least 2 s after the load, not unloaded at once."""
-    model = served(tmp_path, "t", Lifetime(ttl_s=2))
-    registry = Registry([model])
+    registry = Registry()
+    model = served(tmp_path, registry, "t", Lifetime(ttl_s=2))
     await registry.start()
     try:
         await asyncio.sleep(2.5)  # older than its TTL before it is ever loaded
@@ -295,7 +307,7 @@ async def test_admin_load_counts_as_use_for_the_ttl(tmp_path: Path) -> None:
 
 async def test_two_waiters_for_idle_are_both_woken(tmp_path: Path) -> None:
     """wait_idle shares one event per busy spell, so a second waiter does not strand the first."""
-    model = served(tmp_path, "w")
+    model = ServedModel("w", [Child(config(tmp_path, name="w-0", log_path=tmp_path / "logs" / "w-0.log"))])
     model.enter()
     first = asyncio.ensure_future(model.wait_idle(10))
     await asyncio.sleep(0.05)
@@ -309,8 +321,8 @@ async def test_two_waiters_for_idle_are_both_woken(tmp_path: Path) -> None:
 
 async def test_shutdown_stops_the_children_of_models_being_retired(tmp_path: Path) -> None:
     """A model replaced by a reload and still busy is stopped by the registry's shutdown, not left running."""
-    old = served(tmp_path, "r", Lifetime(always_loaded=True))
-    registry = Registry([old])
+    registry = Registry()
+    old = served(tmp_path, registry, "r", Lifetime(always_loaded=True))
     await registry.start()
     await registry.wait_ready(15)
     old.enter()
@@ -324,16 +336,16 @@ async def test_shutdown_stops_the_children_of_models_being_retired(tmp_path: Pat
 
 async def test_requests_waiting_on_a_load_cancelled_by_a_reload_get_a_503_not_a_500(tmp_path: Path) -> None:
     """A shared load ended by a reload answers its waiters with LoadFailed (503), not CancelledError."""
+    registry = Registry()
     port = free_port()
     slow = slow_fake_engine(port, delay_s=2)
-    model = ServedModel("s", [Child(config(tmp_path, argv=slow, port=port))])
-    registry = Registry([model])
+    model = kept(registry, "s", [Child(config(tmp_path, argv=slow, port=port))])
     await registry.start()
     try:
         waiters = [asyncio.ensure_future(model.wait_ready(0)) for _ in range(3)]
         await asyncio.sleep(0.3)
-        assert model.loading is not None
-        model.loading.cancel()
+        assert model.state == "loading"
+        await registry.replace(added=[], removed=["s"])
         assert await asyncio.wait_for(asyncio.gather(*waiters), 10) == [False, False, False]
         assert "stopped loading" in model.not_ready_reason()
     finally:
@@ -342,10 +354,10 @@ async def test_requests_waiting_on_a_load_cancelled_by_a_reload_get_a_503_not_a_
 
 async def test_a_failing_replica_does_not_stop_the_healthy_one_serving_a_lazy_load(tmp_path: Path) -> None:
     """When one of two replicas fails to start, the load succeeds on the other, which keeps serving."""
+    registry = Registry()
     bad = Child(config(tmp_path, argv=["/bin/sh", "-c", "sleep 1; echo 'out of memory'; exit 3"], name="bad"))
     good = Child(config(tmp_path, name="good", log_path=tmp_path / "logs" / "good.log"))
-    model = ServedModel("m", [bad, good])
-    registry = Registry([model])
+    model = kept(registry, "m", [bad, good])
     await registry.start()
     relay = Relay(RoutingTable([_route(model)]), RelaySettings(heartbeat_s=0))
     try:
@@ -362,6 +374,7 @@ async def test_a_failing_replica_does_not_stop_the_healthy_one_serving_a_lazy_lo
 
 async def test_a_failed_load_does_not_switch_off_an_always_loaded_model(tmp_path: Path) -> None:
     """An admin load that fails on an always-loaded model leaves its children restarting with backoff."""
+    registry = Registry()
     flag = tmp_path / "broken"
     flag.write_text("1")
     port = free_port()
@@ -370,13 +383,12 @@ async def test_a_failed_load_does_not_switch_off_an_always_loaded_model(tmp_path
         f"sys.argv = ['x', '--port', '{port}']; runpy.run_module('tests.fake_engine', run_name='__main__')"
     )
     child = Child(config(tmp_path, argv=[sys.executable, "-c", script], port=port))
-    model = ServedModel("a", [child], Lifetime(always_loaded=True))
-    registry = Registry([model])
+    model = kept(registry, "a", [child], Lifetime(always_loaded=True))
     await registry.start()
     try:
         problem = await model.load()
         assert problem is not None and "failed to load" in problem
-        assert model.wanted
+        assert model.lifecycle is ModelState.LOADING, "the always-loaded start was given up"
         flag.unlink()
         await wait_until(lambda: model.state == "loaded", timeout_s=15)
     finally:
@@ -385,20 +397,21 @@ async def test_a_failed_load_does_not_switch_off_an_always_loaded_model(tmp_path
 
 async def test_an_always_loaded_model_added_by_a_reload_is_never_seen_unloaded(tmp_path: Path) -> None:
     """Right after replace(), a new always-loaded model is already wanted: requests wait, not lazy-load."""
-    registry = Registry([])
+    registry = Registry()
     await registry.start()
     try:
-        new = served(tmp_path, "n", Lifetime(always_loaded=True))
+        child = Child(config(tmp_path, name="n-0", log_path=tmp_path / "logs" / "n-0.log"))
+        new = ServedModel("n", [child], Lifetime(always_loaded=True), keeper=registry)
         await registry.replace(added=[new], removed=[])
-        assert new.wanted and new.state == "loading"
+        assert new.lifecycle is ModelState.LOADING and new.state == "loading"
     finally:
         await registry.shutdown()
 
 
 async def test_unload_never_cuts_a_request_that_outlasts_the_wait(tmp_path: Path) -> None:
     """An unload whose model is still busy after the wait leaves it loaded and says why."""
-    model = served(tmp_path, "u")
-    registry = Registry([model], unload_wait_s=0.5)
+    registry = Registry(unload_wait_s=0.5)
+    model = served(tmp_path, registry, "u")
     await registry.start()
     try:
         assert await model.wait_ready(0)
@@ -415,10 +428,10 @@ async def test_unload_never_cuts_a_request_that_outlasts_the_wait(tmp_path: Path
 
 async def test_clients_that_leave_while_their_model_loads_are_not_relayed(tmp_path: Path) -> None:
     """A request whose client is gone stops waiting for the load; the engine never receives it."""
+    registry = Registry()
     port = free_port()
     slow = slow_fake_engine(port, delay_s=1.5)
-    model = ServedModel("g", [Child(config(tmp_path, argv=slow, port=port))])
-    registry = Registry([model])
+    model = kept(registry, "g", [Child(config(tmp_path, argv=slow, port=port))])
     await registry.start()
     relay = Relay(RoutingTable([_route(model)]), RelaySettings(heartbeat_s=0))
     try:
@@ -436,10 +449,10 @@ async def test_clients_that_leave_while_their_model_loads_are_not_relayed(tmp_pa
 
 async def test_requests_waiting_for_a_load_are_bounded_by_max_queued(tmp_path: Path) -> None:
     """Past --max-queued, a request for a model that is still loading gets 429 instead of waiting too."""
+    registry = Registry()
     port = free_port()
     slow = slow_fake_engine(port, delay_s=1.5)
-    model = ServedModel("q", [Child(config(tmp_path, argv=slow, port=port))])
-    registry = Registry([model])
+    model = kept(registry, "q", [Child(config(tmp_path, argv=slow, port=port))])
     await registry.start()
     relay = Relay(RoutingTable([_route(model)]), RelaySettings(heartbeat_s=0, max_queued=2))
     try:
@@ -454,15 +467,15 @@ async def test_requests_waiting_for_a_load_are_bounded_by_max_queued(tmp_path: P
 
 async def test_a_drain_that_ends_answers_requests_waiting_for_a_load(tmp_path: Path) -> None:
     """abort_all (drain timeout, second signal) answers a request waiting for a load with 503 draining."""
+    registry = Registry()
     port = free_port()
     slow = slow_fake_engine(port, delay_s=30)
-    model = ServedModel("d", [Child(config(tmp_path, argv=slow, port=port))])
-    registry = Registry([model])
+    model = kept(registry, "d", [Child(config(tmp_path, argv=slow, port=port))])
     await registry.start()
     relay = Relay(RoutingTable([_route(model)]), RelaySettings(heartbeat_s=0))
     try:
         waiting = asyncio.ensure_future(_relay_call(relay, "d"))
-        await wait_until(lambda: model.loading is not None)
+        await wait_until(lambda: model.state == "loading")
         await asyncio.sleep(0.1)
         relay.abort_all("the gateway is shutting down now")
         status, body = await asyncio.wait_for(waiting, 5)
@@ -474,8 +487,8 @@ async def test_a_drain_that_ends_answers_requests_waiting_for_a_load(tmp_path: P
 
 async def test_max_queued_zero_still_lets_the_first_request_start_a_model(tmp_path: Path) -> None:
     """With --max-queued 0, the request that finds its model unloaded starts it and is answered."""
-    model = served(tmp_path, "z")
-    registry = Registry([model])
+    registry = Registry()
+    model = served(tmp_path, registry, "z")
     await registry.start()
     relay = Relay(RoutingTable([_route(model)]), RelaySettings(heartbeat_s=0, max_queued=0))
     try:
@@ -487,12 +500,12 @@ async def test_max_queued_zero_still_lets_the_first_request_start_a_model(tmp_pa
 
 async def test_an_always_loaded_model_that_cannot_start_is_stopped_and_reported(tmp_path: Path) -> None:
     """A child that exits the same way twice: the model stops, its reason is kept, the start hook told."""
+    lines: list[str] = []
+    registry = Registry(announce=lines.append)
     argv = [sys.executable, "-c", "print('weights are broken'); raise SystemExit(3)"]
     child = Child(config(tmp_path, argv=argv))
-    model = ServedModel("m", [child], Lifetime(always_loaded=True))
-    lines: list[str] = []
+    model = kept(registry, "m", [child], Lifetime(always_loaded=True))
     failures: list[str] = []
-    registry = Registry([model], announce=lines.append)
     started = time.monotonic()
     await registry.start(on_start_failed=failures.append)
     try:
@@ -503,7 +516,8 @@ async def test_an_always_loaded_model_that_cannot_start_is_stopped_and_reported(
         ]
         assert "model 'm' cannot start: its engine did not become ready: exited with code 3" in lines
         assert "  | weights are broken" in lines
-        assert not model.wanted and child.state is ChildState.STOPPED and child.starts == 2
+        assert model.lifecycle is ModelState.UNLOADED
+        assert child.state is ChildState.STOPPED and child.starts == 2
         # Its requests are told why, not to retry shortly.
         assert "weights are broken" in model.not_ready_reason()
         assert str(child.config.log_path) in model.not_ready_reason()
@@ -515,13 +529,13 @@ async def test_a_replica_that_cannot_start_beside_one_that_serves_is_not_a_start
     tmp_path: Path,
 ) -> None:
     """One replica of two failing: the model serves on the other, and the gateway is not told to stop."""
+    lines: list[str] = []
+    registry = Registry(announce=lines.append)
     argv = [sys.executable, "-c", "raise SystemExit(3)"]
     bad = Child(config(tmp_path, argv=argv, name="m-1", log_path=tmp_path / "logs" / "m-1.log"))
     good = Child(config(tmp_path, name="m-0", log_path=tmp_path / "logs" / "m-0.log"))
-    model = ServedModel("m", [good, bad], Lifetime(always_loaded=True))
-    lines: list[str] = []
+    model = kept(registry, "m", [good, bad], Lifetime(always_loaded=True))
     failures: list[str] = []
-    registry = Registry([model], announce=lines.append)
     await registry.start(on_start_failed=failures.append)
     try:
         await wait_until(
@@ -536,17 +550,17 @@ async def test_an_always_loaded_model_added_by_a_reload_that_cannot_start_does_n
     tmp_path: Path,
 ) -> None:
     """Only a model started with the registry stops the gateway; one from a reload stops with its reason."""
+    lines: list[str] = []
+    registry = Registry(announce=lines.append)
     argv = [sys.executable, "-c", "print('bad weights'); raise SystemExit(3)"]
     child = Child(config(tmp_path, argv=argv))
-    model = ServedModel("late", [child], Lifetime(always_loaded=True))
-    lines: list[str] = []
+    model = ServedModel("late", [child], Lifetime(always_loaded=True), keeper=registry)
     failures: list[str] = []
-    registry = Registry(announce=lines.append)
     await registry.start(on_start_failed=failures.append)
     try:
         await registry.replace(added=[model], removed=[])
         await wait_until(lambda: "model 'late' cannot start" in " ".join(lines), timeout_s=15)
         assert failures == []
-        assert not model.wanted and "bad weights" in model.not_ready_reason()
+        assert model.lifecycle is ModelState.UNLOADED and "bad weights" in model.not_ready_reason()
     finally:
         await registry.shutdown()

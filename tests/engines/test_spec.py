@@ -5,10 +5,12 @@ from __future__ import annotations
 import copy
 import tomllib
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+import engines
 from engines.spec import VARIANTS, EngineSpec, Guards, Readiness, SpecError, available, load, parse
 
 SHIPPED = "mlx-0.32.0"
@@ -245,11 +247,12 @@ def test_llamacpp_spec_serves_gguf_through_an_alias() -> None:
 
 
 def test_llamacpp_argv_names_the_file_and_the_served_name() -> None:
-    """The child gets the GGUF file as --model, the served name as --model_alias, and never cuts streams."""
+    """The child is llama_cpp.server through engines/llamacpp_server.py, given the file and its alias."""
     argv = load(LLAMACPP).server_argv(
         python="/v/bin/python", model="/m/tiny.gguf", host="127.0.0.1", port=8123, served_name="org/tiny"
     )
-    assert argv[:3] == ["/v/bin/python", "-m", "llama_cpp.server"]
+    assert argv[:2] == ["/v/bin/python", str(Path(engines.__file__).resolve().parent / "llamacpp_server.py")]
+    assert Path(argv[1]).is_file()
     assert argv[argv.index("--model") + 1] == "/m/tiny.gguf"
     assert argv[argv.index("--model_alias") + 1] == "org/tiny"
     assert argv[argv.index("--port") + 1] == "8123"
@@ -268,7 +271,7 @@ def test_server_argv_served_name_defaults_to_the_model() -> None:
     """Without a served name, {served_name} is the model argument (what run-dir-symlink engines get)."""
     data = llamacpp_table()
     assert (
-        parse(data, source=f"{LLAMACPP}.toml").server_argv(python="p", model="m", host="h", port=1)[6] == "m"
+        parse(data, source=f"{LLAMACPP}.toml").server_argv(python="p", model="m", host="h", port=1)[5] == "m"
     )
 
 

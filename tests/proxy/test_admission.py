@@ -12,6 +12,7 @@ from proxy.errors import HTTPError
 pytestmark = pytest.mark.anyio
 
 
+@pytest.mark.fault("overload", "the limit and the queue: 429 and 503 with Retry-After")
 async def test_slots_up_to_the_limit_then_queue_in_order() -> None:
     """Requests past the limit wait, and leave() hands slots to them first come, first served."""
     admission = Admission(2, max_queued=5, queue_timeout_s=5)
@@ -34,6 +35,7 @@ async def test_slots_up_to_the_limit_then_queue_in_order() -> None:
     assert admission.in_flight == 2 and admission.queued == 0
 
 
+@pytest.mark.fault("overload", "the limit and the queue: 429 and 503 with Retry-After")
 async def test_full_queue_is_429_with_retry_after() -> None:
     """A request that finds the queue full is refused with 429 and Retry-After."""
     admission = Admission(1, max_queued=1, queue_timeout_s=5)
@@ -47,6 +49,7 @@ async def test_full_queue_is_429_with_retry_after() -> None:
     first.cancel()
 
 
+@pytest.mark.fault("overload", "the limit and the queue: 429 and 503 with Retry-After")
 async def test_queue_timeout_is_503_and_leaves_the_queue() -> None:
     """A request that waits past the queue timeout gets 503 with Retry-After and no longer queues."""
     admission = Admission(1, max_queued=4, queue_timeout_s=0.05)
@@ -59,6 +62,7 @@ async def test_queue_timeout_is_503_and_leaves_the_queue() -> None:
     assert admission.in_flight == 0
 
 
+@pytest.mark.fault("overload", "slots released on every path, cancelled waiters too")
 async def test_cancelled_waiter_gives_up_its_place() -> None:
     """A waiter cancelled while queued (its client left) is removed, and the slot goes to the next."""
     admission = Admission(1, max_queued=4, queue_timeout_s=5)
@@ -73,6 +77,7 @@ async def test_cancelled_waiter_gives_up_its_place() -> None:
     assert admission.in_flight == 1 and admission.queued == 0
 
 
+@pytest.mark.fault("overload", "slots released on every path, cancelled waiters too")
 async def test_slot_handed_to_a_waiter_cancelled_at_that_moment_is_passed_on() -> None:
     """A slot handed over just as the waiter is cancelled is not lost: the next waiter gets it."""
     admission = Admission(1, max_queued=4, queue_timeout_s=5)
@@ -90,6 +95,7 @@ async def test_slot_handed_to_a_waiter_cancelled_at_that_moment_is_passed_on() -
     assert admission.in_flight == 0
 
 
+@pytest.mark.fault("overload", "the limit and the queue: 429 and 503 with Retry-After")
 async def test_no_limit_means_no_queue() -> None:
     """Without a limit every request enters at once."""
     admission = Admission(None)

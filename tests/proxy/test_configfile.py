@@ -168,18 +168,24 @@ def test_unknown_model_key_suggests_the_right_one(tmp_path: Path, key: str, hint
     assert hint in message
 
 
-@pytest.mark.parametrize(
-    "body",
-    [
-        f'engine = "mlx-0.32.0"\nupstream = "{UPSTREAM}"\n',
-        "aliases = ['x']\n",
-        "",
-    ],
-)
-def test_engine_and_upstream_both_or_neither(tmp_path: Path, body: str) -> None:
-    """A model needs exactly one of engine and upstream."""
+@pytest.mark.parametrize("body", ["aliases = ['x']\n", ""])
+def test_a_model_needs_an_engine_or_an_upstream(tmp_path: Path, body: str) -> None:
+    """A model with neither engine nor upstream is refused."""
     message = error_of(tmp_path, f"[models.a]\n{body}")
-    assert "[models.a]: give either engine (with model) or upstream, not both or neither" in message
+    assert "[models.a]: give engine (with model), or upstream" in message
+
+
+def test_engine_beside_upstream_names_the_engine_that_server_runs(tmp_path: Path) -> None:
+    """engine and upstream together: a model served by that server, with that engine's spec."""
+    (model,) = load_text(tmp_path, f'[models.a]\nengine = "mlx-0.32.0"\nupstream = "{UPSTREAM}"\n').models
+    assert (model.engine, model.upstream) == ("mlx-0.32.0", UPSTREAM)
+
+
+def test_engine_auto_beside_upstream_is_refused(tmp_path: Path) -> None:
+    """engine = "auto" picks from a model's files; beside an upstream there are none to look at."""
+    message = error_of(tmp_path, f'[models.a]\nengine = "auto"\nupstream = "{UPSTREAM}"\n')
+    assert '[models.a] engine: "auto" picks an engine' in message
+    assert "name the engine the upstream runs" in message
 
 
 @pytest.mark.parametrize(

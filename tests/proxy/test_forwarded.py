@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from proxy.asgi import Scope
 from proxy.forwarded import ProxyTrust
+
+pytestmark = pytest.mark.fault("clients", "spoofed forwarding and cookies")
 
 
 def scope(peer: str, *xff: str) -> Scope:

@@ -1,0 +1,141 @@
+"""`python -m perf affinity`: its figures, goals and report, from made-up turns (no engine, no timing)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from perf.affinity import (
+    AFFINITY_FLAG,
+    AffinityPlan,
+    ModeResult,
+    Turn,
+    _Router,
+    cached_fraction,
+    decision_cost,
+    markdown,
+    max_share,
+    merge,
+    summarize,
+    system_prompt,
+    think_time,
+)
+
+
+def turn(number: int, prompt: int, cached: int, ttft_s: float, conversation: int = 0) -> Turn:
+    return Turn(conversation, number, prompt, cached, ttft_s, ttft_s + 0.1, 8)
+
+
+def test_cached_fraction_weighs_turns_by_their_prompt_tokens() -> None:
+    """The cached fraction is cached tokens over prompt tokens of all the turns, not a mean of ratios."""
+    assert cached_fraction([turn(2, 1000, 900, 0.1), turn(2, 100, 0, 1.0)]) == 900 / 1100
+    assert cached_fraction([]) is None
+
+
+def test_max_share_is_the_busiest_replicas_share() -> None:
+    """The load split's figure is the busiest replica's share; one replica has none."""
+    assert max_share([18, 14]) == 18 / 32
+    assert max_share([32]) is None
+    assert max_share([0, 0]) is None
+
+
+def test_goals_compare_affinity_with_one_replica_and_with_least_busy() -> None:
+    """Cached fraction against one replica alone, TTFT p50 against least-busy, share at most 0.6."""
+
+    def mode(name: str, cached: int, ttft_s: float, served: list[int]) -> ModeResult:
+        turns = [turn(1, 1000, 0, 5.0)] + [turn(n, 1000, cached, ttft_s) for n in (2, 3, 4)]
+        return ModeResult(name, turns=turns, served=served)
+
+    results = [
+        mode("single", 950, 0.3, [4]),
+        mode("least-busy", 500, 1.2, [2, 2]),
+        ModeResult("affinity", skipped="the gateway has no flag"),
+        mode("client-affinity", 900, 0.4, [3, 1]),
+    ]
+    summary = summarize(results, turns=4)
+    goals = {g["goal"]: g for g in summary["goals"]}
+    assert {g["mode"] for g in summary["goals"]} == {"client-affinity"}
+    cached = goals["cached fraction, turns 2+, vs one replica alone"]
+    assert abs(cached["value"] - 900 / 950) < 1e-9 and cached["met"] is True
+    ttft = goals["TTFT p50, turns 2+: least-busy / affinity"]
+    assert abs(ttft["value"] - 3.0) < 1e-9 and ttft["met"] is True
+    share = goals["busiest replica's share of requests"]
+    assert share["value"] == 0.75 and share["met"] is False
+    assert summary["modes"]["affinity"] == {"skipped": "the gateway has no flag"}
+    assert summary["modes"]["single"]["turns"]["1"]["cached_fraction"] == 0.0
+
+
+def test_markdown_has_a_row_per_turn_the_split_and_the_goals() -> None:
+    """The report has a row per turn and one for turns 2+, the load split, the goals, the skipped mode."""
+    plan = AffinityPlan(turns=2)
+    results = [
+        ModeResult("single", turns=[turn(1, 100, 0, 1.0), turn(2, 120, 100, 0.2)], served=[2]),
+        ModeResult("least-busy", turns=[turn(1, 100, 0, 1.0), turn(2, 120, 0, 0.9)], served=[1, 1]),
+        ModeResult("affinity", skipped=f"the gateway has no {AFFINITY_FLAG} yet"),
+    ]
+    data: dict[str, Any] = {
+        "plan": {**plan.__dict__},
+        "engine": "mlx-0.32.0",
+        "model": "m",
+        "summary": summarize(results, turns=2),
+        "environment": {"git_sha": "abc"},
+        "decision_cost": {"body_bytes": 7000.0, "key_us": 6.0, "choose_us": 9.0, "parse_us": 0.1},
+    }
+    text = markdown(data)
+    rows = [line for line in text.splitlines() if line.startswith("| 1 |") or line.startswith("| 2")]
+    assert [row.split("|")[1].strip() for row in rows] == ["1", "2", "2+"]
+    assert "| least-busy | 1 / 1 | 0.50 |" in text
+    assert f"not measured: the gateway has no {AFFINITY_FLAG} yet" in text
+    assert "`choose`" in text and "9.0 µs" in text
+
+
+def test_rounds_pool_their_turns_and_requests() -> None:
+    """Merging a second round adds its turns, requests per replica and affinity counters."""
+    pooled = ModeResult("client-affinity")
+    for _ in range(2):
+        merge(
+            pooled,
+            ModeResult(
+                "client-affinity",
+                turns=[turn(1, 10, 0, 1.0)],
+                served=[3, 1],
+                wall_s=2.0,
+                affinity={"hits": [1, 0], "misses": [2, 1], "spills": [0, 0]},
+            ),
+        )
+    assert len(pooled.turns) == 2
+    assert pooled.served == [6, 2]
+    assert pooled.wall_s == 4.0
+    assert pooled.affinity == {"hits": [2, 0], "misses": [4, 2], "spills": [0, 0]}
+
+
+def test_the_workload_is_the_same_in_every_mode() -> None:
+    """System prompts are each conversation's own and of the asked length; pauses depend on the seed only."""
+    plan = AffinityPlan()
+    first, second = system_prompt(0, 1500, 14), system_prompt(1, 1500, 14)
+    assert len(first) == len(second) == 1500 and first != second
+    assert system_prompt(0, 1500, 14) == first
+    assert think_time(3, 1, plan) == 0.0
+    pauses = [think_time(c, t, plan) for c in range(8) for t in (2, 3, 4)]
+    assert pauses == [think_time(c, t, plan) for c in range(8) for t in (2, 3, 4)]
+    assert all(0 <= p <= 2 * plan.think_s for p in pauses) and len(set(pauses)) == len(pauses)
+
+
+def test_the_client_router_counts_its_own_requests_in_flight() -> None:
+    """The harness-side router keeps a conversation on its child while loads allow (proxy.affinity)."""
+    router = _Router(["http://a", "http://b"], slack=1)
+    doc = {"messages": [{"role": "system", "content": "x" * 3000}, {"role": "user", "content": "q"}]}
+    first = router.enter(doc)
+    assert router.loads[first] == 1
+    other = router.enter({"messages": [{"role": "user", "content": "another " * 300}]})
+    assert other != first
+    router.leave(other)
+    doc["messages"] += [{"role": "assistant", "content": "a"}, {"role": "user", "content": "q2"}]
+    assert router.enter(doc) == first  # busier by one: within the slack
+    assert router.loads == ([2, 0] if first == 0 else [0, 2])
+
+
+def test_decision_cost_is_measured() -> None:
+    """The decision's cost is measured on a real-sized body and comes out positive."""
+    cost = decision_cost(repeat=1, number=50)
+    assert cost["body_bytes"] > 6000
+    assert cost["key_us"] > 0 and cost["choose_us"] > 0
