@@ -272,10 +272,12 @@ def build_app(
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         if on_startup is not None:
             await on_startup()
+        relay.checks.start()
         try:
             yield
         finally:
             try:
+                await relay.checks.stop()
                 if on_shutdown is not None:
                     await on_shutdown()
             finally:

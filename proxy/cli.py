@@ -57,6 +57,30 @@ class _Failed(click.ClickException):
         _echo(self.format_message())
 
 
+class _AffinitySlack(click.ParamType[int | None]):
+    """``--affinity-slack``: an integer of at least 0, or ``off`` (None)."""
+
+    name = "N|off"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int | None:
+        if value is None:
+            return None
+        if isinstance(value, int) and not isinstance(value, bool):
+            if value < 0:
+                self.fail(f"{value} is below 0", param, ctx)
+            return value
+        text = str(value).strip().lower()
+        if text == "off":
+            return None
+        try:
+            slack = int(text)
+        except ValueError:
+            self.fail(f"{value!r} is neither a whole number of requests nor off", param, ctx)
+        if slack < 0:
+            self.fail(f"{slack} is below 0", param, ctx)
+        return slack
+
+
 _EXIT_CODES = """\b
 Exit codes: 0 stopped by SIGTERM or SIGINT (after the drain); 1 an error at
 start (a bad value, config file, model or port; an engine that failed to
@@ -287,6 +311,29 @@ serving, or a third signal."""
     "(its upstream closed). Until then backpressure reaches the upstream. 0: never.",
 )
 @click.option(
+    "--affinity-slack",
+    "affinity_slack",
+    type=_AffinitySlack(),
+    default="4",
+    envvar="BLAZAR_AFFINITY_SLACK",
+    show_envvar=True,
+    metavar="N|off",
+    help="A model with several replicas sends each conversation to the replica that served its "
+    "earlier turns (its prompt cache), unless that one has more than N requests in flight beyond "
+    "the least busy. off: always the least busy.",
+)
+@click.option(
+    "--health-interval",
+    "health_interval_s",
+    type=click.FloatRange(0),
+    default=2.0,
+    envvar="BLAZAR_HEALTH_INTERVAL",
+    show_envvar=True,
+    help="Seconds between checks of each replica of a model with several (GET /readyz, or "
+    "/health for engines); one that fails leaves rotation, one that passes rejoins. "
+    "0: no active checks (replicas leave on connect failures and 5xx, and are tried again 10 s later).",
+)
+@click.option(
     "--drain-timeout",
     "drain_timeout_s",
     type=click.FloatRange(0),
@@ -390,6 +437,8 @@ def main(
     heartbeat_s: float,
     total_timeout_s: float,
     send_stall_s: float,
+    affinity_slack: int | None,
+    health_interval_s: float,
     drain_timeout_s: float,
     api_keys: tuple[str, ...],
     api_key_file: Path | None,
@@ -422,13 +471,21 @@ def main(
     if (model or served_name) and not engine:
         raise click.UsageError("--model and --served-name need --engine")
     configs = []
+    # One NAME given several times is one model served by a set of servers.
+    sets: dict[str, list[str]] = {}
     for spec in upstreams:
         try:
             route = parse_upstream_spec(spec)
         except UpstreamSpecError as exc:
             raise click.BadParameter(str(exc), param_hint="--upstream") from None
-        url = spec.partition("=")[2].strip()
-        configs.append(ModelConfig(name=route.model, upstream=url, source=f"--upstream {spec}"))
+        sets.setdefault(route.model, []).append(spec.partition("=")[2].strip())
+    for name, urls in sets.items():
+        source = " ".join(f"--upstream {name}={url}" for url in urls)
+        configs.append(
+            ModelConfig(
+                name=name, upstream=urls[0], upstreams=tuple(urls) if len(urls) > 1 else (), source=source
+            )
+        )
     if engine:
         # The one-line start: its model starts with the gateway.
         configs.append(
@@ -483,6 +540,8 @@ def main(
         heartbeat_s=heartbeat_s,
         total_timeout_s=total_timeout_s,
         send_stall_s=send_stall_s,
+        affinity_slack=affinity_slack,
+        health_interval_s=health_interval_s,
         header_timeout_s=header_timeout_s,
         keep_alive_timeout_s=keep_alive_timeout_s,
         body_timeout_s=body_timeout_s,
@@ -599,6 +658,8 @@ def serve(settings: Settings, *, registry: Registry | None = None, reloader: _Re
             total_timeout_s=settings.total_timeout_s,
             send_stall_s=settings.send_stall_s,
             forwarded_allow_ips=settings.forwarded_allow_ips,
+            affinity_slack=settings.affinity_slack,
+            health_interval_s=settings.health_interval_s,
         ),
         connect_timeout_s=settings.connect_timeout_s,
         on_startup=startup,

@@ -25,6 +25,9 @@ class Settings:
     heartbeat_s: float = 15.0
     total_timeout_s: float = 0.0
     send_stall_s: float = 120.0
+    # None: affinity off (least busy only).
+    affinity_slack: int | None = 4
+    health_interval_s: float = 2.0
     header_timeout_s: float = 10.0
     # Above the common balancers' idle timeouts for upstreams (nginx, AWS ALB: 60 s).
     keep_alive_timeout_s: int = 75
