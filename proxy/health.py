@@ -194,7 +194,7 @@ class HealthChecks:
         for key, replicas in self._sets.items():
             if key not in self._tasks:
                 self._tasks[key] = asyncio.get_running_loop().create_task(
-                    _check_set(replicas, self.interval_s), name=f"health {key!r}"
+                    _check_set(replicas, self.interval_s), name=f"health {getattr(key, 'model', key)}"
                 )
 
     async def stop(self) -> None:

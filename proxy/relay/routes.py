@@ -152,9 +152,10 @@ class Routes:
                 # Requests still on it finish; their connections are closed on release.
                 self.pools.pop(address).close()
         self.table, self._built, self.by_name = table, built, by_name
+        # Keyed by route: a reload that rebuilds a model's route checks its new peers.
         self.checks.watch(
             (
-                route.model,
+                route,
                 tuple(
                     Checked(r.upstream, p.health, r.gate)
                     for r, p in zip(route.all_replicas, e.peers, strict=True)

@@ -7,6 +7,8 @@ Two fake engines (real sockets) behind one gateway as ``--upstream m=A
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -14,6 +16,8 @@ import orjson
 import pytest
 
 from tests.e2e.conftest import FakeEngine, StartFakeEngine, StartGateway
+from tests.e2e.test_engine_mlx import engine_installed as engine_installed
+from tests.e2e.test_engine_models import _READY_TIMEOUT_S, ConfigGateway, _model_table
 
 CHAT = "/v1/chat/completions"
 # Active checks this often, so that a stopped and restarted fake rejoins quickly.
@@ -142,3 +146,44 @@ def test_every_replica_out_is_503_with_retry_after(
             assert response.headers["retry-after"]
             error = response.json()["error"]
             assert error["message"] and error["code"] in ("no_healthy_replica", "upstream_unavailable")
+
+
+@pytest.fixture
+def mlx_pair(engine_installed: None, tmp_path: Path) -> Iterator[ConfigGateway]:
+    """The real mlx engine, two replicas of builtin:tiny, both ready; affinity at its default."""
+    gateway = ConfigGateway(_model_table("pair", "builtin:tiny", replicas=2, always_loaded=True), tmp_path)
+    try:
+        deadline = time.monotonic() + _READY_TIMEOUT_S
+        while not all(gateway.metric("blazar_engine_ready", model="pair", replica=str(i)) for i in (0, 1)):
+            assert time.monotonic() < deadline, gateway.log()
+            time.sleep(0.1)
+        yield gateway
+    finally:
+        gateway.stop()
+
+
+def test_mlx_second_turn_is_served_from_its_prompt_cache(mlx_pair: ConfigGateway) -> None:
+    """Two mlx replicas: turn 2 of a conversation with a ~1,000-token system prompt goes where turn 1
+    went, and the engine reports nearly all of turn 1's prompt as cached_tokens."""
+    # builtin:tiny's tokenizer is byte-level: a character is a token.
+    system = "".join(f"rule {index}: answer briefly. " for index in range(45))[:1000]
+    messages: list[dict[str, str]] = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "first question"},
+    ]
+    body = {"model": "pair", "max_tokens": 2, "temperature": 0}
+    first = mlx_pair.http.post(CHAT, json={**body, "messages": messages})
+    assert first.status_code == 200, first.text
+    first_prompt = first.json()["usage"]["prompt_tokens"]
+    assert first_prompt >= 1000
+    # Plain least-busy would send turn 2 to the other replica (fewer served): an empty cache there.
+    messages += [
+        {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "second question"},
+    ]
+    second = mlx_pair.http.post(CHAT, json={**body, "messages": messages})
+    assert second.status_code == 200, second.text
+    usage = second.json()["usage"]
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= 0.9 * first_prompt, usage
+    assert cached < usage["prompt_tokens"]
