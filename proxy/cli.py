@@ -478,7 +478,13 @@ def main(
             route = parse_upstream_spec(spec)
         except UpstreamSpecError as exc:
             raise click.BadParameter(str(exc), param_hint="--upstream") from None
-        sets.setdefault(route.model, []).append(spec.partition("=")[2].strip())
+        urls = sets.setdefault(route.model, [])
+        url = spec.partition("=")[2].strip()
+        if url in urls:
+            raise click.BadParameter(
+                f"{spec}: this server is already given for {route.model}", param_hint="--upstream"
+            )
+        urls.append(url)
     for name, urls in sets.items():
         source = " ".join(f"--upstream {name}={url}" for url in urls)
         configs.append(

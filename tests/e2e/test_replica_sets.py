@@ -70,6 +70,21 @@ def test_set_is_listed_once_and_spreads_conversations(
     assert on_a >= 3 and on_b >= 3, (on_a, on_b)
 
 
+def test_a_list_of_urls_in_the_config_file_is_one_set(
+    start_fake_engine: StartFakeEngine, start_gateway: StartGateway, tmp_path: Path
+) -> None:
+    """upstream = [A, B] in a model's table: one model, both servers sent requests."""
+    a, b = start_fake_engine(), start_fake_engine()
+    config = tmp_path / "blazar.toml"
+    config.write_text(f'[models.m]\nupstream = ["{a.url}/v1", "{b.url}"]\n')
+    gw = start_gateway({}, "--config", str(config), "--affinity-slack", "off")
+    with httpx.Client(base_url=gw.url, trust_env=False, timeout=10) as client:
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["m"]
+        for index in range(4):
+            assert client.post(CHAT, json=_chat(f"file {index}", 1)).status_code == 200
+    assert (len(_sent(a)), len(_sent(b))) == (2, 2)
+
+
 def test_turns_of_a_conversation_stay_on_one_replica(
     start_fake_engine: StartFakeEngine, start_gateway: StartGateway
 ) -> None:

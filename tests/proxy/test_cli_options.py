@@ -27,6 +27,7 @@ def test_a_bad_affinity_slack_is_refused(given: object) -> None:
     [
         (["--affinity-slack", "sometimes"], "--affinity-slack"),
         (["--health-interval", "-2"], "--health-interval"),
+        (["--upstream", "m=http://127.0.0.1:9"], "already given for m"),
     ],
 )
 def test_the_command_refuses_bad_fleet_options_before_starting(args: list[str], wanted: str) -> None:
