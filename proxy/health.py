@@ -15,9 +15,12 @@ Passive (the relay reports, ``PeerHealth``):
   Any answer below 500 resets the count. The 5xx itself still reaches the
   client as it is.
 
-Rejoining: with active checks on, the next check that passes; with them off
-(``--health-interval 0``), after ``REJOIN_S`` (nginx's ``fail_timeout``,
-10 s) the replica is tried again, and a failure ejects it again.
+Rejoining: with active checks on, the next check that passes, but not
+before ``REJOIN_S`` (nginx's ``fail_timeout``, 10 s) for a replica ejected
+for its 5xx: its ``/health`` may well pass while its generations fail, and
+it should not flap back every check. With checks off
+(``--health-interval 0``), after ``REJOIN_S`` the replica is tried again,
+and a failure ejects it again.
 
 Active (``HealthChecks``): every ``interval_s`` (2 s by default, HAProxy's
 ``inter``) each replica of a set is asked ``GET /readyz`` (a gateway: 503
@@ -57,7 +60,17 @@ FALL = 2
 class PeerHealth:
     """One replica's place in rotation: ``up``, its 5xx count, and how often it was ejected."""
 
-    __slots__ = ("_active", "_on_eject", "_timer", "ejections", "fails", "name", "reason", "up")
+    __slots__ = (
+        "_active",
+        "_hold_until",
+        "_on_eject",
+        "_timer",
+        "ejections",
+        "fails",
+        "name",
+        "reason",
+        "up",
+    )
 
     def __init__(self, name: str, *, active: bool, on_eject: Callable[[], None] | None = None) -> None:
         self.name = name
@@ -68,6 +81,8 @@ class PeerHealth:
         self._active = active
         self._on_eject = on_eject
         self._timer: asyncio.TimerHandle | None = None
+        # Before this (the loop's clock), a passed check does not bring it back.
+        self._hold_until = 0.0
 
     def connect_failed(self, reason: str) -> None:
         """The replica refused or did not take a connection: out at once."""
@@ -80,14 +95,18 @@ class PeerHealth:
             return
         self.fails += 1
         if self.fails >= MAX_FAILS:
-            self.eject(f"{self.fails} answers of 5xx in a row")
+            self.eject(f"{self.fails} answers of 5xx in a row", hold_s=REJOIN_S)
 
-    def eject(self, reason: str) -> None:
-        """Out of rotation until a check passes (or, without checks, ``REJOIN_S`` later)."""
+    def eject(self, reason: str, hold_s: float = 0.0) -> None:
+        """Out of rotation until a check passes, ``hold_s`` at the earliest (without checks,
+        ``REJOIN_S`` later)."""
         self.reason = reason
         if not self.up:
             return
         self.up = False
+        if hold_s:
+            with contextlib.suppress(RuntimeError):  # no running loop: a test's direct call
+                self._hold_until = asyncio.get_running_loop().time() + hold_s
         self.ejections += 1
         log.warning("replica %s is out of rotation: %s", self.name, reason)
         if self._on_eject is not None:
@@ -95,6 +114,11 @@ class PeerHealth:
         if not self._active:
             with contextlib.suppress(RuntimeError):  # no running loop: a test's direct call
                 self._timer = asyncio.get_running_loop().call_later(REJOIN_S, self.rejoin)
+
+    def passed(self, now: float) -> None:
+        """A check passed at ``now`` (the loop's clock): back in rotation unless held."""
+        if not self.up and now >= self._hold_until:
+            self.rejoin()
 
     def rejoin(self) -> None:
         """Back in rotation."""
@@ -156,8 +180,7 @@ async def _check_set(replicas: tuple[Checked, ...], interval_s: float) -> None:
             for replica, passed in zip(wanted, results, strict=True):
                 if passed:
                     replica.failed = 0
-                    if not replica.health.up:
-                        replica.health.rejoin()
+                    replica.health.passed(asyncio.get_running_loop().time())
                     continue
                 replica.failed += 1
                 if replica.failed >= FALL:

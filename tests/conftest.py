@@ -70,6 +70,7 @@ CATALOGUE: dict[str, tuple[str, ...]] = {
     ),
     "fleet": (
         "a server of a set that dies and comes back",
+        "a server of a set that answers 5xx",
         "a set with every server out",
     ),
     "balancers": (

@@ -146,6 +146,23 @@ def test_dead_replica_costs_no_request_and_rejoins(
             time.sleep(0.1)
 
 
+@pytest.mark.fault("fleet", "a server of a set that answers 5xx")
+def test_a_replica_answering_5xx_is_ejected_after_three_in_a_row(
+    start_fake_engine: StartFakeEngine, start_gateway: StartGateway
+) -> None:
+    """Each 500 reaches its client as it is; three in a row eject the server, which passing checks
+    of its /health do not bring back at once."""
+    a, b = start_fake_engine(), start_fake_engine("--status", "500")
+    with _set(start_gateway, a, b, "--affinity-slack", "off") as client:
+        statuses = [client.post(CHAT, json=_chat(f"q {index}", 1)).status_code for index in range(12)]
+        time.sleep(3 * float(INTERVAL))  # several passed checks of b's /health
+        statuses += [client.post(CHAT, json=_chat(f"r {index}", 1)).status_code for index in range(4)]
+        metrics = client.get("/metrics").text
+    assert statuses.count(500) == 3 and statuses.count(200) == 13, statuses
+    assert len(_sent(b)) == 3 and len(_sent(a)) == 13
+    assert _metric(metrics, "blazar_replica_ejections_total", b.port) == 1
+
+
 @pytest.mark.fault("fleet", "a set with every server out")
 def test_every_replica_out_is_503_with_retry_after(
     start_fake_engine: StartFakeEngine, start_gateway: StartGateway

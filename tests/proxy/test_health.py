@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from proxy.health import MAX_FAILS, PeerHealth
+import asyncio
+
+import pytest
+
+from proxy.health import MAX_FAILS, REJOIN_S, PeerHealth
 
 
 def test_a_refused_connection_ejects_at_once_and_counts_one_ejection() -> None:
@@ -45,3 +49,25 @@ def test_an_ejection_forgets_what_the_replica_was_sent() -> None:
     health.rejoin()
     health.eject("z")
     assert calls == [1, 1]
+
+
+@pytest.mark.anyio
+async def test_a_replica_ejected_for_5xx_is_held_out_by_passing_checks() -> None:
+    """Its /health may pass while generations fail: a passed check brings it back only after REJOIN_S."""
+    health = PeerHealth("m a", active=True)
+    for _ in range(MAX_FAILS):
+        health.answered(500)
+    now = asyncio.get_running_loop().time()
+    health.passed(now + 1)
+    assert not health.up
+    health.passed(now + REJOIN_S + 1)
+    assert health.up
+
+
+@pytest.mark.anyio
+async def test_a_replica_that_refused_rejoins_at_the_first_passed_check() -> None:
+    """A connect failure holds nothing: the first check that passes brings the replica back."""
+    health = PeerHealth("m a", active=True)
+    health.connect_failed("refused")
+    health.passed(asyncio.get_running_loop().time())
+    assert health.up
