@@ -134,6 +134,7 @@ def test_dead_replica_costs_no_request_and_rejoins(
         metrics = client.get("/metrics").text
         assert _metric(metrics, "blazar_replica_ejections_total", port) >= 1
         assert _metric(metrics, "blazar_replica_ejections_total", a.port) == 0
+        assert client.get("/readyz").status_code == 200  # one server of the set serves
         # Everything since b stopped went to a, once each: nothing was sent twice.
         assert len(_sent(a)) == before_a + 10
         assert len([s for s in _systems(a) if s.startswith("while b is down")]) == 10
@@ -178,6 +179,8 @@ def test_every_replica_out_is_503_with_retry_after(
             assert response.headers["retry-after"]
             error = response.json()["error"]
             assert error["message"] and error["code"] in ("no_healthy_replica", "upstream_unavailable")
+        ready = client.get("/readyz")
+        assert ready.status_code == 503 and ready.json()["models"] == {"m": "unreachable"}
 
 
 @pytest.fixture
