@@ -192,10 +192,12 @@ def build_app(
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         if on_startup is not None:
             await on_startup()
+        relay.checks.start()
         try:
             yield
         finally:
             try:
+                await relay.checks.stop()
                 if on_shutdown is not None:
                     await on_shutdown()
             finally:
@@ -328,7 +330,7 @@ async def _readiness(table: RoutingTable) -> Response:
     unloaded (its first request starts it); a static upstream when it
     accepts a TCP connection (the one check every OpenAI server passes).
     """
-    static = list(dict.fromkeys(r.upstream for r in table if r.gate is None))
+    static = list(dict.fromkeys(b.upstream for r in table if r.gate is None for b in r.all_replicas))
     results = await asyncio.gather(*(_reachable(a) for a in static))
     reachable = dict(zip(static, results, strict=True))
     models: dict[str, str] = {}
@@ -340,10 +342,12 @@ async def _readiness(table: RoutingTable) -> Response:
             if state == "loading":
                 reasons.add(f"{route.model}: engine child is not ready")
         else:
-            problem = reachable[route.upstream]
-            models[route.model] = "ready" if problem is None else "unreachable"
-            if problem:
-                reasons.add(problem)
+            # A replica set is ready while one of its servers is.
+            problems = [reachable[b.upstream] for b in route.all_replicas]
+            ready = None in problems
+            models[route.model] = "ready" if ready else "unreachable"
+            if not ready:
+                reasons.update(p for p in problems if p)
     if not models:
         return _json(503, orjson.dumps({"status": "unavailable", "reason": "no models are configured"}))
     if "ready" not in models.values() and "unloaded" not in models.values():

@@ -101,6 +101,13 @@ class Metrics:
         """Report in-flight and queued counts, read at scrape time from (model, in flight, queued)."""
         self.registry.register(_AdmissionCollector(sample))
 
+    def watch_replicas(
+        self, sample: Callable[[], Iterable[tuple[str, str, int, int, int, int, int]]]
+    ) -> None:
+        """Report each replica of a model with several, read at scrape time from (model, replica,
+        in flight, affinity hits, misses, spills, ejections)."""
+        self.registry.register(_ReplicaCollector(sample))
+
     def watch_engines(self, sample: Callable[[], Iterable[EngineSample]]) -> None:
         """Report engine children's state, read at scrape time."""
         self.registry.register(_EngineCollector(sample))
@@ -182,6 +189,42 @@ class _AdmissionCollector(Collector):
             queued.add_metric([model], waiting)
         yield in_flight
         yield queued
+
+
+class _ReplicaCollector(Collector):
+    def __init__(self, sample: Callable[[], Iterable[tuple[str, str, int, int, int, int, int]]]) -> None:
+        self._sample = sample
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["model", "replica"]
+        in_flight = GaugeMetricFamily(
+            "blazar_replica_in_flight", "Requests in flight on one replica of a model.", labels=labels
+        )
+        hits = CounterMetricFamily(
+            "blazar_replica_affinity_hits",
+            "Requests sent to a replica because it had served a prefix of their conversation.",
+            labels=labels,
+        )
+        misses = CounterMetricFamily(
+            "blazar_replica_affinity_misses",
+            "Requests sent to a replica by load (no known prefix, too little, or a spill).",
+            labels=labels,
+        )
+        spills = CounterMetricFamily(
+            "blazar_replica_affinity_spills",
+            "Requests a replica knew but lost to a less busy one (busier by more than the slack).",
+            labels=labels,
+        )
+        ejections = CounterMetricFamily(
+            "blazar_replica_ejections", "Times a replica was taken out of rotation.", labels=labels
+        )
+        for model, replica, running, hit, missed, spilled, ejected in self._sample():
+            in_flight.add_metric([model, replica], running)
+            hits.add_metric([model, replica], hit)
+            misses.add_metric([model, replica], missed)
+            spills.add_metric([model, replica], spilled)
+            ejections.add_metric([model, replica], ejected)
+        yield from (in_flight, hits, misses, spills, ejections)
 
 
 class _EngineCollector(Collector):

@@ -68,6 +68,11 @@ CATALOGUE: dict[str, tuple[str, ...]] = {
         "the drain deadline",
         "a second and a third signal",
     ),
+    "fleet": (
+        "a server of a set that dies and comes back",
+        "a server of a set that answers 5xx",
+        "a set with every server out",
+    ),
     "balancers": (
         "nginx in front",
         "HAProxy in front",

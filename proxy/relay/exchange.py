@@ -35,7 +35,7 @@ from proxy.relay.settings import RelaySettings
 from proxy.relay.sse import relay_events
 from proxy.relay.timing import server_timing, timing_header
 from proxy.relay.watch import ClientWatch, arm_guards
-from proxy.upstream import ClientGone, Connection, Draining, UpstreamError
+from proxy.upstream import ClientGone, ConnectFailed, Connection, Draining, UpstreamError
 
 
 class Exchange:
@@ -52,26 +52,44 @@ class Exchange:
         self._request_drop = request_drop(CREDENTIAL_HEADERS if settings.strip_credentials else frozenset())
 
     async def run(
-        self, scope: Scope, receive: Receive, send: Send, peer: Peer, body: bytes, outcome: Outcome
-    ) -> None:
-        """Send ``body`` to ``peer`` and relay its answer; ``outcome`` says how it went."""
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        peer: Peer,
+        body: bytes,
+        outcome: Outcome,
+        *,
+        may_move: bool = False,
+    ) -> ConnectFailed | None:
+        """Send ``body`` to ``peer`` and relay its answer; ``outcome`` says how it went.
+
+        With ``may_move`` (a peer of several), a connection that could not be
+        opened is returned unanswered: nothing was sent, so the caller may
+        send the request to another peer. Otherwise None: the client is answered.
+        """
         head = self._request_head(scope, peer, len(body), outcome.request_id)
         drain = self._drain
         if drain.closing:
             # The drain is over: nothing new starts.
             await self._refuse(send, outcome, Draining("the gateway is shutting down"))
-            return
+            return None
         pool = peer.pool
+        health = peer.health
         try:
             conn = await pool.acquire()
         except UpstreamError as exc:
+            if health is not None and isinstance(exc, ConnectFailed):
+                health.connect_failed(str(exc))
+                if may_move:
+                    return exc
             await self._refuse(send, outcome, exc)
-            return
+            return None
         if drain.closing:
             # The drain ended while this connection was being opened: send nothing.
             pool.release(conn)
             await self._refuse(send, outcome, Draining("the gateway is shutting down"))
-            return
+            return None
         # No retry once the request is written: the upstream may have acted
         # on it. Dead idle connections are weeded out by acquire() instead.
         conn.send(head, body)
@@ -88,8 +106,12 @@ class Exchange:
                 else:
                     await conn.read_head(self._head_timeout_s)
             except UpstreamError as exc:
+                if health is not None:
+                    health.answered(exc.status)
                 await self._head_failed(conn, send, outcome, exc)
-                return
+                return None
+            if health is not None:
+                health.answered(conn.status)
             await self._respond(conn, send, outcome)
         except ClientGone:
             outcome.client_gone = True
@@ -110,6 +132,7 @@ class Exchange:
                 conn.close()
             else:
                 pool.release(conn)
+        return None
 
     def _request_head(self, scope: Scope, peer: Peer, length: int, request_id: bytes) -> bytes:
         """The head sent upstream: the client's headers that may cross, and the gateway's own."""
@@ -120,6 +143,10 @@ class Exchange:
         if scope["query_string"]:
             target += b"?" + scope["query_string"]
         return request_head(b"POST", target, peer.host_header, headers, length)
+
+    async def refuse(self, send: Send, outcome: Outcome, exc: UpstreamError) -> None:
+        """Answer for an exchange that could not begin on any peer."""
+        await self._refuse(send, outcome, exc)
 
     async def _refuse(self, send: Send, outcome: Outcome, exc: UpstreamError) -> None:
         """Answer for an exchange that could not begin (no connection, or the drain is over)."""

@@ -26,6 +26,11 @@ def loading(reason: str) -> HTTPError:
     return HTTPError(503, reason, code="model_loading", headers=((b"retry-after", _RETRY_AFTER_S),))
 
 
+def no_replica(reason: str) -> HTTPError:
+    """503 no_healthy_replica: every replica of the model is out of rotation."""
+    return HTTPError(503, reason, code="no_healthy_replica", headers=((b"retry-after", _RETRY_AFTER_S),))
+
+
 def draining(reason: str) -> HTTPError:
     """503 draining: the drain is over and nothing new starts."""
     return HTTPError(503, reason, code="draining", headers=((b"retry-after", _RETRY_AFTER_S),))

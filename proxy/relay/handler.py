@@ -19,7 +19,7 @@ from proxy.relay.failures import refuse
 from proxy.relay.ids import RequestIds
 from proxy.relay.outcome import Outcome
 from proxy.relay.request import read_request
-from proxy.relay.routes import ENDPOINTS, RouteEntry, Routes
+from proxy.relay.routes import ENDPOINTS, Peer, RouteEntry, Routes
 from proxy.relay.settings import RelaySettings
 from proxy.relay.ticket import Ticket
 from proxy.routing import RoutingTable, UpstreamAddress
@@ -42,10 +42,12 @@ class Relay:
         self.pools: dict[UpstreamAddress, Pool] = self._routes.pools
         self._entries: dict[str, RouteEntry] = {}
         self.update(table)
+        self.checks = self._routes.checks
         self._metrics = metrics
         self._access = access_log
         if metrics is not None:
             metrics.watch_admission(self._routes.admission_sample)
+            metrics.watch_replicas(self._routes.replica_sample)
         self.request_id_of = RequestIds()
         self._drain = Drain()
         self._exchange = Exchange(settings, self._drain)
@@ -74,8 +76,8 @@ class Relay:
                 # The client's upload time is not the gateway's.
                 outcome.started = outcome.arrived = perf_counter()
                 entry, doc, rewrite = self._parse(body, scope["path"], outcome)
-                peer = ticket.take(entry) or await ticket.admit(
-                    entry, outcome, receive, self._drain, self._load_wait_s
+                peer = ticket.take(entry, doc) or await ticket.admit(
+                    entry, doc, outcome, receive, self._drain, self._load_wait_s
                 )
                 if entry.rename is not None:
                     # An alias: the upstream knows the model by its own name only.
@@ -89,12 +91,41 @@ class Relay:
             except ClientGone:
                 outcome.gone_early = True
             else:
-                await self._exchange.run(scope, receive, send, peer, body, outcome)
+                if len(entry.peers) == 1:
+                    await self._exchange.run(scope, receive, send, peer, body, outcome)
+                else:
+                    await self._run_on_set(scope, receive, send, ticket, entry, doc, body, outcome)
         finally:
             ticket.release()
         if outcome.refusal is not None:
             await refuse(send, outcome.refusal, outcome.request_id, outcome.started)
         outcome.record(scope, self._metrics, self._access)
+
+    async def _run_on_set(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        ticket: Ticket,
+        entry: RouteEntry,
+        doc: dict[str, Any],
+        body: bytes,
+        outcome: Outcome,
+    ) -> None:
+        """The exchange with one of several replicas: one that could not be connected to is
+        ejected and the request goes to another (it reached no engine), each tried once."""
+        assert ticket.peer is not None
+        peer, tried = ticket.peer, set[Peer]()
+        while True:
+            unsent = await self._exchange.run(scope, receive, send, peer, body, outcome, may_move=True)
+            if unsent is None:
+                return
+            tried.add(peer)
+            moved = ticket.move(entry, doc, tried)
+            if moved is None:
+                await self._exchange.refuse(send, outcome, unsent)
+                return
+            peer = moved
 
     def _parse(self, body: bytes, path: str, outcome: Outcome) -> tuple[RouteEntry, dict[str, Any], bool]:
         """The request's route, its document, and whether the body must be re-serialised; 400 or 404."""

@@ -6,10 +6,13 @@ request: the hot path does one dict lookup and finds everything it needs.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from proxy.admission import Admission
+from proxy.affinity import Affinity
+from proxy.health import Checked, HealthChecks, PeerHealth
 from proxy.metrics import Metrics, ModelMetrics
 from proxy.payload import RequestGuards
 from proxy.relay.settings import RelaySettings
@@ -38,19 +41,37 @@ class Peer:
 
     ``proxy.routing.Replica`` is the replica as configured (an address and a
     gate); a peer is its running side here (nginx's word for it).
+    ``health`` is None for a model's only replica: nothing to eject it
+    from, and nothing for the request path to do.
     """
 
-    __slots__ = ("gate", "host_header", "in_flight", "pool", "served", "targets")
+    __slots__ = ("gate", "health", "host_header", "in_flight", "name", "pool", "served", "starts", "targets")
 
     def __init__(
-        self, pool: Pool, host_header: bytes, targets: dict[str, bytes], gate: ReplicaGate | None
+        self,
+        pool: Pool,
+        host_header: bytes,
+        targets: dict[str, bytes],
+        gate: ReplicaGate | None,
+        name: str = "",
+        health: PeerHealth | None = None,
     ) -> None:
         self.pool = pool
         self.host_header = host_header
         self.targets = targets
         self.gate = gate
+        self.name = name
+        self.health = health
         self.in_flight = 0
         self.served = 0
+        # The child's start count when last seen: another start means an empty prompt cache.
+        self.starts = 0
+
+    @property
+    def available(self) -> bool:
+        """Whether the peer may take a request: its child ready, and not ejected."""
+        gate, health = self.gate, self.health
+        return (gate is None or gate.ready) and (health is None or health.up)
 
 
 class RouteEntry(NamedTuple):
@@ -63,17 +84,38 @@ class RouteEntry(NamedTuple):
     stats: ModelMetrics | None
     # For an alias: the model's own name, put in the body sent upstream.
     rename: str | None
+    # Several peers and affinity on: which one has the conversation's prompt cache.
+    affinity: Affinity | None = None
 
 
-def least_busy(peers: tuple[Peer, ...]) -> Peer | None:
-    """The ready peer with the fewest requests in flight; ties go to the one that served fewest."""
+def least_busy(peers: tuple[Peer, ...], skip: frozenset[Peer] | set[Peer] = frozenset()) -> Peer | None:
+    """The available peer with the fewest requests in flight; ties go to the one that served fewest."""
     best: Peer | None = None
     for peer in peers:
-        if peer.gate is not None and not peer.gate.ready:
-            continue  # out of rotation until it is ready again
+        if not peer.available or peer in skip:
+            continue  # out of rotation until it is ready (or answers) again
         if best is None or (peer.in_flight, peer.served) < (best.in_flight, best.served):
             best = peer
     return best
+
+
+def by_affinity(peers: tuple[Peer, ...], affinity: Affinity, doc: Any) -> Peer | None:
+    """The peer whose prompt cache knows most of the conversation, within the slack; else least busy.
+
+    A peer whose child started again since it was last seen has an empty
+    cache: it is forgotten first.
+    """
+    loads: list[int | None] = []
+    for index, peer in enumerate(peers):
+        gate = peer.gate
+        if gate is not None:
+            starts = getattr(gate, "starts", 0)
+            if starts != peer.starts:
+                peer.starts = starts
+                affinity.forget(index)
+        loads.append(peer.in_flight if peer.available else None)
+    chosen = affinity.choose(doc, loads)
+    return None if chosen is None else peers[chosen]
 
 
 class Routes:
@@ -81,6 +123,7 @@ class Routes:
 
     def __init__(self, settings: RelaySettings, metrics: Metrics | None, connect_timeout_s: float) -> None:
         self._settings = settings
+        self.checks = HealthChecks(settings.health_interval_s)
         self._metrics = metrics
         self._connect_timeout_s = connect_timeout_s
         self.pools: dict[UpstreamAddress, Pool] = {}
@@ -109,18 +152,41 @@ class Routes:
                 # Requests still on it finish; their connections are closed on release.
                 self.pools.pop(address).close()
         self.table, self._built, self.by_name = table, built, by_name
+        # Keyed by route: a reload that rebuilds a model's route checks its new peers.
+        self.checks.watch(
+            (
+                route,
+                tuple(
+                    Checked(r.upstream, p.health, r.gate)
+                    for r, p in zip(route.all_replicas, e.peers, strict=True)
+                    if p.health is not None
+                ),
+            )
+            for route, e in built.items()
+            if len(e.peers) > 1
+        )
         return by_name
 
     def _entry(self, route: Route) -> RouteEntry:
-        peers = []
-        for replica in route.all_replicas:
+        peers: list[Peer] = []
+        replicas = route.all_replicas
+        several = len(replicas) > 1
+        slack = self._settings.affinity_slack
+        affinity = Affinity(len(replicas), slack) if several and slack is not None else None
+        active = bool(self._settings.health_interval_s)
+        for index, replica in enumerate(replicas):
             pool = self.pools.get(replica.upstream)
             if pool is None:
                 pool = self.pools[replica.upstream] = Pool(
                     replica.upstream, connect_timeout_s=self._connect_timeout_s
                 )
             targets = {path: replica.upstream.target(endpoint) for path, endpoint in ENDPOINTS.items()}
-            peers.append(Peer(pool, replica.upstream.host_header, targets, replica.gate))
+            name = replica.upstream.base_url
+            health = None
+            if several:
+                forget = functools.partial(affinity.forget, index) if affinity is not None else None
+                health = PeerHealth(f"{route.model} {name}", active=active, on_eject=forget)
+            peers.append(Peer(pool, replica.upstream.host_header, targets, replica.gate, name, health))
         return RouteEntry(
             tuple(peers),
             route.gate,
@@ -132,7 +198,28 @@ class Routes:
             ),
             self._metrics.for_model(route.model) if self._metrics is not None else None,
             None,
+            affinity,
         )
+
+    def replica_sample(self) -> list[tuple[str, str, int, int, int, int, int]]:
+        """Per replica of a model with several: (model, replica, in flight, hits, misses, spills,
+        ejections), read at scrape time."""
+        rows = []
+        for route, entry in self._built.items():
+            if len(entry.peers) < 2:
+                continue
+            affinity = entry.affinity
+            for index, peer in enumerate(entry.peers):
+                hits = misses = spills = 0
+                if affinity is not None:
+                    hits, misses, spills = (
+                        affinity.hits[index],
+                        affinity.misses[index],
+                        affinity.spills[index],
+                    )
+                ejections = peer.health.ejections if peer.health is not None else 0
+                rows.append((route.model, peer.name, peer.in_flight, hits, misses, spills, ejections))
+        return rows
 
     def admission_sample(self) -> list[tuple[str, int, int]]:
         """(model, in flight, queued or waiting for its load), read at scrape time."""

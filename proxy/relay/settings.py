@@ -25,3 +25,8 @@ class RelaySettings:
     send_stall_s: float = 120.0
     # Proxies whose X-Forwarded-For is believed (and passed on, with the peer appended).
     forwarded_allow_ips: tuple[str, ...] = ()
+    # A model's replica with its conversation's prompt cache keeps it while it has at
+    # most this many requests in flight more than the least busy (None: least busy only).
+    affinity_slack: int | None = 4
+    # Seconds between active checks of a model's replicas (0: passive only).
+    health_interval_s: float = 2.0

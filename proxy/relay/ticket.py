@@ -14,14 +14,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from time import perf_counter
+from typing import Any
 
 from proxy.admission import Admission
 from proxy.asgi import Receive
 from proxy.errors import HTTPError
 from proxy.relay.drain import Drain
-from proxy.relay.failures import loading
+from proxy.relay.failures import loading, no_replica
 from proxy.relay.outcome import Outcome
-from proxy.relay.routes import Peer, RouteEntry, least_busy
+from proxy.relay.routes import Peer, RouteEntry, by_affinity, least_busy
 from proxy.routing import Gate
 from proxy.upstream import ClientGone
 
@@ -36,7 +37,7 @@ class Ticket:
         self.slot: Admission | None = None
         self.peer: Peer | None = None
 
-    def take(self, entry: RouteEntry) -> Peer | None:
+    def take(self, entry: RouteEntry, doc: Any) -> Peer | None:
         """Take the gate, a slot and a peer where none needs a wait (the fast path); None if one does.
 
         What was taken stays on the ticket: ``admit`` waits for the rest.
@@ -51,10 +52,16 @@ class Ticket:
         if not entry.admission.try_enter():
             return None
         self.slot = entry.admission
-        return self._pick(entry)
+        return self._pick(entry, doc)
 
     async def admit(
-        self, entry: RouteEntry, outcome: Outcome, receive: Receive, drain: Drain, load_wait_s: float
+        self,
+        entry: RouteEntry,
+        doc: Any,
+        outcome: Outcome,
+        receive: Receive,
+        drain: Drain,
+        load_wait_s: float,
     ) -> Peer:
         """Wait for what ``take`` could not get: the model's load, then a slot; then take a peer.
 
@@ -90,19 +97,45 @@ class Ticket:
             if gate is not None and not gate.ready:
                 # Its children went away while this request was queued.
                 raise loading(gate.not_ready_reason())
-        return self._pick(entry)
+        return self._pick(entry, doc)
 
-    def _pick(self, entry: RouteEntry) -> Peer:
-        """The peer that takes the request, counted as busy with it."""
+    def _pick(self, entry: RouteEntry, doc: Any) -> Peer:
+        """The peer that takes the request, counted as busy with it.
+
+        One peer: that one, with no further work. Several: by affinity
+        (``doc`` is the parsed body), or the least busy; only available ones.
+        """
         peers = entry.peers
-        peer = peers[0] if len(peers) == 1 else least_busy(peers)
+        if len(peers) == 1:
+            peer: Peer | None = peers[0]
+        elif entry.affinity is not None:
+            peer = by_affinity(peers, entry.affinity, doc)
+        else:
+            peer = least_busy(peers)
         if peer is None:
-            # No peer is ready (only a model with several can get here).
-            assert entry.gate is not None
-            raise loading(entry.gate.not_ready_reason())
+            # No peer is available (only a model with several can get here).
+            raise _none_available(entry)
         peer.in_flight += 1
         peer.served += 1
         self.peer = peer
+        return peer
+
+    def move(self, entry: RouteEntry, doc: Any, tried: set[Peer]) -> Peer | None:
+        """Another peer for a request that could not connect to its own (it reached no engine).
+
+        The least busy available one not ``tried``; None when there is none.
+        """
+        old = self.peer
+        peer = least_busy(entry.peers, tried)
+        if peer is None:
+            return None
+        if old is not None:
+            old.in_flight -= 1
+        peer.in_flight += 1
+        peer.served += 1
+        self.peer = peer
+        if entry.affinity is not None:
+            entry.affinity.record(entry.peers.index(peer), doc)
         return peer
 
     def release(self) -> None:
@@ -113,6 +146,16 @@ class Ticket:
             self.peer.in_flight -= 1
         if self.gate is not None:
             self.gate.leave()
+
+
+def _none_available(entry: RouteEntry) -> HTTPError:
+    gate = entry.gate
+    if gate is not None and not gate.ready:
+        return loading(gate.not_ready_reason())
+    reasons = "; ".join(
+        f"{p.name}: {p.health.reason}" for p in entry.peers if p.health is not None and not p.health.up
+    )
+    return no_replica(f"no replica of this model is in rotation now ({reasons or 'none is ready'})")
 
 
 async def wait_for_model(gate: Gate, receive: Receive, drain: Drain, load_wait_s: float) -> bool:

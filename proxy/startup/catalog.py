@@ -87,6 +87,10 @@ class Catalog:
             route = Route(
                 model=config.name, upstream=parse_upstream_url(config.upstream), aliases=config.aliases
             )
+            if config.upstreams:
+                # A replica set: one model, several servers; engine (below) applies to each.
+                replicas = tuple(Replica(parse_upstream_url(url)) for url in config.upstreams)
+                route = dataclasses.replace(route, replicas=replicas)
             if config.engine is not None:
                 # An engine on another host: nothing to install or start, but
                 # the same checks and non-stream handling as for a child.

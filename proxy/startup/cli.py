@@ -57,6 +57,30 @@ class _Failed(click.ClickException):
         _echo(self.format_message())
 
 
+class _AffinitySlack(click.ParamType[int | None]):
+    """``--affinity-slack``: an integer of at least 0, or ``off`` (None)."""
+
+    name = "N|off"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int | None:
+        if value is None:
+            return None
+        if isinstance(value, int) and not isinstance(value, bool):
+            if value < 0:
+                self.fail(f"{value} is below 0", param, ctx)
+            return value
+        text = str(value).strip().lower()
+        if text == "off":
+            return None
+        try:
+            slack = int(text)
+        except ValueError:
+            self.fail(f"{value!r} is neither a whole number of requests nor off", param, ctx)
+        if slack < 0:
+            self.fail(f"{slack} is below 0", param, ctx)
+        return slack
+
+
 _EXIT_CODES = """\b
 Exit codes: 0 stopped by SIGTERM or SIGINT (after the drain); 1 an error at
 start (a bad value, config file, model or port; an engine that failed to
@@ -125,13 +149,27 @@ def _model_configs(settings: Settings) -> list[ModelConfig]:
     if (settings.model or settings.served_name) and not settings.engine:
         raise click.UsageError("--model and --served-name need --engine")
     configs = []
+    # One NAME given several times is one model served by a set of servers.
+    sets: dict[str, list[str]] = {}
     for spec in settings.upstreams:
         try:
             route = parse_upstream_spec(spec)
         except UpstreamSpecError as exc:
             raise click.BadParameter(str(exc), param_hint="--upstream") from None
+        urls = sets.setdefault(route.model, [])
         url = spec.partition("=")[2].strip()
-        configs.append(ModelConfig(name=route.model, upstream=url, source=f"--upstream {spec}"))
+        if url in urls:
+            raise click.BadParameter(
+                f"{spec}: this server is already given for {route.model}", param_hint="--upstream"
+            )
+        urls.append(url)
+    for name, urls in sets.items():
+        source = " ".join(f"--upstream {name}={url}" for url in urls)
+        configs.append(
+            ModelConfig(
+                name=name, upstream=urls[0], upstreams=tuple(urls) if len(urls) > 1 else (), source=source
+            )
+        )
     if settings.engine:
         # The one-line start: its model starts with the gateway.
         configs.append(

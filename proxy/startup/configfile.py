@@ -54,6 +54,8 @@ class ModelConfig:
     engine: str | None = None
     model: str | None = None
     upstream: str | None = None
+    # A replica set: every server's URL (``upstream`` is the first), or () for one server.
+    upstreams: tuple[str, ...] = ()
     aliases: tuple[str, ...] = ()
     replicas: int = 1
     engine_args: tuple[str, ...] = ()
@@ -122,6 +124,17 @@ def _flag(where: str, value: Any) -> bool:
     return value
 
 
+def _urls(where: str, value: Any) -> str | tuple[str, ...]:
+    """One server's URL, or a list of them (a replica set)."""
+    if isinstance(value, str):
+        return _string(where, value)
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
+        raise ConfigError(f'{where}: expected a URL or a list of URLs (["http://a:8000", …]), got {value!r}')
+    if len(set(value)) != len(value):
+        raise ConfigError(f"{where}: a URL is given twice")
+    return value[0] if len(value) == 1 else tuple(value)
+
+
 def _variant(where: str, value: Any) -> str:
     if value not in VARIANT_CHOICES:
         raise ConfigError(f"{where}: expected one of {', '.join(VARIANT_CHOICES)}, got {value!r}")
@@ -131,7 +144,7 @@ def _variant(where: str, value: Any) -> str:
 _MODEL_KEYS: Mapping[str, tuple[str, Callable[[str, Any], Any]]] = {
     "engine": ("engine", _string),
     "model": ("model", _string),
-    "upstream": ("upstream", _string),
+    "upstream": ("upstream", _urls),
     "aliases": ("aliases", _strings),
     "replicas": ("replicas", _count),
     "engine_args": ("engine_args", _strings),
@@ -191,6 +204,9 @@ def _model(path: Path, name: str, table: Any) -> ModelConfig:
             raise ConfigError(f"{where} {key}: unknown key{_did_you_mean(key, _MODEL_KEYS)}")
         attr, check = spec
         values[attr] = check(f"{where} {key}", value)
+    if isinstance(values.get("upstream"), tuple):
+        values["upstreams"] = values["upstream"]
+        values["upstream"] = values["upstreams"][0]
     config = ModelConfig(**values)
     if config.engine is None and config.upstream is None:
         raise ConfigError(f"{where}: give engine (with model), or upstream")
@@ -203,7 +219,8 @@ def _model(path: Path, name: str, table: Any) -> ModelConfig:
                 "here: name the engine the upstream runs (blazar-proxy engines list), or leave engine out"
             )
         try:
-            parse_upstream_url(config.upstream)
+            for url in config.upstreams or (config.upstream,):
+                parse_upstream_url(url)
         except UpstreamSpecError as exc:
             raise ConfigError(f"{where} upstream: {exc}") from None
         for key in table:
@@ -211,7 +228,8 @@ def _model(path: Path, name: str, table: Any) -> ModelConfig:
                 raise ConfigError(f"{where} {key}: only for engine models, not for an upstream")
         if config.replicas != 1:
             raise ConfigError(
-                f"{where} replicas: an upstream is one server; put several behind a load balancer"
+                f"{where} replicas: an upstream is one server; "
+                'for several, list their URLs: upstream = ["http://a:8000", "http://b:8000"]'
             )
     elif config.engine == "auto" and config.model is None:
         raise ConfigError(f'{where} engine: "auto" picks the engine from the model, so model is needed')

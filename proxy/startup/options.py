@@ -16,6 +16,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 def click_type(flag: Flag, default: object) -> click.ParamType[Any] | None:
     """The click type that checks one flag's value: its choices, its range, or a file path."""
     kind = flag.kind or type(default)
+    if flag.off:
+        return IntOrOff(int(flag.low or 0))
     if flag.choices:
         return click.Choice(flag.choices)
     if kind is Path:
@@ -25,6 +27,33 @@ def click_type(flag: Flag, default: object) -> click.ParamType[Any] | None:
     if kind is float and flag.low is not None:
         return click.FloatRange(flag.low, flag.high, min_open=flag.low_open)
     return None
+
+
+class IntOrOff(click.ParamType[int | None]):
+    """An integer of at least ``low``, or ``off`` (None)."""
+
+    name = "N|off"
+
+    def __init__(self, low: int) -> None:
+        self.low = low
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int | None:
+        if value is None:
+            return None
+        if isinstance(value, bool):
+            self.fail(f"{value!r} is neither a whole number nor off", param, ctx)
+        if isinstance(value, int):
+            number = value
+        elif str(value).strip().lower() == "off":
+            return None
+        else:
+            try:
+                number = int(str(value).strip())
+            except ValueError:
+                self.fail(f"{value!r} is neither a whole number nor off", param, ctx)
+        if number < self.low:
+            self.fail(f"{number} is below {self.low}", param, ctx)
+        return number
 
 
 def option(name: str, flag: Flag, default: object, **extra: Any) -> Callable[[F], F]:

@@ -45,6 +45,8 @@ class Flag:
     commas: bool = False
     # A path that must exist.
     exists: bool = False
+    # An integer (of at least ``low``), or the word ``off`` for None.
+    off: bool = False
 
     @property
     def long(self) -> str:
@@ -229,6 +231,25 @@ class Settings:
         "--send-stall",
         "A client that reads nothing for this long while response bytes wait for it is cut "
         "(its upstream closed). Until then backpressure reaches the upstream. 0: never.",
+        low=0,
+    )
+    affinity_slack: int | None = _setting(
+        _RELAY.affinity_slack,
+        "--affinity-slack",
+        "A model with several replicas sends each conversation to the replica that served its "
+        "earlier turns (its prompt cache), unless that one has more than N requests in flight beyond "
+        "the least busy. off: always the least busy.",
+        kind=int,
+        low=0,
+        off=True,
+        metavar="N|off",
+    )
+    health_interval_s: float = _setting(
+        _RELAY.health_interval_s,
+        "--health-interval",
+        "Seconds between checks of each replica of a model with several (GET /readyz, or "
+        "/health for engines); one that fails leaves rotation, one that passes rejoins. "
+        "0: no active checks (replicas leave on connect failures and 5xx, and are tried again 10 s later).",
         low=0,
     )
     drain_timeout_s: float = _setting(

@@ -311,3 +311,22 @@ async def test_a_reload_that_fails_changes_nothing(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"\[models.b\]"):
         await catalog.reload(file(upstream("a"), upstream("b", "ftp://x")), keep=(), relay=relay)
     assert catalog.entries == before and relay.table is table
+
+
+def test_a_list_of_upstream_urls_is_one_route_with_a_replica_each() -> None:
+    """upstream = [A, B] (or --upstream NAME=A --upstream NAME=B): one route, a gateless replica per URL."""
+    config = ModelConfig(
+        name="m",
+        upstream="http://10.0.0.1:8000/v1",
+        upstreams=("http://10.0.0.1:8000/v1", "http://10.0.0.2:8000"),
+        engine=MLX,
+    )
+    route = Catalog(home=None, registry=None).prepare(config)
+    assert isinstance(route, Route) and route.gate is None
+    assert [r.upstream for r in route.all_replicas] == [
+        UpstreamAddress("10.0.0.1", 8000),
+        UpstreamAddress("10.0.0.2", 8000),
+    ]
+    assert all(r.gate is None for r in route.all_replicas)
+    # engine beside the set applies to every server of it: one route, one set of guards.
+    assert route.guards.via_stream == specs.load(MLX).nonstream.via_stream

@@ -371,3 +371,35 @@ def test_first_error_wins_even_after_a_good_model(tmp_path: Path) -> None:
         f'[models.good]\nupstream = "{UPSTREAM}"\n[models.bad]\nupstream = "{UPSTREAM}"\nreplicas = 3\n',
     )
     assert "[models.bad] replicas" in message
+
+
+def test_a_list_of_upstream_urls_is_a_replica_set(tmp_path: Path) -> None:
+    """upstream = [URL, …] keeps every URL, the first as upstream; one URL in a list is one server."""
+    config = load_text(
+        tmp_path, '[models.m]\nupstream = ["http://a:8000/v1", "http://b:8000"]\nengine = "mlx-0.32.0"\n'
+    ).models[0]
+    assert config.upstream == "http://a:8000/v1"
+    assert config.upstreams == ("http://a:8000/v1", "http://b:8000")
+    one = load_text(tmp_path, '[models.m]\nupstream = ["http://a:8000"]\n').models[0]
+    assert (one.upstream, one.upstreams) == ("http://a:8000", ())
+
+
+@pytest.mark.parametrize(
+    ("value", "wanted"),
+    [
+        ("[]", "expected a URL or a list of URLs"),
+        ("[1]", "expected a URL or a list of URLs"),
+        ('["http://a:1", "http://a:1"]', "a URL is given twice"),
+        ('["http://a:1", "ftp://b:2"]', "only http://"),
+    ],
+)
+def test_a_bad_list_of_upstream_urls_is_refused(tmp_path: Path, value: str, wanted: str) -> None:
+    """Each URL of a set is checked; an empty list, a non-string or a repeated URL is refused."""
+    message = error_of(tmp_path, f"[models.m]\nupstream = {value}\n")
+    assert "[models.m] upstream" in message and wanted in message
+
+
+def test_replicas_beside_a_list_of_upstreams_is_still_refused(tmp_path: Path) -> None:
+    """replicas is for engine children; a set of servers is a list of URLs, which the error shows."""
+    message = error_of(tmp_path, '[models.m]\nupstream = ["http://a:1", "http://b:2"]\nreplicas = 2\n')
+    assert "[models.m] replicas" in message and 'upstream = ["http://a:8000"' in message

@@ -46,7 +46,7 @@ async def test_admitted_ticket_holds_a_slot_and_a_peer_until_released() -> None:
     """A ticket on a free slot counts on the admission and the peer; release gives both back, once."""
     entry = _entry(1)
     ticket = Ticket()
-    peer = ticket.take(entry)
+    peer = ticket.take(entry, {})
     assert peer is not None
     assert entry.admission.in_flight == 1 and peer.in_flight == 1 and peer.served == 1
     ticket.release()
@@ -57,11 +57,11 @@ async def test_refused_ticket_gives_back_nothing_it_did_not_take() -> None:
     """A request refused with 429 (queue full) takes no slot, so its release leaves the holder's alone."""
     entry = _entry(1, max_queued=0)
     holder = Ticket()
-    await holder.admit(entry, _outcome(), _connected, Drain(), 0.0)
+    await holder.admit(entry, {}, _outcome(), _connected, Drain(), 0.0)
     refused = Ticket()
-    assert refused.take(entry) is None  # no free slot: a wait is needed
+    assert refused.take(entry, {}) is None  # no free slot: a wait is needed
     with pytest.raises(HTTPError) as caught:
-        await refused.admit(entry, _outcome(), _connected, Drain(), 0.0)
+        await refused.admit(entry, {}, _outcome(), _connected, Drain(), 0.0)
     assert caught.value.status == 429
     refused.release()
     assert entry.admission.in_flight == 1 and entry.peers[0].in_flight == 1
@@ -73,9 +73,9 @@ async def test_ticket_cancelled_in_the_queue_leaves_the_counts_as_they_were() ->
     """A request cancelled while it waits for a slot holds nothing, and its release frees nothing."""
     entry = _entry(1)
     holder = Ticket()
-    await holder.admit(entry, _outcome(), _connected, Drain(), 0.0)
+    await holder.admit(entry, {}, _outcome(), _connected, Drain(), 0.0)
     waiting = Ticket()
-    task = asyncio.ensure_future(waiting.admit(entry, _outcome(), _connected, Drain(), 0.0))
+    task = asyncio.ensure_future(waiting.admit(entry, {}, _outcome(), _connected, Drain(), 0.0))
     await asyncio.sleep(0.01)
     assert entry.admission.queued == 1
     task.cancel()
@@ -91,12 +91,12 @@ async def test_queued_ticket_is_refused_once_the_drain_is_over() -> None:
     """Past a drain's end a request that finds no free slot is answered 503 draining, holding nothing."""
     entry = _entry(1)
     holder = Ticket()
-    await holder.admit(entry, _outcome(), _connected, Drain(), 0.0)
+    await holder.admit(entry, {}, _outcome(), _connected, Drain(), 0.0)
     drain = Drain()
     drain.end("the gateway is shutting down", [entry])
     late = Ticket()
     with pytest.raises(HTTPError) as caught:
-        await late.admit(entry, _outcome(), _connected, drain, 0.0)
+        await late.admit(entry, {}, _outcome(), _connected, drain, 0.0)
     assert caught.value.status == 503 and caught.value.code == "draining"
     late.release()
     holder.release()
@@ -107,11 +107,80 @@ async def test_tickets_spread_over_the_least_busy_peers() -> None:
     """With several replicas, each ticket takes the peer with the fewest requests in flight."""
     entry = _entry(None, replicas=2)
     first, second = Ticket(), Ticket()
-    a, b = first.take(entry), second.take(entry)
+    a, b = first.take(entry, {}), second.take(entry, {})
     assert a is not None and b is not None and a is not b
     first.release()
     third = Ticket()
-    assert third.take(entry) is a
+    assert third.take(entry, {}) is a
     second.release()
     third.release()
     assert [p.in_flight for p in entry.peers] == [0, 0]
+
+
+def _turn(system: str, turns: int) -> dict[str, object]:
+    messages = [{"role": "system", "content": system}]
+    messages += [{"role": "user", "content": f"question {turn}"} for turn in range(turns)]
+    return {"model": "m", "messages": messages}
+
+
+def test_a_model_with_one_replica_has_no_affinity_and_no_health() -> None:
+    """One replica: no affinity memory and no health state, so the hot path does no such work."""
+    entry = _entry(None)
+    assert entry.affinity is None
+    assert all(peer.health is None for peer in entry.peers)
+
+
+async def test_a_conversation_s_next_turn_goes_where_its_first_went() -> None:
+    """With affinity, the second turn takes the peer of the first even though the other is as idle."""
+    entry = _entry(None, replicas=2)
+    assert entry.affinity is not None
+    seen = []
+    for system in ("first " * 100, "second " * 100):
+        ticket = Ticket()
+        seen.append(ticket.take(entry, _turn(system, 1)))
+        ticket.release()
+    assert seen[0] is not seen[1]  # two new conversations: spread
+    for index, system in enumerate(("first " * 100, "second " * 100)):
+        ticket = Ticket()
+        assert ticket.take(entry, _turn(system, 2)) is seen[index]
+        ticket.release()
+    assert sum(entry.affinity.hits) == 2
+
+
+async def test_an_ejected_peer_gets_nothing_and_all_out_is_503() -> None:
+    """An ejected peer is skipped; with every peer out a request gets 503 no_healthy_replica."""
+    entry = _entry(None, replicas=2)
+    first, second = entry.peers
+    assert first.health is not None and second.health is not None
+    first.health.connect_failed("refused")
+    for _ in range(3):
+        ticket = Ticket()
+        assert ticket.take(entry, {}) is second
+        ticket.release()
+    second.health.connect_failed("refused too")
+    ticket = Ticket()
+    with pytest.raises(HTTPError) as caught:
+        ticket.take(entry, {})
+    ticket.release()
+    assert caught.value.status == 503 and caught.value.code == "no_healthy_replica"
+    assert (b"retry-after", b"2") in caught.value.headers
+    assert "refused too" in str(caught.value)
+
+
+async def test_moving_a_request_takes_an_untried_peer_and_moves_its_count() -> None:
+    """move() gives the request to a peer not tried yet, counting it there; none left: None."""
+    entry = _entry(None, replicas=3)
+    ticket = Ticket()
+    first = ticket.take(entry, {})
+    assert first is not None
+    tried = {first}
+    moved = ticket.move(entry, {}, tried)
+    assert moved is not None and moved is not first
+    assert first.in_flight == 0 and moved.in_flight == 1
+    tried.add(moved)
+    last = ticket.move(entry, {}, tried)
+    assert last is not None and last not in tried
+    tried.add(last)
+    assert ticket.move(entry, {}, tried) is None
+    ticket.release()
+    assert [p.in_flight for p in entry.peers] == [0, 0, 0]

@@ -1,0 +1,224 @@
+"""One model served by a set of servers: spread, affinity, ejection, rejoining, nothing sent twice.
+
+Two fake engines (real sockets) behind one gateway as ``--upstream m=A
+--upstream m=B``; what each fake was sent is read from its own records.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from tests.e2e.conftest import FakeEngine, StartFakeEngine, StartGateway
+from tests.e2e.test_engine_mlx import engine_installed as engine_installed
+from tests.e2e.test_engine_models import _READY_TIMEOUT_S, ConfigGateway, _model_table
+
+CHAT = "/v1/chat/completions"
+# Active checks this often, so that a stopped and restarted fake rejoins quickly.
+INTERVAL = "0.3"
+
+
+def _chat(system: str, turns: int) -> dict[str, Any]:
+    messages: list[dict[str, str]] = [{"role": "system", "content": system}]
+    for turn in range(turns):
+        if turn:
+            messages.append({"role": "assistant", "content": f"answer {turn}"})
+        messages.append({"role": "user", "content": f"question {turn} of {system[:20]}"})
+    return {"model": "m", "messages": messages, "max_tokens": 4}
+
+
+def _sent(fake: FakeEngine) -> list[dict[str, Any]]:
+    """The completions the fake was sent (its checks left out)."""
+    return [r for r in fake.records() if r["path"].endswith("/completions")]
+
+
+def _systems(fake: FakeEngine) -> list[str]:
+    return [orjson.loads(r["body"])["messages"][0]["content"] for r in _sent(fake)]
+
+
+def _metric(text: str, name: str, replica_port: int) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") and f":{replica_port}/v1" in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {name} for port {replica_port} in:\n{text}")
+
+
+def _set(start_gateway: StartGateway, a: FakeEngine, b: FakeEngine, *args: str) -> httpx.Client:
+    gw = start_gateway({"m": a.url}, "--upstream", f"m={b.url}", "--health-interval", INTERVAL, *args)
+    return httpx.Client(base_url=gw.url, trust_env=False, timeout=10)
+
+
+def test_set_is_listed_once_and_spreads_conversations(
+    start_fake_engine: StartFakeEngine, start_gateway: StartGateway
+) -> None:
+    """/v1/models lists a replica set once; new conversations go to both servers, each sent once."""
+    a, b = start_fake_engine(), start_fake_engine()
+    with _set(start_gateway, a, b) as client:
+        ids = [m["id"] for m in client.get("/v1/models").json()["data"]]
+        assert ids == ["m"]
+        for index in range(10):
+            response = client.post(CHAT, json=_chat(f"system prompt number {index} " * 20, 1))
+            assert response.status_code == 200, response.text
+    on_a, on_b = len(_sent(a)), len(_sent(b))
+    assert on_a + on_b == 10  # nothing sent twice
+    assert on_a >= 3 and on_b >= 3, (on_a, on_b)
+
+
+def test_a_list_of_urls_in_the_config_file_is_one_set(
+    start_fake_engine: StartFakeEngine, start_gateway: StartGateway, tmp_path: Path
+) -> None:
+    """upstream = [A, B] in a model's table: one model, both servers sent requests."""
+    a, b = start_fake_engine(), start_fake_engine()
+    config = tmp_path / "blazar.toml"
+    config.write_text(f'[models.m]\nupstream = ["{a.url}/v1", "{b.url}"]\n')
+    gw = start_gateway({}, "--config", str(config), "--affinity-slack", "off")
+    with httpx.Client(base_url=gw.url, trust_env=False, timeout=10) as client:
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["m"]
+        for index in range(4):
+            assert client.post(CHAT, json=_chat(f"file {index}", 1)).status_code == 200
+    assert (len(_sent(a)), len(_sent(b))) == (2, 2)
+
+
+def test_turns_of_a_conversation_stay_on_one_replica(
+    start_fake_engine: StartFakeEngine, start_gateway: StartGateway
+) -> None:
+    """With affinity, every turn of a conversation goes to the server that served its first turn."""
+    a, b = start_fake_engine(), start_fake_engine()
+    systems = [f"you are assistant {index}; " * 40 for index in range(4)]
+    with _set(start_gateway, a, b) as client:
+        for turns in (1, 2, 3):
+            for system in systems:
+                response = client.post(CHAT, json=_chat(system, turns))
+                assert response.status_code == 200, response.text
+        metrics = client.get("/metrics").text
+    on_a, on_b = _systems(a), _systems(b)
+    assert len(on_a) + len(on_b) == 12
+    for system in systems:
+        # All three turns on one side, none on the other.
+        assert sorted((on_a.count(system), on_b.count(system))) == [0, 3], system[:30]
+    hits = _metric(metrics, "blazar_replica_affinity_hits_total", a.port)
+    hits += _metric(metrics, "blazar_replica_affinity_hits_total", b.port)
+    assert hits == 8  # turns 2 and 3 of each conversation
+
+
+def test_affinity_off_is_least_busy(start_fake_engine: StartFakeEngine, start_gateway: StartGateway) -> None:
+    """--affinity-slack off: one conversation's turns alternate, as plain least-busy sends them."""
+    a, b = start_fake_engine(), start_fake_engine()
+    with _set(start_gateway, a, b, "--affinity-slack", "off") as client:
+        for turns in (1, 2, 3, 4):
+            assert client.post(CHAT, json=_chat("one conversation " * 40, turns)).status_code == 200
+    assert (len(_sent(a)), len(_sent(b))) == (2, 2)
+
+
+@pytest.mark.fault("fleet", "a server of a set that dies and comes back")
+def test_dead_replica_costs_no_request_and_rejoins(
+    start_fake_engine: StartFakeEngine, start_gateway: StartGateway
+) -> None:
+    """A stopped server is ejected and costs no request; started again on its port, it gets traffic."""
+    a, b = start_fake_engine(), start_fake_engine()
+    port = b.port
+    with _set(start_gateway, a, b, "--affinity-slack", "off") as client:
+        assert client.post(CHAT, json=_chat("warm up", 1)).status_code == 200
+        before_a, before_b = len(_sent(a)), len(_sent(b))
+        assert before_a + before_b == 1
+        b.stop()
+        for index in range(10):
+            response = client.post(CHAT, json=_chat(f"while b is down {index}", 1))
+            assert response.status_code == 200, response.text
+        metrics = client.get("/metrics").text
+        assert _metric(metrics, "blazar_replica_ejections_total", port) >= 1
+        assert _metric(metrics, "blazar_replica_ejections_total", a.port) == 0
+        assert client.get("/readyz").status_code == 200  # one server of the set serves
+        # Everything since b stopped went to a, once each: nothing was sent twice.
+        assert len(_sent(a)) == before_a + 10
+        assert len([s for s in _systems(a) if s.startswith("while b is down")]) == 10
+
+        again = start_fake_engine("--port", str(port))
+        deadline = time.monotonic() + 10 * float(INTERVAL) + 5
+        while not _sent(again):
+            assert time.monotonic() < deadline, "the restarted server got no request"
+            assert client.post(CHAT, json=_chat("after b is back", 1)).status_code == 200
+            time.sleep(0.1)
+
+
+@pytest.mark.fault("fleet", "a server of a set that answers 5xx")
+def test_a_replica_answering_5xx_is_ejected_after_three_in_a_row(
+    start_fake_engine: StartFakeEngine, start_gateway: StartGateway
+) -> None:
+    """Each 500 reaches its client as it is; three in a row eject the server, which passing checks
+    of its /health do not bring back at once."""
+    a, b = start_fake_engine(), start_fake_engine("--status", "500")
+    with _set(start_gateway, a, b, "--affinity-slack", "off") as client:
+        statuses = [client.post(CHAT, json=_chat(f"q {index}", 1)).status_code for index in range(12)]
+        time.sleep(3 * float(INTERVAL))  # several passed checks of b's /health
+        statuses += [client.post(CHAT, json=_chat(f"r {index}", 1)).status_code for index in range(4)]
+        metrics = client.get("/metrics").text
+    assert statuses.count(500) == 3 and statuses.count(200) == 13, statuses
+    assert len(_sent(b)) == 3 and len(_sent(a)) == 13
+    assert _metric(metrics, "blazar_replica_ejections_total", b.port) == 1
+
+
+@pytest.mark.fault("fleet", "a set with every server out")
+def test_every_replica_out_is_503_with_retry_after(
+    start_fake_engine: StartFakeEngine, start_gateway: StartGateway
+) -> None:
+    """With both servers stopped the model answers 503 with Retry-After in OpenAI's envelope, at once."""
+    a, b = start_fake_engine(), start_fake_engine()
+    with _set(start_gateway, a, b) as client:
+        a.stop()
+        b.stop()
+        for _ in range(3):
+            response = client.post(CHAT, json=_chat("nobody home", 1))
+            assert response.status_code == 503, response.text
+            assert response.headers["retry-after"]
+            error = response.json()["error"]
+            assert error["message"] and error["code"] in ("no_healthy_replica", "upstream_unavailable")
+        ready = client.get("/readyz")
+        assert ready.status_code == 503 and ready.json()["models"] == {"m": "unreachable"}
+
+
+@pytest.fixture
+def mlx_pair(engine_installed: None, tmp_path: Path) -> Iterator[ConfigGateway]:
+    """The real mlx engine, two replicas of builtin:tiny, both ready; affinity at its default."""
+    gateway = ConfigGateway(_model_table("pair", "builtin:tiny", replicas=2, always_loaded=True), tmp_path)
+    try:
+        deadline = time.monotonic() + _READY_TIMEOUT_S
+        while not all(gateway.metric("blazar_engine_child_ready", model="pair", replica=str(i)) for i in (0, 1)):
+            assert time.monotonic() < deadline, gateway.log()
+            time.sleep(0.1)
+        yield gateway
+    finally:
+        gateway.stop()
+
+
+def test_mlx_second_turn_is_served_from_its_prompt_cache(mlx_pair: ConfigGateway) -> None:
+    """Two mlx replicas: turn 2 of a conversation with a ~1,000-token system prompt goes where turn 1
+    went, and the engine reports nearly all of turn 1's prompt as cached_tokens."""
+    # builtin:tiny's tokenizer is byte-level: a character is a token.
+    system = "".join(f"rule {index}: answer briefly. " for index in range(45))[:1000]
+    messages: list[dict[str, str]] = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "first question"},
+    ]
+    body = {"model": "pair", "max_tokens": 2, "temperature": 0}
+    first = mlx_pair.http.post(CHAT, json={**body, "messages": messages})
+    assert first.status_code == 200, first.text
+    first_prompt = first.json()["usage"]["prompt_tokens"]
+    assert first_prompt >= 1000
+    # Plain least-busy would send turn 2 to the other replica (fewer served): an empty cache there.
+    messages += [
+        {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "second question"},
+    ]
+    second = mlx_pair.http.post(CHAT, json={**body, "messages": messages})
+    assert second.status_code == 200, second.text
+    usage = second.json()["usage"]
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= 0.9 * first_prompt, usage
+    assert cached < usage["prompt_tokens"]
