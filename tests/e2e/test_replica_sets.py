@@ -189,7 +189,9 @@ def mlx_pair(engine_installed: None, tmp_path: Path) -> Iterator[ConfigGateway]:
     gateway = ConfigGateway(_model_table("pair", "builtin:tiny", replicas=2, always_loaded=True), tmp_path)
     try:
         deadline = time.monotonic() + _READY_TIMEOUT_S
-        while not all(gateway.metric("blazar_engine_child_ready", model="pair", replica=str(i)) for i in (0, 1)):
+        while not all(
+            gateway.metric("blazar_engine_child_ready", model="pair", replica=str(i)) for i in (0, 1)
+        ):
             assert time.monotonic() < deadline, gateway.log()
             time.sleep(0.1)
         yield gateway
