@@ -46,10 +46,14 @@ class UpstreamAddress:
 
 
 class ReplicaGate(Protocol):
-    """Whether one upstream can take requests now (an engine child that is ready)."""
+    """Whether one upstream can take requests now (an engine child that is ready), and how
+    many times it has started (another start means an empty prompt cache)."""
 
     @property
     def ready(self) -> bool: ...
+
+    @property
+    def starts(self) -> int: ...
 
 
 class Gate(Protocol):

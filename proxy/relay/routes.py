@@ -109,7 +109,7 @@ def by_affinity(peers: tuple[Peer, ...], affinity: Affinity, doc: Any) -> Peer |
     for index, peer in enumerate(peers):
         gate = peer.gate
         if gate is not None:
-            starts = getattr(gate, "starts", 0)
+            starts = gate.starts
             if starts != peer.starts:
                 peer.starts = starts
                 affinity.forget(index)
