@@ -187,6 +187,27 @@ def test_time_to_first_token_is_real_for_non_stream_requests(gateway: EngineGate
     assert ttfb_ms < total_ms / 2, line
 
 
+@pytest.mark.fault("clients", "a client that leaves mid-request")
+def test_a_remote_mlx_named_beside_its_upstream_is_freed_when_the_client_leaves(
+    gateway: EngineGateway, start_gateway: StartGateway, tmp_path: Path
+) -> None:
+    """A front gateway serving the real mlx child as an upstream, engine = "mlx-0.32.0": the engine stops
+    generating within about a second of the client leaving a non-stream request, as for a child."""
+    config = tmp_path / "blazar.toml"
+    config.write_text(
+        f'[models."{DEMO}"]\nupstream = "http://127.0.0.1:{gateway.child_port}"\nengine = "mlx-0.32.0"\n'
+    )
+    front = start_gateway({}, "--config", str(config))
+    wait_idle(gateway.child_pid)
+    leave_after(front.port, chat("Tell me a very long story.", _LONG), 1.5)
+    left = cpu_s(gateway.child_pid)
+    time.sleep(3.0)
+    used = cpu_s(gateway.child_pid) - left
+    assert used < 1.0, f"the engine used {used:.2f} s of CPU in the 3 s after its client left"
+    reply = post(front.url, "/v1/chat/completions", chat("Say hello.", 4))
+    assert reply.status_code == 200 and reply.json()["object"] == "chat.completion", reply.text
+
+
 @pytest.mark.fault("engines", "a child that crashes, hangs or turns unhealthy")
 def test_a_child_that_dies_under_a_built_reply_is_a_502_not_a_short_reply(gateway: EngineGateway) -> None:
     """SIGKILL of the child mid-generation: the client gets 502 in OpenAI's envelope, not part of a reply."""
@@ -284,24 +305,3 @@ def test_an_upstream_engine_that_is_not_known_stops_the_start(tmp_path: Path, fa
     assert result.returncode != 0
     assert f"{config}: [models.remote] engine" in result.stderr and "mlx-9" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
-
-
-@pytest.mark.fault("clients", "a client that leaves mid-request")
-def test_a_remote_mlx_named_beside_its_upstream_is_freed_when_the_client_leaves(
-    gateway: EngineGateway, start_gateway: StartGateway, tmp_path: Path
-) -> None:
-    """A front gateway serving the real mlx child as an upstream, engine = "mlx-0.32.0": the engine stops
-    generating within about a second of the client leaving a non-stream request, as for a child."""
-    config = tmp_path / "blazar.toml"
-    config.write_text(
-        f'[models."{DEMO}"]\nupstream = "http://127.0.0.1:{gateway.child_port}"\nengine = "mlx-0.32.0"\n'
-    )
-    front = start_gateway({}, "--config", str(config))
-    wait_idle(gateway.child_pid)
-    leave_after(front.port, chat("Tell me a very long story.", _LONG), 1.5)
-    left = cpu_s(gateway.child_pid)
-    time.sleep(3.0)
-    used = cpu_s(gateway.child_pid) - left
-    assert used < 1.0, f"the engine used {used:.2f} s of CPU in the 3 s after its client left"
-    reply = post(front.url, "/v1/chat/completions", chat("Say hello.", 4))
-    assert reply.status_code == 200 and reply.json()["object"] == "chat.completion", reply.text
