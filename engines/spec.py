@@ -52,30 +52,47 @@ class Readiness:
     probe_timeout_s: float = 300.0
 
 
+# The guards read from the spec's [nonstream] table; the rest are [guards].
+_NONSTREAM = {"table": "nonstream"}
+
+
 @dataclass(frozen=True, slots=True)
 class Guards:
-    """Request checks the gateway makes because the engine breaks on them."""
+    """What the gateway does to a request because the engine behind it breaks without it.
 
+    Every guard, its default and its meaning are written here once. A spec
+    fills it from its ``[guards]`` table (request checks) and its
+    ``[nonstream]`` table (how non-stream requests reach the engine); a route
+    with no engine named gets these defaults. The request path reads it
+    through ``proxy.payload.RequestGuards``, a protocol of the same names.
+    """
+
+    # max_tokens and max_completion_tokens must be integers of at least this;
+    # 1 holds for every route (OpenAI rejects 0 too; mlx's generation thread
+    # dies for good on 0).
     min_max_tokens: int = 1
+    # A chat without messages, or a completion without prompt, is a 400
+    # (mlx_lm.server answers them with an empty reply).
     require_input: bool = False
-    # Sampling fields of the wrong type or range: mlx_lm.server closes the
-    # socket without a reply, llama_cpp.server answers 500.
+    # Check the sampling fields' types and ranges (mlx_lm.server closes the
+    # socket without a reply, llama_cpp.server answers 500; a client error
+    # deserves a 400), and drop the ones sent as null (OpenAI's "default";
+    # engines refuse null).
     check_types: bool = False
-    # Limits of the engine's own (None / 20: OpenAI's).
+    # Limits of the engine's own (None / 20: OpenAI's; mlx: seeds from 0,
+    # top_logprobs up to 11).
     seed_min: int | None = None
     top_logprobs_max: int = 20
-    # "count" (OpenAI's legacy completions API) or "flag" (a boolean, as in chat).
+    # The legacy completions API's logprobs: "count" (OpenAI's) or "flag" (a
+    # boolean, as in chat; mlx takes a flag there too).
     completion_logprobs: str = "count"
-
-
-@dataclass(frozen=True, slots=True)
-class NonStream:
-    """How non-stream requests reach an engine that cannot notice their client leaving."""
-
-    # Ask the engine for a stream and build the non-stream reply from its events.
-    via_stream: bool = False
-    # Request fields whose answer only a non-stream reply carries: sent as they are.
-    stream_cannot_carry: tuple[str, ...] = ()
+    # An engine that never notices a non-stream client has gone (it writes
+    # the reply only at the end): ask it for a stream and build the
+    # non-stream reply from its events (proxy/assembly.py) ...
+    via_stream: bool = field(default=False, metadata=_NONSTREAM)
+    # ... unless the request sets one of these fields, whose answer only a
+    # non-stream reply carries: then it is sent as it is.
+    stream_cannot_carry: tuple[str, ...] = field(default=(), metadata=_NONSTREAM)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +116,6 @@ class EngineSpec:
     env_drop: tuple[str, ...] = ()
     # What is compiled at install (e.g. llama-cpp-python); empty: wheels only.
     builds_from_source: str = ""
-    nonstream: NonStream = NonStream()
 
     def config_settings_for(self, variant: str) -> tuple[str, ...]:
         """The build's config settings for ``variant`` (none for most engines)."""
@@ -157,7 +173,6 @@ def parse(data: dict[str, Any], *, source: str) -> EngineSpec:
     argv = _argv(read, server)
     readiness = read.need(data, "readiness", dict, "")
     mode = _model_field(read, read.need(data, "model_field", dict, ""))
-    guards = read.table(data, "guards")
     used = {name for part in argv for _, name, _, _ in string.Formatter().parse(part) if name}
     unknown = used - _PLACEHOLDERS
     if unknown:
@@ -177,7 +192,6 @@ def parse(data: dict[str, Any], *, source: str) -> EngineSpec:
     env_drop = server.get("env_drop", [])
     if not isinstance(env_drop, list) or not all(isinstance(n, str) and n for n in env_drop):
         raise SpecError(f"{source}: server.env_drop must be a list of variable names")
-    nonstream = _nonstream(read, read.table(data, "nonstream"))
     spec = EngineSpec(
         name=read.need(data, "name", str, ""),
         kind=read.need(data, "kind", str, ""),
@@ -190,11 +204,10 @@ def parse(data: dict[str, Any], *, source: str) -> EngineSpec:
         batch_size=int(read.number(server, "batch_size", 1, "server.")),
         readiness=_readiness(read, readiness, health_path),
         model_field=mode,
-        guards=_guards(read, guards),
+        guards=_guards(read, data),
         config_settings=config_settings,
         env_drop=tuple(env_drop),
         builds_from_source=builds_from_source,
-        nonstream=nonstream,
     )
     if source.endswith(".toml") and spec.name != source.removesuffix(".toml"):
         raise SpecError(f"{source}: name {spec.name!r} does not match the file name")
@@ -295,26 +308,23 @@ def _readiness(read: _Reader, table: dict[str, Any], health_path: str) -> Readin
 _GUARD_CHOICES = {"completion_logprobs": ("count", "flag")}
 
 
-def _guards(read: _Reader, table: dict[str, Any]) -> Guards:
-    """``[guards]``: each field read by its default's type; an absent key keeps the default."""
+def _guards(read: _Reader, data: dict[str, Any]) -> Guards:
+    """``[guards]`` and ``[nonstream]``: each field read by its default's type; absent keys keep defaults."""
+    tables = {name: read.table(data, name) for name in ("guards", "nonstream")}
     values: dict[str, Any] = {}
     for item in fields(Guards):
-        key, default = item.name, item.default
+        name = item.metadata.get("table", "guards")
+        table, key, default, where = tables[name], item.name, item.default, f"{name}."
         if key in _GUARD_CHOICES:
             values[key] = _choice(table, key, _GUARD_CHOICES[key], read.source)
         elif isinstance(default, bool):
-            values[key] = read.flag(table, key, default, "guards.")
+            values[key] = read.flag(table, key, default, where)
+        elif isinstance(default, tuple):
+            names = table.get(key, [])
+            if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+                raise SpecError(f"{read.source}: {where}{key} must be a list of field names")
+            values[key] = tuple(names)
         elif key in table:
             # Counts and limits (seed_min's default None: no limit).
-            values[key] = int(read.number(table, key, 0, "guards."))
+            values[key] = int(read.number(table, key, 0, where))
     return Guards(**values)
-
-
-def _nonstream(read: _Reader, table: dict[str, Any]) -> NonStream:
-    cannot_carry = table.get("stream_cannot_carry", [])
-    if not isinstance(cannot_carry, list) or not all(isinstance(n, str) and n for n in cannot_carry):
-        raise SpecError(f"{read.source}: nonstream.stream_cannot_carry must be a list of field names")
-    return NonStream(
-        via_stream=read.flag(table, "via_stream", False, "nonstream."),
-        stream_cannot_carry=tuple(cannot_carry),
-    )

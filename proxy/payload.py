@@ -9,8 +9,7 @@ are checked here (mlx_lm.server's generation thread dies for good on
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -19,34 +18,34 @@ from proxy.errors import HTTPError
 _TOKEN_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens")
 
 
-@dataclass(frozen=True, slots=True)
-class RequestGuards:
-    """Checks made for a route because the engine behind it breaks without them.
+class RequestGuards(Protocol):
+    """What the request path reads of a route's guards: checks and handling its engine needs.
 
-    ``min_max_tokens`` 1 holds for every route (OpenAI rejects 0 too);
-    ``require_input`` is for engines that answer a request without
-    ``messages`` or ``prompt`` with an empty reply (mlx_lm.server).
+    Only the names and types: each guard's default and meaning are written
+    once, in ``engines.spec.Guards``, the object the composition root hands
+    to every route (the request path may not import ``engines``; mypy checks
+    that the one fits the other).
     """
 
-    min_max_tokens: int = 1
-    require_input: bool = False
-    # Check the sampling fields' types and ranges (engines answer them with
-    # an empty reply or a 500 otherwise; a client error deserves a 400), and
-    # drop the ones sent as null (OpenAI's "default"; engines refuse null).
-    check_types: bool = False
-    # Engine limits OpenAI does not have (mlx: seeds from 0, top_logprobs up to 11).
-    seed_min: int | None = None
-    top_logprobs_max: int = 20
-    # The legacy completions API's logprobs is a count; mlx takes a flag there too.
-    completion_logprobs: str = "count"
-    # The engine never notices that a non-stream client has gone (it writes the
-    # reply only at the end): ask it for a stream and build the reply from it
-    # (proxy/assembly.py), unless the request sets a field a stream cannot carry.
-    via_stream: bool = False
-    stream_cannot_carry: tuple[str, ...] = ()
+    # Hashable, as a frozen dataclass is: the sampling checks are built once per guards and endpoint.
+    def __hash__(self) -> int: ...
 
-
-DEFAULT_GUARDS = RequestGuards()
+    @property
+    def min_max_tokens(self) -> int: ...
+    @property
+    def require_input(self) -> bool: ...
+    @property
+    def check_types(self) -> bool: ...
+    @property
+    def seed_min(self) -> int | None: ...
+    @property
+    def top_logprobs_max(self) -> int: ...
+    @property
+    def completion_logprobs(self) -> str: ...
+    @property
+    def via_stream(self) -> bool: ...
+    @property
+    def stream_cannot_carry(self) -> tuple[str, ...]: ...
 
 
 def parse_request(body: bytes) -> tuple[str, dict[str, Any]]:
@@ -189,7 +188,7 @@ def _checks(guards: RequestGuards, endpoint: bytes) -> dict[str, tuple[str, Any]
     return checks
 
 
-def check_types(doc: dict[str, Any], endpoint: bytes, guards: RequestGuards = RequestGuards()) -> bool:
+def check_types(doc: dict[str, Any], endpoint: bytes, guards: RequestGuards) -> bool:
     """A 400 naming the first sampling field of the wrong type or range; True if null fields were dropped."""
     dropped = False
     for field, (expected, ok) in _checks(guards, endpoint).items():
@@ -220,7 +219,7 @@ def check_types(doc: dict[str, Any], endpoint: bytes, guards: RequestGuards = Re
     return dropped
 
 
-def extract_model(body: bytes, endpoint: bytes = b"", guards: RequestGuards = DEFAULT_GUARDS) -> str:
+def extract_model(body: bytes, endpoint: bytes, guards: RequestGuards) -> str:
     """Return the ``model`` field of a JSON request body, or raise a 400."""
     model, doc = parse_request(body)
     check_request(doc, endpoint, guards)

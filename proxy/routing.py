@@ -12,7 +12,7 @@ from types import MappingProxyType
 from typing import Protocol
 from urllib.parse import urlsplit
 
-from proxy.payload import DEFAULT_GUARDS, RequestGuards
+from proxy.payload import RequestGuards
 
 
 class UpstreamSpecError(ValueError):
@@ -115,8 +115,9 @@ class Route:
 
     model: str
     upstream: UpstreamAddress
+    # What its engine needs checked (the defaults for a route with no engine named).
+    guards: RequestGuards
     gate: Gate | None = None
-    guards: RequestGuards = DEFAULT_GUARDS
     # Requests in flight at once; more wait in a queue. None: no limit.
     max_in_flight: int | None = None
     aliases: tuple[str, ...] = ()
@@ -184,13 +185,13 @@ def parse_upstream_url(url: str) -> UpstreamAddress:
     return UpstreamAddress(host=host, port=80 if port is None else port, prefix=prefix.rstrip("/"))
 
 
-def parse_upstream_spec(spec: str) -> Route:
-    """Parse one ``NAME=URL`` command-line argument."""
+def parse_upstream_spec(spec: str) -> tuple[str, UpstreamAddress]:
+    """Parse one ``NAME=URL`` command-line argument: the model's name and its upstream."""
     name, sep, url = spec.partition("=")
     name = name.strip()
     if not sep or not name or not url.strip():
         raise UpstreamSpecError(f"upstream {spec!r}: expected NAME=URL, e.g. qwen=http://127.0.0.1:8080")
-    return Route(model=name, upstream=parse_upstream_url(url))
+    return name, parse_upstream_url(url)
 
 
 def _is_ipv6(host: str) -> bool:

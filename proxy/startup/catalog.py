@@ -23,7 +23,6 @@ import logging
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from engines import builtin
 from engines import install as installing
@@ -36,12 +35,14 @@ from engines.plan import PlanError, PlannedChild, check_engine_args, free_port, 
 from engines.registry import Registry
 from engines.served import Lifetime, ServedModel
 from engines.spec import EngineSpec
-from proxy.payload import RequestGuards
 from proxy.relay import Relay
 from proxy.routing import Replica, Route, RoutingTable, UpstreamAddress, UpstreamSpecError, parse_upstream_url
 from proxy.startup.configfile import ConfigError, FileConfig, ModelConfig, check_names
 
 log = logging.getLogger("blazar.catalog")
+
+# The guards of a route with no engine named: the spec's defaults (OpenAI's own limits).
+NO_ENGINE = specs.Guards()
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +86,10 @@ class Catalog:
         if config.upstream is not None:
             assert config.name is not None
             route = Route(
-                model=config.name, upstream=parse_upstream_url(config.upstream), aliases=config.aliases
+                model=config.name,
+                upstream=parse_upstream_url(config.upstream),
+                guards=NO_ENGINE,
+                aliases=config.aliases,
             )
             if config.upstreams:
                 # A replica set: one model, several servers; engine (below) applies to each.
@@ -94,7 +98,7 @@ class Catalog:
             if config.engine is not None:
                 # An engine on another host: nothing to install or start, but
                 # the same checks and non-stream handling as for a child.
-                route = dataclasses.replace(route, guards=_guards(specs.load(config.engine)))
+                route = dataclasses.replace(route, guards=specs.load(config.engine).guards)
             return dataclasses.replace(route, max_in_flight=config.max_in_flight or self.max_in_flight)
         return self._plan_engine(config)
 
@@ -180,7 +184,7 @@ class Catalog:
             model=prepared.name,
             upstream=UpstreamAddress(first.config.host, first.config.port),
             gate=served,
-            guards=_guards(spec),
+            guards=spec.guards,
             # The engines generate this many at once; more would only queue inside them.
             max_in_flight=config.max_in_flight or self.max_in_flight or batch,
             aliases=config.aliases,
@@ -293,21 +297,6 @@ class Catalog:
                 removed=[r.model for r in old if r.gate is not None],
             )
         self.announce(f"reload: {changes.report()}")
-
-
-def _guards(spec: EngineSpec) -> RequestGuards:
-    """An engine spec's request checks and non-stream handling, for the relay.
-
-    The relay owns ``RequestGuards`` (the request path may not import
-    engines); the spec's two tables fill it by field name, so a field added
-    to one side without the other fails here, and tests/test_seams.py says so.
-    """
-    return RequestGuards(**_fields_of(spec.guards), **_fields_of(spec.nonstream))
-
-
-def _fields_of(table: specs.Guards | specs.NonStream) -> dict[str, Any]:
-    # Any: the values go to RequestGuards by name; its constructor checks nothing else.
-    return {f.name: getattr(table, f.name) for f in dataclasses.fields(table)}
 
 
 def _check_upstream_engine(config: ModelConfig) -> None:

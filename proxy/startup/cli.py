@@ -153,14 +153,14 @@ def _model_configs(settings: Settings) -> list[ModelConfig]:
     sets: dict[str, list[str]] = {}
     for spec in settings.upstreams:
         try:
-            route = parse_upstream_spec(spec)
+            name, _ = parse_upstream_spec(spec)
         except UpstreamSpecError as exc:
             raise click.BadParameter(str(exc), param_hint="--upstream") from None
-        urls = sets.setdefault(route.model, [])
+        urls = sets.setdefault(name, [])
         url = spec.partition("=")[2].strip()
         if url in urls:
             raise click.BadParameter(
-                f"{spec}: this server is already given for {route.model}", param_hint="--upstream"
+                f"{spec}: this server is already given for {name}", param_hint="--upstream"
             )
         urls.append(url)
     for name, urls in sets.items():

@@ -20,6 +20,7 @@ import pytest
 from engines.child import Child, ChildState
 from engines.registry import Registry
 from engines.served import Lifetime, LoadFailed, ModelState, ServedModel
+from engines.spec import Guards
 from proxy.relay import Relay, RelaySettings
 from proxy.routing import Replica, Route, RoutingTable, UpstreamAddress
 from tests.engines.test_child import alive, config, free_port, wait_until
@@ -237,6 +238,7 @@ def _route(model: ServedModel) -> Route:
     return Route(
         model=model.name,
         upstream=UpstreamAddress(first.host, first.port),
+        guards=Guards(),
         gate=model,
         replicas=tuple(Replica(UpstreamAddress(c.config.host, c.config.port), c) for c in model.children),
     )

@@ -102,7 +102,7 @@ def test_half_the_cores_placeholder_is_at_least_one_thread(monkeypatch: pytest.M
 
 
 def test_guards_are_read_from_the_toml() -> None:
-    """The guards table (min_max_tokens 1, require_input true) reaches the spec."""
+    """The guards table (min_max_tokens 1, require_input true) and the nonstream table fill one Guards."""
     assert load(SHIPPED).guards == Guards(
         min_max_tokens=1,
         require_input=True,
@@ -110,6 +110,8 @@ def test_guards_are_read_from_the_toml() -> None:
         seed_min=0,
         top_logprobs_max=11,
         completion_logprobs="flag",
+        via_stream=True,
+        stream_cannot_carry=("logprobs", "top_logprobs"),
     )
 
 
@@ -124,10 +126,32 @@ def test_readiness_and_server_values_are_read_from_the_toml() -> None:
 
 
 def test_parse_defaults_guards_when_absent() -> None:
-    """A spec without a guards table gets the permissive defaults."""
+    """A spec without a guards or a nonstream table gets the permissive defaults."""
     data = shipped_table()
-    del data["guards"]
+    del data["guards"], data["nonstream"]
     assert parse(data, source=f"{SHIPPED}.toml").guards == Guards()
+
+
+def test_each_guard_is_read_from_its_own_table() -> None:
+    """[nonstream] fills via_stream and stream_cannot_carry, [guards] the checks; neither reads the other."""
+    data = shipped_table()
+    guards, nonstream = data.pop("guards"), data.pop("nonstream")
+    data["guards"], data["nonstream"] = nonstream, guards
+    assert parse(data, source=f"{SHIPPED}.toml").guards == Guards()
+    del data["guards"]
+    data["nonstream"] = nonstream
+    assert parse(data, source=f"{SHIPPED}.toml").guards == Guards(
+        via_stream=True, stream_cannot_carry=("logprobs", "top_logprobs")
+    )
+
+
+@pytest.mark.parametrize("value", ["logprobs", [""], [1]])
+def test_parse_rejects_a_stream_cannot_carry_that_is_not_a_list_of_names(value: object) -> None:
+    """nonstream.stream_cannot_carry must be a list of field names, and the error says so."""
+    data = shipped_table()
+    data["nonstream"]["stream_cannot_carry"] = value
+    with pytest.raises(SpecError, match=r"nonstream\.stream_cannot_carry must be a list of field names"):
+        parse(data, source=f"{SHIPPED}.toml")
 
 
 def test_adding_a_spec_is_adding_a_file() -> None:

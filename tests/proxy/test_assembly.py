@@ -7,8 +7,9 @@ from typing import Any
 import orjson
 import pytest
 
+from engines.spec import Guards
 from proxy.assembly import AssemblyError, ReplyAssembler
-from proxy.payload import RequestGuards, ask_for_stream
+from proxy.payload import ask_for_stream
 
 TOP = {"id": "chatcmpl-1", "system_fingerprint": "fp", "model": "m", "created": 7}
 
@@ -199,7 +200,7 @@ def test_done_is_seen_when_split_across_reads() -> None:
 
 def test_ask_for_stream_turns_a_generation_into_a_stream_with_usage() -> None:
     """Chat and completions become streams with include_usage; embeddings and logprobs requests do not."""
-    guards = RequestGuards(via_stream=True, stream_cannot_carry=("logprobs", "top_logprobs"))
+    guards = Guards(via_stream=True, stream_cannot_carry=("logprobs", "top_logprobs"))
     doc: dict[str, Any] = {"model": "m", "messages": [], "stream": False, "stream_options": {"x": 1}}
     assert ask_for_stream(doc, b"/chat/completions", guards)
     assert doc["stream"] is True and doc["stream_options"] == {"include_usage": True}

@@ -163,7 +163,11 @@ def test_a_static_upstream_becomes_a_plain_route_with_the_default_limit() -> Non
     catalog = Catalog(home=None, registry=None, max_in_flight=7)
     route = catalog.prepare(upstream("b", "http://10.0.0.7:8000/v1", aliases=("gpt",)))
     assert route == Route(
-        model="b", upstream=UpstreamAddress("10.0.0.7", 8000), max_in_flight=7, aliases=("gpt",)
+        model="b",
+        upstream=UpstreamAddress("10.0.0.7", 8000),
+        guards=specs.Guards(),
+        max_in_flight=7,
+        aliases=("gpt",),
     )
     own = catalog.prepare(upstream("b", max_in_flight=2))
     assert isinstance(own, Route) and own.max_in_flight == 2
@@ -174,8 +178,7 @@ def test_an_upstream_that_names_its_engine_gets_that_engine_s_guards() -> None:
     spec = specs.load(MLX)
     route = Catalog(home=None, registry=None).prepare(upstream("r", engine=MLX))
     assert isinstance(route, Route) and route.gate is None
-    assert route.guards.min_max_tokens == spec.guards.min_max_tokens
-    assert route.guards.via_stream == spec.nonstream.via_stream
+    assert route.guards == spec.guards and route.guards.via_stream
 
 
 def test_build_refuses_a_name_two_models_would_serve() -> None:
@@ -217,8 +220,7 @@ def test_an_engine_model_becomes_a_gated_route_over_its_replicas(tmp_path: Path)
     assert [r.upstream.port for r in route.replicas] == [c.config.port for c in served.children]
     # The engines generate batch_size each at once: more would only queue inside them.
     assert route.max_in_flight == spec.batch_size * 2
-    assert route.guards.min_max_tokens == spec.guards.min_max_tokens
-    assert route.guards.via_stream == spec.nonstream.via_stream
+    assert route.guards == spec.guards and route.guards.via_stream
 
 
 def test_two_models_never_share_a_child_name_and_its_log(tmp_path: Path) -> None:
@@ -329,4 +331,4 @@ def test_a_list_of_upstream_urls_is_one_route_with_a_replica_each() -> None:
     ]
     assert all(r.gate is None for r in route.all_replicas)
     # engine beside the set applies to every server of it: one route, one set of guards.
-    assert route.guards.via_stream == specs.load(MLX).nonstream.via_stream
+    assert route.guards == specs.load(MLX).guards

@@ -7,8 +7,17 @@ from typing import Any
 import orjson
 import pytest
 
+from engines.spec import Guards
 from proxy.errors import HTTPError
 from proxy.payload import RequestGuards, check_request, extract_model
+
+# A route with no engine named: the spec's defaults.
+NO_ENGINE = Guards()
+
+
+def model_of(body: bytes, endpoint: bytes = b"", guards: RequestGuards = NO_ENGINE) -> str:
+    """extract_model, for a route with no engine named unless guards are given."""
+    return extract_model(body, endpoint, guards)
 
 
 def body_of(**fields: Any) -> bytes:
@@ -18,19 +27,19 @@ def body_of(**fields: Any) -> bytes:
 def rejection(body: bytes) -> HTTPError:
     """The HTTPError extract_model raises for body, checked to be a 400."""
     with pytest.raises(HTTPError) as info:
-        extract_model(body)
+        model_of(body)
     assert info.value.status == 400
     return info.value
 
 
 def test_valid_body_returns_model() -> None:
     """A JSON object with a string model returns that model unchanged."""
-    assert extract_model(body_of(model="org/Qwen2.5-0.5B-Instruct")) == "org/Qwen2.5-0.5B-Instruct"
+    assert model_of(body_of(model="org/Qwen2.5-0.5B-Instruct")) == "org/Qwen2.5-0.5B-Instruct"
 
 
 def test_model_is_returned_byte_for_byte_with_unicode_and_spaces() -> None:
     """The model name is not trimmed or normalised."""
-    assert extract_model(body_of(model=" modèle ")) == " modèle "
+    assert model_of(body_of(model=" modèle ")) == " modèle "
 
 
 def test_empty_body_is_400_invalid_json() -> None:
@@ -92,12 +101,12 @@ def test_token_limit_below_one_or_not_an_integer_is_400(field: str, value: Any) 
 @pytest.mark.parametrize("value", [None, 1, 4096, 2**40])
 def test_token_limit_null_or_positive_integer_is_accepted(field: str, value: Any) -> None:
     """A token limit that is null or an integer of at least 1 passes."""
-    assert extract_model(body_of(model="m", **{field: value})) == "m"
+    assert model_of(body_of(model="m", **{field: value})) == "m"
 
 
 def test_absent_token_limits_are_accepted() -> None:
     """A body without max_tokens or max_completion_tokens passes."""
-    assert extract_model(b'{"model":"m"}') == "m"
+    assert model_of(b'{"model":"m"}') == "m"
 
 
 def test_model_is_checked_before_token_limits() -> None:
@@ -119,7 +128,7 @@ def test_error_body_of_a_rejection_is_openai_shaped() -> None:
     }
 
 
-TYPED = RequestGuards(check_types=True)
+TYPED = Guards(check_types=True)
 
 
 @pytest.mark.parametrize(
@@ -142,7 +151,7 @@ TYPED = RequestGuards(check_types=True)
 def test_checked_fields_of_the_wrong_type_or_range_are_400s_naming_them(field: str, value: Any) -> None:
     """With check_types, a sampling field of the wrong type or range is a 400 naming the field."""
     with pytest.raises(HTTPError) as info:
-        extract_model(body_of(model="m", **{field: value}), b"/chat/completions", TYPED)
+        model_of(body_of(model="m", **{field: value}), b"/chat/completions", TYPED)
     assert info.value.status == 400 and info.value.param == field and info.value.code == "invalid_type"
 
 
@@ -161,28 +170,28 @@ def test_well_typed_fields_pass_the_type_check() -> None:
         stop=["\n"],
         frequency_penalty=None,
     )
-    assert extract_model(body, b"/chat/completions", TYPED) == "m"
+    assert model_of(body, b"/chat/completions", TYPED) == "m"
 
 
 def test_a_message_without_a_string_role_is_a_400() -> None:
     """A chat message that is not an object with a string role is named by its index."""
     body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}, "hi"]})
     with pytest.raises(HTTPError) as info:
-        extract_model(body, b"/chat/completions", TYPED)
+        model_of(body, b"/chat/completions", TYPED)
     assert info.value.param == "messages[1]"
 
 
 def test_types_are_not_checked_without_the_guard() -> None:
     """Static upstreams get the client's fields as they are: the type check is an engine guard."""
-    assert extract_model(body_of(model="m", temperature="hot"), b"/chat/completions") == "m"
+    assert model_of(body_of(model="m", temperature="hot"), b"/chat/completions") == "m"
 
 
 def test_legacy_completions_logprobs_is_a_count_unless_the_engine_takes_a_flag() -> None:
     """`logprobs: 2` on /completions passes (OpenAI's count), but not for an engine that takes a flag."""
     body = orjson.dumps({"model": "m", "prompt": "hi", "logprobs": 2})
-    assert extract_model(body, b"/completions", TYPED) == "m"
+    assert model_of(body, b"/completions", TYPED) == "m"
     with pytest.raises(HTTPError) as info:
-        extract_model(body, b"/completions", RequestGuards(check_types=True, completion_logprobs="flag"))
+        model_of(body, b"/completions", Guards(check_types=True, completion_logprobs="flag"))
     assert info.value.param == "logprobs"
 
 
@@ -196,9 +205,9 @@ def test_null_sampling_fields_are_dropped_and_reported() -> None:
 
 def test_engine_limits_on_seed_and_top_logprobs() -> None:
     """An engine's own limits (mlx: seed from 0, top_logprobs to 11) are 400s naming the field."""
-    mlx = RequestGuards(check_types=True, seed_min=0, top_logprobs_max=11)
+    mlx = Guards(check_types=True, seed_min=0, top_logprobs_max=11)
     for field, value in (("seed", -5), ("top_logprobs", 15)):
         with pytest.raises(HTTPError) as info:
-            extract_model(body_of(model="m", **{field: value}), b"/chat/completions", mlx)
+            model_of(body_of(model="m", **{field: value}), b"/chat/completions", mlx)
         assert info.value.param == field
-    assert extract_model(body_of(model="m", seed=-5, top_logprobs=15), b"/chat/completions", TYPED) == "m"
+    assert model_of(body_of(model="m", seed=-5, top_logprobs=15), b"/chat/completions", TYPED) == "m"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from engines.spec import Guards
 from proxy.routing import (
     Route,
     RoutingTable,
@@ -12,6 +13,12 @@ from proxy.routing import (
     parse_upstream_spec,
     parse_upstream_url,
 )
+
+
+def route(spec: str) -> Route:
+    """A route from NAME=URL, as the catalog makes one for a server with no engine named."""
+    name, upstream = parse_upstream_spec(spec)
+    return Route(model=name, upstream=upstream, guards=Guards())
 
 
 @pytest.mark.parametrize(
@@ -133,24 +140,25 @@ def test_host_not_usable_in_a_host_header_is_rejected_at_parse_time(url: str) ->
 
 
 def test_spec_name_equals_url() -> None:
-    """NAME=URL gives a route from NAME to the parsed URL."""
-    assert parse_upstream_spec("qwen=http://127.0.0.1:8080/v1") == Route(
-        model="qwen", upstream=UpstreamAddress("127.0.0.1", 8080)
+    """NAME=URL gives NAME and the parsed URL."""
+    assert parse_upstream_spec("qwen=http://127.0.0.1:8080/v1") == (
+        "qwen",
+        UpstreamAddress("127.0.0.1", 8080),
     )
 
 
 def test_spec_name_may_contain_slashes() -> None:
     """Hub-style names like org/name are valid model names."""
-    route = parse_upstream_spec("mlx-community/Qwen2.5-0.5B-Instruct-4bit=http://h:1")
-    assert route.model == "mlx-community/Qwen2.5-0.5B-Instruct-4bit"
-    assert route.upstream == UpstreamAddress("h", 1)
+    name, upstream = parse_upstream_spec("mlx-community/Qwen2.5-0.5B-Instruct-4bit=http://h:1")
+    assert name == "mlx-community/Qwen2.5-0.5B-Instruct-4bit"
+    assert upstream == UpstreamAddress("h", 1)
 
 
 def test_spec_splits_on_first_equals_and_trims_the_name() -> None:
     """The name is trimmed and ends at the first '='."""
-    route = parse_upstream_spec(" qwen =http://h:1/api/v1")
-    assert route.model == "qwen"
-    assert route.upstream.prefix == "/api"
+    name, upstream = parse_upstream_spec(" qwen =http://h:1/api/v1")
+    assert name == "qwen"
+    assert upstream.prefix == "/api"
 
 
 @pytest.mark.parametrize(
@@ -176,15 +184,15 @@ def test_upstream_spec_error_is_a_value_error() -> None:
 
 def test_table_rejects_duplicate_model_names() -> None:
     """The same model name twice is UpstreamSpecError, even with different upstreams."""
-    routes = [parse_upstream_spec("m=http://a:1"), parse_upstream_spec("m=http://b:2")]
+    routes = [route("m=http://a:1"), route("m=http://b:2")]
     with pytest.raises(UpstreamSpecError, match="given twice"):
         RoutingTable(routes)
 
 
 def test_table_get_len_iter() -> None:
     """get finds a route by exact name, len counts routes, iteration yields them in order."""
-    a = parse_upstream_spec("a=http://h:1")
-    b = parse_upstream_spec("org/b=http://h:2")
+    a = route("a=http://h:1")
+    b = route("org/b=http://h:2")
     table = RoutingTable(iter([a, b]))
     assert table.get("a") is a
     assert table.get("org/b") is b
@@ -206,10 +214,10 @@ def test_upstreams_are_deduplicated_in_first_named_order() -> None:
     """Several names on one upstream give that upstream once, in the order first named."""
     table = RoutingTable(
         [
-            parse_upstream_spec("x=http://b:2/v1"),
-            parse_upstream_spec("y=http://a:1"),
-            parse_upstream_spec("z=http://b:2/"),
-            parse_upstream_spec("w=http://a:1/api/v1"),
+            route("x=http://b:2/v1"),
+            route("y=http://a:1"),
+            route("z=http://b:2/"),
+            route("w=http://a:1/api/v1"),
         ]
     )
     assert table.upstreams() == [

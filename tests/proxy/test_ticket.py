@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from engines.spec import Guards
 from proxy.asgi import Message
 from proxy.errors import HTTPError
 from proxy.relay.drain import Drain
@@ -23,6 +24,7 @@ def _entry(max_in_flight: int | None, *, max_queued: int = 4, replicas: int = 1)
     route = Route(
         model="m",
         upstream=addresses[0],
+        guards=Guards(),
         max_in_flight=max_in_flight,
         replicas=tuple(Replica(a) for a in addresses) if replicas > 1 else (),
     )
