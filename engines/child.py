@@ -10,52 +10,29 @@ and a 503.
     STARTING ─exit/timeout─► STOPPED (error kept)   READY ─crash─► STOPPED ─backoff─► STARTING
     any ─shutdown─► SHUTDOWN (final)
 
-A child runs in its own session (process group), with a parent-death signal
-on Linux, so a gateway killed with SIGKILL leaves no orphan. Stopping is
-SIGTERM to the group, a grace period, SIGKILL to the group, then reaping.
 Readiness is a real 1-token generation, raced against the child's exit and a
-deadline. The child's output goes to a log file and a bounded in-memory tail,
-drained continuously so the child never blocks on a full pipe.
+deadline; then health checks watch it (``engines.probes``). The OS process
+itself, started in its own session and stopped as a group, and its output
+are ``engines.process``'s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import ctypes
 import enum
 import logging
-import os
 import re
 import signal
-import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import httpx
+from engines import probes
+from engines.process import ChildConfig, Output, finish, last_words, settle, signal_group, spawn, terminate
 
 log = logging.getLogger("blazar.engines")
-
-_TAIL_LINES = 200
-_TAIL_LINE_CHARS = 2000
-_PR_SET_PDEATHSIG = 1
-# Readiness generations answered with the same error this many times in a
-# row (0.2 s apart) end the start: an engine whose generation thread died
-# (mlx after a failed download or load) answers 404 for ever, and waiting
-# out the readiness deadline would only hide why.
-_SAME_FAILURES = 5
-# Statuses that mean "not yet" (loading, busy), never counted as failures.
-_NOT_YET = frozenset({429, 503})
-# What says nothing about why a child failed: HTTP access lines (the
-# readiness probe's own), traceback frames and chaining notes.
-_NOISE = re.compile(
-    r"^\s|^Traceback \(most recent call last\):|^(The above exception|During handling of the above)"
-    r'|"(GET|POST|HEAD|PUT|DELETE|OPTIONS) \S+ HTTP/\d(\.\d)?" \d{3}'
-)
 
 
 class ChildState(enum.Enum):
@@ -82,45 +59,6 @@ class ChildFailed(RuntimeError):
     """A start attempt ended without the child becoming ready."""
 
 
-def last_words(lines: Iterable[str], count: int) -> list[str]:
-    """The last ``count`` lines of a child's output that can say why it failed.
-
-    Blank lines, traceback frames and HTTP access lines (the probes') are
-    left out: what remains are the engine's own messages and exceptions.
-    """
-    telling = [line.rstrip() for line in lines if line.strip() and not _NOISE.search(line)]
-    return telling[-count:] if count > 0 else []
-
-
-@dataclass(frozen=True, slots=True)
-class ChildConfig:
-    """Everything needed to run one child, resolved before it starts."""
-
-    name: str
-    served_model: str
-    argv: tuple[str, ...]
-    env: Mapping[str, str]
-    cwd: Path
-    host: str
-    port: int
-    log_path: Path
-    ready_path: str = "/v1/chat/completions"
-    ready_max_tokens: int = 1
-    ready_timeout_s: float = 600.0
-    health_path: str = "/health"  # "" when the engine has no health route
-    health_interval_s: float = 5.0
-    health_failures: int = 3
-    probe_interval_s: float = 60.0
-    probe_timeout_s: float = 300.0
-    stop_grace_s: float = 10.0
-    backoff_initial_s: float = 1.0
-    backoff_max_s: float = 30.0
-
-    @property
-    def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-
 class _Command(enum.Enum):
     RUN = "run"
     STOP = "stop"
@@ -128,8 +66,12 @@ class _Command(enum.Enum):
 
 
 @dataclass
-class _Outcome:
-    """What ended a wait in the owner loop."""
+class _WaitEnd:
+    """What ended one of the owner's waits (a start, a life), first of the things it raced.
+
+    The readiness or health verdict, the process's exit, the deadline, a
+    command; returned by ``_run_once`` as why the process's life ended.
+    """
 
     kind: str  # "ready", "exited", "broken", "unhealthy", "timeout", "failed", "command"
     detail: str = ""
@@ -165,10 +107,8 @@ class Child:
         # Why the last start attempt failed, without the output (None: it did not).
         self.failure: str | None = None
         self.ready_in_s: float | None = None
-        self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
-        # Lines ever added to the tail, and how many there were when the last process started.
-        self._lines = 0
-        self._lines_before = 0
+        self._output = Output(config.log_path)
+        self.tail = self._output.tail
         # The last failed attempt, as compared with the next (``_signature``).
         self._last_failure: tuple[str, ...] | None = None
         self._on_ready = on_ready
@@ -261,7 +201,7 @@ class Child:
     def kill_now(self) -> None:
         """SIGKILL the child's process group at once, from any context (a last-resort exit)."""
         if self.pid is not None:
-            _signal_group(self.pid, signal.SIGKILL)
+            signal_group(self.pid, signal.SIGKILL)
 
     # -- the owner ----------------------------------------------------------
 
@@ -281,8 +221,7 @@ class Child:
 
     def output(self) -> list[str]:
         """The tail's lines written by the last process started (all it still holds of them)."""
-        count = min(self._lines - self._lines_before, len(self.tail))
-        return list(self.tail)[-count:] if count > 0 else []
+        return self._output.latest()
 
     async def _attempt_ended(
         self, error: str | None, *, failure: str | None = None, hopeless: bool = False
@@ -308,12 +247,12 @@ class Child:
                 continue
             control = asyncio.ensure_future(self._next_control())
             try:
-                outcome = await self._run_once(control)
+                ended = await self._run_once(control)
             finally:
                 control.cancel()
-            if outcome.command is _Command.SHUTDOWN:
+            if ended.command is _Command.SHUTDOWN:
                 return
-            if outcome.command is _Command.STOP:
+            if ended.command is _Command.STOP:
                 want_running = False
                 continue
             late = control.result() if control.done() and not control.cancelled() else None
@@ -324,12 +263,12 @@ class Child:
             if late is _Command.STOP:
                 want_running = False
                 continue
-            if outcome.was_ready:
+            if ended.was_ready:
                 backoff_s = self.config.backoff_initial_s
             # Crashed, unhealthy or never ready: back off, then start again,
             # unless told otherwise meanwhile.
             self.restarts += 1
-            log.warning("child %s: %s; starting again in %.1f s", self.config.name, outcome.detail, backoff_s)
+            log.warning("child %s: %s; starting again in %.1f s", self.config.name, ended.detail, backoff_s)
             interrupt = await _next_command(self._commands, backoff_s)
             if interrupt is _Command.SHUTDOWN:
                 await self._move(ChildState.SHUTDOWN)
@@ -345,199 +284,71 @@ class Child:
             if command is not _Command.RUN:
                 return command
 
-    async def _run_once(self, control: asyncio.Future[_Command]) -> _Outcome:
+    async def _run_once(self, control: asyncio.Future[_Command]) -> _WaitEnd:
         """One life of the process: start, serve, end. Returns why it ended."""
         await self._move(ChildState.STARTING)
         self.starts += 1
         started = time.monotonic()
         try:
-            proc = await self._spawn()
+            proc = await spawn(self.config, self._output)
         except OSError as exc:
             detail = f"cannot start {self.config.argv[0]}: {exc}"
             await self._move(ChildState.STOPPED)
             await self._attempt_ended(detail, failure=detail)
-            return _Outcome("failed", detail)
+            return _WaitEnd("failed", detail)
         self.pid = proc.pid
-        drain = asyncio.ensure_future(self._drain(proc))
+        drain = asyncio.ensure_future(self._output.drain(proc))
         exited = asyncio.ensure_future(proc.wait())
         try:
-            outcome = await _first(exited, self._await_ready(), control, self.config.ready_timeout_s)
-            if outcome.kind == "ready":
+            ended = await _first(exited, self._readiness(), control, self.config.ready_timeout_s)
+            if ended.kind == "ready":
                 self.ready_in_s = time.monotonic() - started
                 self._last_failure = None
                 await self._move(ChildState.READY)
                 await self._attempt_ended(None)
                 if self._on_ready is not None:
                     self._on_ready(self)
-                outcome = await _first(exited, self._watch_health(), control)
-                outcome.was_ready = True
-            elif outcome.command is None:
-                if outcome.kind == "exited":
-                    await _settle(exited, drain)
-                failure = outcome.detail
+                ended = await _first(exited, self._health(), control)
+                ended.was_ready = True
+            elif ended.command is None:
+                if ended.kind == "exited":
+                    await settle(exited, drain)
+                failure = ended.detail
                 words = last_words(self.output(), 3)
                 # A process that ends as the one before it did will end so again.
                 signature = _signature(failure, words)
-                repeated = outcome.kind == "exited" and signature == self._last_failure
+                repeated = ended.kind == "exited" and signature == self._last_failure
                 self._last_failure = signature
-                outcome.detail += f"; last output: {' | '.join(words) or '(none)'}"
+                ended.detail += f"; last output: {' | '.join(words) or '(none)'}"
                 await self._attempt_ended(
-                    f"child {self.config.name} did not become ready: {outcome.detail}",
+                    f"child {self.config.name} did not become ready: {ended.detail}",
                     failure=failure,
-                    hopeless=repeated or outcome.kind in ("broken", "timeout"),
+                    hopeless=repeated or ended.kind in ("broken", "timeout"),
                 )
             else:
                 await self._attempt_ended(f"child {self.config.name} was stopped before it was ready")
-            if outcome.command is not None:
+            if ended.command is not None:
                 await self._move(ChildState.STOPPING)
-            await self._terminate(proc, exited)
+            await terminate(self.config, proc, exited)
             await self._move(
-                ChildState.SHUTDOWN if outcome.command is _Command.SHUTDOWN else ChildState.STOPPED
+                ChildState.SHUTDOWN if ended.command is _Command.SHUTDOWN else ChildState.STOPPED
             )
-            return outcome
+            return ended
         finally:
             self.pid = None
-            await _finish(drain)
+            await finish(drain)
             if not exited.done():
                 exited.cancel()
 
-    async def _spawn(self) -> asyncio.subprocess.Process:
-        self.config.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._lines_before = self._lines
-        parent = os.getpid()
-        return await asyncio.create_subprocess_exec(
-            *self.config.argv,
-            cwd=self.config.cwd,
-            env=dict(self.config.env),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=(lambda: _die_with_parent(parent)) if sys.platform == "linux" else None,
-        )
+    async def _readiness(self) -> _WaitEnd:
+        broken = await probes.await_ready(self.config, self._note)
+        return _WaitEnd("ready") if broken is None else _WaitEnd("broken", broken)
 
-    async def _drain(self, proc: asyncio.subprocess.Process) -> None:
-        """Copy the child's output to its log file and the in-memory tail."""
-        assert proc.stdout is not None
-        with self.config.log_path.open("ab") as logfile:
-            logfile.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} start pid {proc.pid}\n".encode())
-            pending = b""
-            while chunk := await proc.stdout.read(65536):
-                logfile.write(chunk)
-                logfile.flush()
-                *lines, pending = (pending + chunk).split(b"\n")
-                for line in lines:
-                    self._keep(line)
-                if len(pending) > _TAIL_LINE_CHARS:
-                    self._keep(pending)
-                    pending = b""
-            if pending:
-                self._keep(pending)
+    def _note(self, answer: str) -> None:
+        self.last_error = answer  # shown while the child starts
 
-    def _keep(self, line: bytes) -> None:
-        self.tail.append(line[:_TAIL_LINE_CHARS].decode("utf-8", "replace"))
-        self._lines += 1
-
-    def _probe_body(self) -> dict[str, Any]:
-        """A 1-token generation request, as the child's spec says to prove it works."""
-        config = self.config
-        body: dict[str, Any] = {"model": config.served_model, "max_tokens": config.ready_max_tokens}
-        if config.ready_path.endswith("/chat/completions"):
-            body["messages"] = [{"role": "user", "content": "ping"}]
-        else:
-            body["prompt"] = "ping"
-        return body
-
-    async def _await_ready(self) -> _Outcome:
-        """Poll until a real generation answers 200."""
-        config = self.config
-        body = self._probe_body()
-        last = "no answer yet"
-        same = 0
-        async with _probe_client() as client:
-            while True:
-                try:
-                    response = await client.post(config.base_url + config.ready_path, json=body)
-                    if response.status_code == 200:
-                        return _Outcome("ready")
-                    answer = f"readiness generation answered {response.status_code}: {response.text[:200]}"
-                    same = same + 1 if answer == last else 1
-                    if response.status_code in _NOT_YET:
-                        same = 0
-                    last = answer
-                except httpx.TransportError as exc:
-                    # Not listening yet, most often: never a verdict.
-                    last, same = f"readiness generation failed: {exc!r}", 0
-                self.last_error = last
-                if same >= _SAME_FAILURES:
-                    return _Outcome("broken", f"{last} ({same} times in a row, the same way)")
-                await asyncio.sleep(0.2)
-
-    async def _watch_health(self) -> _Outcome:
-        """Poll the health path, and now and then a generation; return when either fails.
-
-        /health fails after too many failures in a row (mlx answers 503 once
-        its generation thread died). The generation probe catches an engine
-        whose HTTP server answers while generation hangs: its deadline is
-        generous, because a probe joins the engine's queue like any request.
-        An empty health path means the engine has none: only the probe runs.
-        """
-        config = self.config
-        failures = 0
-        next_probe = time.monotonic() + config.probe_interval_s
-        async with _probe_client(timeout_s=max(2.0, config.health_interval_s)) as client:
-            while True:
-                await asyncio.sleep(config.health_interval_s)
-                if time.monotonic() >= next_probe:
-                    problem = await self._probe_generation(client)
-                    if problem:
-                        return _Outcome("unhealthy", problem)
-                    next_probe = time.monotonic() + config.probe_interval_s
-                if not config.health_path:
-                    continue  # no health route (llama_cpp.server): the probe alone watches it
-                try:
-                    response = await client.get(config.base_url + config.health_path)
-                    problem = (
-                        None if response.status_code == 200 else f"health answered {response.status_code}"
-                    )
-                except httpx.TransportError as exc:
-                    problem = f"health check failed: {exc!r}"
-                failures = failures + 1 if problem else 0
-                if problem and failures >= config.health_failures:
-                    return _Outcome("unhealthy", problem)
-
-    async def _probe_generation(self, client: httpx.AsyncClient) -> str | None:
-        """None if a 1-token generation answers within the probe deadline, else why not."""
-        config = self.config
-        try:
-            response = await client.post(
-                config.base_url + config.ready_path,
-                json=self._probe_body(),
-                timeout=httpx.Timeout(config.probe_timeout_s, connect=1.0),
-            )
-        except httpx.TimeoutException:
-            return f"a 1-token generation did not answer within {config.probe_timeout_s:g} s"
-        except httpx.TransportError as exc:
-            return f"a 1-token generation failed: {exc!r}"
-        if response.status_code != 200:
-            return f"a 1-token generation answered {response.status_code}: {response.text[:200]}"
-        return None
-
-    async def _terminate(self, proc: asyncio.subprocess.Process, exited: asyncio.Future[int]) -> None:
-        """SIGTERM the group, wait the grace period, SIGKILL the group, reap."""
-        if not exited.done():
-            _signal_group(proc.pid, signal.SIGTERM)
-            try:
-                await asyncio.wait_for(asyncio.shield(exited), self.config.stop_grace_s)
-            except TimeoutError:
-                log.warning(
-                    "child %s did not exit within %.0f s; killing it",
-                    self.config.name,
-                    self.config.stop_grace_s,
-                )
-        # Whatever the leader left behind in its group goes too.
-        _signal_group(proc.pid, signal.SIGKILL)
-        await exited
+    async def _health(self) -> _WaitEnd:
+        return _WaitEnd("unhealthy", await probes.watch_health(self.config))
 
 
 def _signature(failure: str, words: list[str]) -> tuple[str, ...]:
@@ -547,29 +358,27 @@ def _signature(failure: str, words: list[str]) -> tuple[str, ...]:
 
 async def _first(
     exited: asyncio.Future[int],
-    ready: Any,
+    ready: Coroutine[Any, Any, _WaitEnd],
     command: asyncio.Future[_Command],
     timeout_s: float | None = None,
-) -> _Outcome:
+) -> _WaitEnd:
     """Race the process's exit, a watcher coroutine and the next command."""
     watcher = asyncio.ensure_future(ready)
+    racing: set[asyncio.Future[Any]] = {exited, watcher, command}
     try:
-        done, _ = await asyncio.wait(
-            {exited, watcher, command}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
-        )
+        done, _ = await asyncio.wait(racing, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
     finally:
         if not watcher.done():
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
     if command in done:
-        return _Outcome("command", command=command.result())
+        return _WaitEnd("command", command=command.result())
     if exited in done:
-        return _Outcome("exited", f"exited with code {exited.result()}")
+        return _WaitEnd("exited", f"exited with code {exited.result()}")
     if watcher in done:
-        result: _Outcome = watcher.result()
-        return result
-    return _Outcome("timeout", f"not ready within {timeout_s:g} s")
+        return watcher.result()
+    return _WaitEnd("timeout", f"not ready within {timeout_s:g} s")
 
 
 async def _next_command(commands: asyncio.Queue[_Command], wait_s: float) -> _Command | None:
@@ -578,39 +387,3 @@ async def _next_command(commands: asyncio.Queue[_Command], wait_s: float) -> _Co
         return await asyncio.wait_for(commands.get(), wait_s)
     except TimeoutError:
         return None
-
-
-async def _settle(exited: asyncio.Future[int], drain: asyncio.Future[None]) -> None:
-    """Give an exiting child a moment to flush its last words into the tail."""
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(asyncio.shield(exited), 1.0)
-    if exited.done():
-        with contextlib.suppress(TimeoutError, Exception):
-            await asyncio.wait_for(asyncio.shield(drain), 1.0)
-
-
-async def _finish(task: asyncio.Future[None]) -> None:
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await asyncio.wait_for(task, 5)
-
-
-def _probe_client(timeout_s: float = 30.0) -> httpx.AsyncClient:
-    return httpx.AsyncClient(
-        trust_env=False,
-        timeout=httpx.Timeout(timeout_s, connect=1.0),
-        limits=httpx.Limits(max_connections=2, max_keepalive_connections=0),
-    )
-
-
-def _signal_group(pid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, sig)
-
-
-def _die_with_parent(parent: int) -> None:
-    """In the forked child, before exec: die when the gateway dies (Linux)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:
-        # The gateway died between fork and prctl.
-        os._exit(1)

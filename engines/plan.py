@@ -19,11 +19,11 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from engines.child import ChildConfig
 from engines.environment import check_served_name, child_env, prepare_run_dir
 from engines.formats import FormatError, detect_format
 from engines.home import Home
 from engines.install import Installation
+from engines.process import ChildConfig
 from engines.spec import EngineSpec
 
 log = logging.getLogger("blazar.engines")

@@ -29,7 +29,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any
 
-from engines.child import last_words
+from engines.process import last_words
 from engines.served import Lifetime, LoadFailed, ModelState, ServedModel
 
 log = logging.getLogger("blazar.engines")

@@ -18,7 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engines.child import Child, ChildConfig, ChildFailed, ChildState, last_words
+from engines.child import Child, ChildFailed, ChildState
+from engines.process import ChildConfig, last_words
 
 pytestmark = pytest.mark.anyio
 
