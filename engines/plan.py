@@ -131,14 +131,7 @@ def plan(
         run_dir.mkdir(parents=True, exist_ok=True)
     port = port or free_port(host)
     argv = spec.server_argv(python=str(installation.python), model=name, host=host, port=port)
-    env = child_env(
-        os.environ if environ is None else environ,
-        venv=installation.venv,
-        cuda_home=installation.cuda_home,
-        ptx_cache=home.ptx_cache(spec.name) if installation.cuda_home else None,
-        offline=local,
-        drop=spec.env_drop,
-    )
+    env = _env(spec, installation, home, environ, offline=local)
     return _planned(
         spec, installation, home, child_name, name, [*argv, *extra_args], env, run_dir, host, port
     )
@@ -181,15 +174,31 @@ def _plan_alias(
     argv = spec.server_argv(
         python=str(installation.python), model=str(model_path), served_name=name, host=host, port=port
     )
-    env = child_env(
+    env = _env(spec, installation, home, environ, offline=True)
+    return _planned(
+        spec, installation, home, child_name, name, [*argv, *extra_args], env, run_dir, host, port
+    )
+
+
+def _env(
+    spec: EngineSpec,
+    installation: Installation,
+    home: Home,
+    environ: dict[str, str] | None,
+    *,
+    offline: bool,
+) -> dict[str, str]:
+    """The child's environment, made alike for every plan (a symlink's or an alias's)."""
+    return child_env(
         os.environ if environ is None else environ,
         venv=installation.venv,
         cuda_home=installation.cuda_home,
-        offline=True,
+        # A CUDA install: mlx compiles its kernels at run time (NVRTC) and
+        # caches them under $MLX_PTX_CACHE_DIR; one cache per engine version,
+        # so a restarted or second child does not compile them again.
+        ptx_cache=home.ptx_cache(spec.name) if installation.cuda_home else None,
+        offline=offline,
         drop=spec.env_drop,
-    )
-    return _planned(
-        spec, installation, home, child_name, name, [*argv, *extra_args], env, run_dir, host, port
     )
 
 

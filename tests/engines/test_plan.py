@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import time
@@ -216,6 +217,18 @@ def recording_installation(home: Home, name: str) -> Installation:
     install.python.write_text(RECORDING_PYTHON)
     install.python.chmod(0o755)
     return install
+
+
+@pytest.mark.parametrize("engine", [MLX, LLAMACPP])
+def test_a_cuda_install_gives_every_plan_its_kernel_cache(home: Home, engine: str, tmp_path: Path) -> None:
+    """With a CUDA_HOME (a CUDA variant's install), both plans (symlink and alias) set the kernel cache."""
+    model = mlx_model(tmp_path / "m") if engine == MLX else gguf(tmp_path / "m.gguf")
+    cuda = dataclasses.replace(installation(home, engine), variant="cuda12", cuda_home=home.cuda_home(engine))
+    env = plan(load(engine), cuda, home, model=str(model), port=8125, environ={}).config.env
+    assert env["CUDA_HOME"] == str(home.cuda_home(engine))
+    assert env["MLX_PTX_CACHE_DIR"] == str(home.ptx_cache(engine))
+    cpu = plan(load(engine), installation(home, engine), home, model=str(model), port=8125, environ={})
+    assert "CUDA_HOME" not in cpu.config.env and "MLX_PTX_CACHE_DIR" not in cpu.config.env
 
 
 @pytest.mark.parametrize(
