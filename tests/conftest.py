@@ -145,7 +145,7 @@ _ENGINE_PROGRAMS = (b"tests.fake_engine", b"mlx_lm.server", b"llama_cpp.server",
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     stats = terminalreporter.stats
     cases: dict[str, tuple[str, str]] = {}  # nodeid -> (group, case), for fault tests
-    outcomes: dict[str, set[str]] = {"passed": set(), "lost": set(), "skipped": set()}
+    outcomes: dict[str, set[str]] = {"passed": set(), "lost": set(), "skipped": set(), "deselected": set()}
     for category, reports in stats.items():
         for report in reports:
             case = dict(getattr(report, "user_properties", ())).get(_PROPERTY)
@@ -156,14 +156,16 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
                 outcomes["passed"].add(report.nodeid)
             elif category in ("failed", "error"):
                 outcomes["lost"].add(report.nodeid)
-            elif category == "skipped":
-                outcomes["skipped"].add(report.nodeid)
+            elif category in ("skipped", "deselected"):
+                # Deselected (-k, -m): the stats hold the items, which carry the case too.
+                outcomes[category].add(report.nodeid)
     passed, lost = outcomes["passed"], outcomes["lost"]
     injected = len(passed | lost)
     if not injected:
         return
     terminalreporter.section("fault catalogue", sep="-")
-    for line in _catalogue_lines(cases, passed - lost, lost, outcomes["skipped"] - passed - lost):
+    not_run = {name: outcomes[name] - passed - lost for name in ("skipped", "deselected")}
+    for line in _catalogue_lines(cases, passed - lost, lost, not_run):
         terminalreporter.write_line(line)
     terminalreporter.write_line(
         f"faults injected {injected}, survived {len(passed - lost)}, requests lost {len(lost)}, "
@@ -172,9 +174,14 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 
 def _catalogue_lines(
-    cases: dict[str, tuple[str, str]], survived: set[str], lost: set[str], skipped: set[str]
+    cases: dict[str, tuple[str, str]], survived: set[str], lost: set[str], not_run: dict[str, set[str]]
 ) -> list[str]:
-    """Each group that had a fault test, each of its cases with passed of ran, and the lost by id."""
+    """Each group that had a fault test, each of its cases with passed of ran, and the lost by id.
+
+    A case none of whose tests ran (each skipped or deselected) is "not run",
+    with how many were skipped and deselected: "0/0 passed" would read as a
+    case that has no test.
+    """
     width = max(len(case) for _, case in cases.values())
     lines: list[str] = []
     for group, group_cases in CATALOGUE.items():
@@ -183,10 +190,12 @@ def _catalogue_lines(
             ids = sorted(nodeid for nodeid, at in cases.items() if at == (group, case))
             if not ids:
                 continue
-            ran = len(survived.intersection(ids)) + len(lost.intersection(ids))
-            line = f"  {case:<{width}}  {len(survived.intersection(ids))}/{ran} passed"
-            if n_skipped := len(skipped.intersection(ids)):
-                line += f", {n_skipped} skipped"
+            passed = len(survived.intersection(ids))
+            ran = passed + len(lost.intersection(ids))
+            line = f"  {case:<{width}}  " + (f"{passed}/{ran} passed" if ran else "not run")
+            for why, these in not_run.items():
+                if count := len(these.intersection(ids)):
+                    line += f", {count} {why}"
             lines += [*heading, line, *(f"      lost: {i}" for i in ids if i in lost)]
             heading = []
     return lines

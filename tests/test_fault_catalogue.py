@@ -77,6 +77,27 @@ def test_a_failing_fault_test_is_listed_as_lost_under_its_case(suite: pytest.Pyt
     assert result.ret == pytest.ExitCode.TESTS_FAILED
 
 
+def test_a_case_whose_tests_all_were_deselected_or_skipped_is_not_run(suite: pytest.Pytester) -> None:
+    """A case none of whose tests ran says "not run" with why (skipped, deselected), never "0/0 passed"."""
+    suite.makepyfile(test_faults=FAULTS)
+    result = suite.runpytest("-k", "test_by_its_module or test_skipped")
+    result.assert_outcomes(passed=1, skipped=1, deselected=4)
+    result.stdout.fnmatch_lines(["*- fault catalogue -*"])
+    result.stdout.fnmatch_lines(
+        [
+            "clients",
+            "  a client that leaves mid-request * not run, 1 skipped, 2 deselected",
+            "upstreams",
+            "  heads too large or ambiguously framed * not run, 2 deselected",
+            "drain",
+            "  the drain deadline * 1/1 passed",
+            "faults injected 1, survived 1, requests lost 0, orphans 0",
+        ],
+        consecutive=True,
+    )
+    assert "0/0" not in result.stdout.str()
+
+
 def test_a_run_without_fault_tests_prints_no_catalogue(suite: pytest.Pytester) -> None:
     """Without a fault test among those run, neither the catalogue nor the closing line is printed."""
     suite.makepyfile(test_plain="def test_not_a_fault():\n    pass\n")
