@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 VARIANTS = ("cpu", "cuda12", "cuda13", "metal")
-CUDA_VARIANTS = frozenset({"cuda12", "cuda13"})
+CUDA_VARIANTS = frozenset(v for v in VARIANTS if v.startswith("cuda"))
 # What a user may ask for: a variant, or auto (engines.variant picks one for the machine).
 VARIANT_CHOICES = ("auto", *VARIANTS)
 # How the child is told the name it serves (see engines/DESIGN.md):
