@@ -13,7 +13,6 @@ import errno
 import logging
 import socket
 import sys
-from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +33,12 @@ from proxy.auth import ApiKeys, read_key_file
 from proxy.cors import Cors
 from proxy.metrics import EngineSample, Metrics
 from proxy.protocol import protocol_class
-from proxy.relay import Relay
 from proxy.routing import RoutingTable, UpstreamSpecError, parse_upstream_spec
 from proxy.startup import configfile
 from proxy.startup.catalog import Catalog
 from proxy.startup.configfile import ConfigError, FileConfig, ModelConfig
 from proxy.startup.options import gateway_options, settings_from
+from proxy.startup.reload import Reloader
 from proxy.startup.server import GatewayServer
 from proxy.startup.settings import Settings, relay_settings
 
@@ -134,7 +133,18 @@ def main(ctx: click.Context, /, **given: Any) -> None:
             *(read_key_file(settings.api_key_file) if settings.api_key_file else ()),
         ),
     )
-    reloader = _Reloader(ctx, file, catalog, keep, watch=settings.watch_config) if file else None
+    reloader = (
+        Reloader(
+            file,
+            catalog,
+            keep,
+            read_option=lambda key, value: _gateway_option(ctx, key, value),
+            announce=_echo,
+            watch=settings.watch_config,
+        )
+        if file
+        else None
+    )
     serve(settings, registry=registry, reloader=reloader)
 
 
@@ -256,7 +266,7 @@ def engines_remove(engine: str) -> None:
     click.echo(f"removed {engine}")
 
 
-def serve(settings: Settings, *, registry: Registry | None = None, reloader: _Reloader | None = None) -> None:
+def serve(settings: Settings, *, registry: Registry | None = None, reloader: Reloader | None = None) -> None:
     """Run the gateway until it is stopped."""
     _configure_logging(settings.log_level)
     metrics = Metrics() if settings.metrics else None
@@ -516,87 +526,6 @@ def _gateway_option(ctx: click.Context, key: str, value: object) -> tuple[str, o
     known = sorted(p.opts[0].lstrip("-") for p in options if p.name not in _NOT_IN_GATEWAY_TABLE)
     hint = difflib.get_close_matches(key, known, n=1)
     raise ValueError("not a gateway setting" + (f" (did you mean {hint[0]!r}?)" if hint else ""))
-
-
-class _Reloader:
-    """Reloads the models from the configuration file on SIGHUP or when it changes."""
-
-    _POLL_S = 1.0
-
-    def __init__(
-        self, ctx: click.Context, file: FileConfig, catalog: Catalog, keep: list[str], *, watch: bool
-    ) -> None:
-        self._ctx = ctx
-        self._file = file
-        self._catalog = catalog
-        self._keep = keep
-        self._watch = watch
-        self._relay: Relay | None = None
-        self._lock = asyncio.Lock()
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._stamp = _stamp(file.path)
-
-    def start(self, relay: Relay) -> None:
-        self._relay = relay
-        if self._watch:
-            self._spawn(self._watch_file())
-
-    def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-
-    def reload_soon(self) -> None:
-        """The SIGHUP handler (in the event loop): queue a reload."""
-        self._spawn(self.reload())
-
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _watch_file(self) -> None:
-        while True:
-            await asyncio.sleep(self._POLL_S)
-            stamp = _stamp(self._file.path)
-            if stamp != self._stamp:
-                self._stamp = stamp
-                await self.reload()
-
-    async def reload(self) -> None:
-        """Apply the file's models now; a file with an error changes nothing."""
-        assert self._relay is not None
-        async with self._lock:
-            path = self._file.path
-            _echo(f"reload: reading {path}")
-            try:
-                file = configfile.load(path, lambda key, item: _gateway_option(self._ctx, key, item))
-                await self._catalog.reload(file, self._keep, self._relay)
-            except ConfigError as exc:
-                _echo(f"reload failed; the running configuration stays: {exc}")
-                return
-            except Exception:
-                # A bug, not a bad file: say so, keep serving what runs.
-                log.exception("reload failed; the running configuration stays")
-                _echo("reload failed on an internal error (traceback above); the running configuration stays")
-                return
-            changed = sorted(
-                k
-                for k in {*file.gateway, *self._file.gateway}
-                if file.gateway.get(k) != self._file.gateway.get(k)
-            )
-            if changed:
-                _echo(
-                    f"reload: [gateway] {', '.join(changed)} changed; gateway settings take effect on restart"
-                )
-            self._file = dataclasses.replace(self._file, models=file.models)
-
-
-def _stamp(path: Path) -> tuple[int, int] | None:
-    try:
-        info = path.stat()
-    except OSError:
-        return None
-    return info.st_mtime_ns, info.st_size
 
 
 def _configure_logging(level: str) -> None:
