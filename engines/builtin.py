@@ -29,8 +29,8 @@ from typing import Final
 
 from engines import demo_model, gguf_model, gguf_to_mlx, wheel
 from engines import spec as specs
-from engines.home import Home
-from engines.install import Installation, find_uv
+from engines.home import Home, blazar_home
+from engines.install import Installation, find_uv, read_manifest
 
 Progress = Callable[[str], None]
 
@@ -218,9 +218,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     Fetches the GGUF into ``$BLAZAR_HOME/models`` once, and makes it for each
     installed ENGINE named (for mlx: converts it).
     """
-    from engines.home import blazar_home
-    from engines.install import read_manifest
-
     home = Home(blazar_home())
 
     def say(line: str) -> None:

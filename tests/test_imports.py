@@ -36,9 +36,6 @@ LAZY = {
     ("engines.gguf_model", "gguf"): "made inside the llamacpp engine's venv",
     # An optional dependency: without the uv wheel, uv is looked up on PATH.
     ("engines.install", "uv"): "optional; find_uv falls back to PATH",
-    # engines.install imports engines.builtin: its command-line entry (python -m engines.builtin) only.
-    ("engines.builtin", "engines.home"): "the python -m entry only",
-    ("engines.builtin", "engines.install"): "the python -m entry only; engines.install imports builtin",
 }
 
 
