@@ -57,6 +57,8 @@ class GatewayProtocol(HttpToolsProtocol):
         # header value (or URL) before any callback, so counting there is late.
         self._head_bytes = 0
         self._in_head = True
+        # A head has begun (its first bytes are in) and is not yet whole.
+        self._head_begun = False
         self._refusal: tuple[int, str, str] | None = None
         self._extensions: dict[str, Any] = {}
 
@@ -70,17 +72,25 @@ class GatewayProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if not self._in_head:
-            super().data_received(data)
-            return
-        # Counted on raw bytes as they arrive: httptools builds a whole header
-        # value (or URL) before any callback, so counting there is too late.
-        self._head_bytes += len(data)
+        if self._in_head:
+            # Counted on raw bytes as they arrive: httptools builds a whole header
+            # value (or URL) before any callback, so counting there is too late.
+            self._head_bytes += len(data)
         super().data_received(data)
-        if self._in_head and self._head_bytes > self.max_header_bytes and not self.transport.is_closing():
+        if self.transport.is_closing():
+            return
+        # The timers are armed only for what is still incomplete after a read:
+        # a request that arrives whole in one read (nearly all do) arms none.
+        if not self._in_head:
+            # In a body: it must end within body_timeout_s of its head's end.
+            if self._body_timer is None:
+                self._body_timer = self.loop.call_later(self.body_timeout_s, self._body_too_slow)
+        elif self._head_bytes > self.max_header_bytes:
             self._reply_and_close(
                 431, f"request headers are larger than {self.max_header_bytes} bytes", "headers_too_large"
             )
+        elif self._head_begun and self._head_timer is None:
+            self._arm_head_timer()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -88,12 +98,12 @@ class GatewayProtocol(HttpToolsProtocol):
         extensions: dict[str, Any] = dict(self.scope.get("extensions") or {})
         extensions["blazar.abort"] = self.transport.abort
         self.scope["extensions"] = self._extensions = extensions
-        if self._head_timer is None:
-            self._arm_head_timer()
+        self._head_begun = True
 
     def on_headers_complete(self) -> None:
         self._cancel_head_timer()
         self._in_head = False
+        self._head_begun = False
         # A head that arrived whole in one read: check its size here (only
         # when the raw bytes read so far, head and maybe body, pass the limit).
         if (
@@ -119,8 +129,6 @@ class GatewayProtocol(HttpToolsProtocol):
         cycle = self.cycle
         if cycle is not None and cycle.scope is self.scope:
             self._extensions["blazar.writer"] = ClientWriter(cycle)
-        # From the end of the head, not the first body byte; cancelled at the message's end.
-        self._body_timer = self.loop.call_later(self.body_timeout_s, self._body_too_slow)
 
     def on_message_complete(self) -> None:
         self._cancel_body_timer()
