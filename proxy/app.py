@@ -77,9 +77,12 @@ class Gateway:
         self.keys = keys or ApiKeys(())
         self.state = state or GatewayState()
         self.cors = cors or Cors(())
+        # Asked once: each is a Python __bool__ the request would otherwise call.
+        self._with_keys = bool(self.keys)
+        self._with_cors = bool(self.cors)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self.cors:
+        if self._with_cors and scope["type"] == "http":
             origin = self.cors.origin_of(scope)
             if self.cors.is_preflight(scope):
                 await self._preflight(scope, send, origin)
@@ -106,7 +109,7 @@ class Gateway:
     async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.admin(scope, receive, send)
-        elif self.keys and scope["path"] not in PUBLIC_PATHS and not self.keys.allows(scope):
+        elif self._with_keys and scope["path"] not in PUBLIC_PATHS and not self.keys.allows(scope):
             await self._unauthorized(scope, send)
         elif scope["path"] in ENDPOINTS:
             state = self.state

@@ -43,6 +43,9 @@ class ProxyTrust:
 
     def x_forwarded_for(self, scope: Scope) -> bytes:
         """The X-Forwarded-For to send upstream: the trusted chain, then the peer."""
+        if not self._trusted:
+            client = scope.get("client")
+            return str(client[0]).encode("latin-1") if client else b"-"
         peer = _peer(scope)
         if self.is_trusted(peer):
             claimed = [hop for hop in _claimed(scope) if hop]

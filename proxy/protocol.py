@@ -12,14 +12,30 @@
   otherwise stop at the head, dropping the body and holding the connection.
 - Requests the parser refuses (e.g. both Content-Length and
   Transfer-Encoding) get uvicorn's 400 and close, but in OpenAI's envelope.
+
+It also offers the relay an ASGI extension of its own,
+``scope["extensions"]["blazar.writer"]``: a ``ClientWriter`` that writes a
+relayed response straight to the client's transport. The head goes out with
+the first body bytes in one write, and each later piece in one call with no
+message dict, no coroutine and no await unless the client's buffer is full.
+It keeps uvicorn's response state (the cycle's own fields), so a response
+may mix it with ASGI ``send``, and it keeps uvicorn's flow control and its
+disconnect handling: once the client has gone, writes are dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import (
+    HEADER_RE,
+    HEADER_VALUE_RE,
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
 
 from proxy.errors import error_body
 
@@ -41,7 +57,10 @@ class GatewayProtocol(HttpToolsProtocol):
         # header value (or URL) before any callback, so counting there is late.
         self._head_bytes = 0
         self._in_head = True
+        # A head has begun (its first bytes are in) and is not yet whole.
+        self._head_begun = False
         self._refusal: tuple[int, str, str] | None = None
+        self._extensions: dict[str, Any] = {}
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -53,30 +72,38 @@ class GatewayProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if not self._in_head:
-            super().data_received(data)
-            return
-        # Counted on raw bytes as they arrive: httptools builds a whole header
-        # value (or URL) before any callback, so counting there is too late.
-        self._head_bytes += len(data)
+        if self._in_head:
+            # Counted on raw bytes as they arrive: httptools builds a whole header
+            # value (or URL) before any callback, so counting there is too late.
+            self._head_bytes += len(data)
         super().data_received(data)
-        if self._in_head and self._head_bytes > self.max_header_bytes and not self.transport.is_closing():
+        if self.transport.is_closing():
+            return
+        # The timers are armed only for what is still incomplete after a read:
+        # a request that arrives whole in one read (nearly all do) arms none.
+        if not self._in_head:
+            # In a body: it must end within body_timeout_s of its head's end.
+            if self._body_timer is None:
+                self._body_timer = self.loop.call_later(self.body_timeout_s, self._body_too_slow)
+        elif self._head_bytes > self.max_header_bytes:
             self._reply_and_close(
                 431, f"request headers are larger than {self.max_header_bytes} bytes", "headers_too_large"
             )
+        elif self._head_begun and self._head_timer is None:
+            self._arm_head_timer()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         # The client's abort, for the relay to cut a client that stopped reading.
         extensions: dict[str, Any] = dict(self.scope.get("extensions") or {})
         extensions["blazar.abort"] = self.transport.abort
-        self.scope["extensions"] = extensions
-        if self._head_timer is None:
-            self._arm_head_timer()
+        self.scope["extensions"] = self._extensions = extensions
+        self._head_begun = True
 
     def on_headers_complete(self) -> None:
         self._cancel_head_timer()
         self._in_head = False
+        self._head_begun = False
         # A head that arrived whole in one read: check its size here (only
         # when the raw bytes read so far, head and maybe body, pass the limit).
         if (
@@ -99,8 +126,9 @@ class GatewayProtocol(HttpToolsProtocol):
             )
             raise _Refused()
         super().on_headers_complete()
-        # From the end of the head, not the first body byte; cancelled at the message's end.
-        self._body_timer = self.loop.call_later(self.body_timeout_s, self._body_too_slow)
+        cycle = self.cycle
+        if cycle is not None and cycle.scope is self.scope:
+            self._extensions["blazar.writer"] = ClientWriter(cycle)
 
     def on_message_complete(self) -> None:
         self._cancel_body_timer()
@@ -158,6 +186,108 @@ class GatewayProtocol(HttpToolsProtocol):
         ]
         self.transport.write(b"".join(head))
         self.transport.close()
+
+
+class ClientWriter:
+    """A response written straight to the client's transport, in uvicorn's cycle's own state.
+
+    ``start`` holds the head; the first ``write`` (or ``flush``) sends it, with
+    the body bytes in the same write. ``write`` returns None when the bytes are
+    handed to the transport, or an awaitable to wait on while the client's
+    buffer is above its high-water mark (the relay awaits it: backpressure).
+    """
+
+    __slots__ = ("_cycle", "_head", "_send")
+
+    def __init__(self, cycle: RequestResponseCycle) -> None:
+        self._cycle = cycle
+        self._send = cycle.send
+        self._head: bytes | None = None
+
+    def serves(self, send: object) -> bool:
+        """Whether ``send`` is this response's own (no wrapper adds headers to it)."""
+        return send == self._send
+
+    def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        """The response head, held until the first body bytes (or ``flush``)."""
+        cycle = self._cycle
+        if cycle.response_started:
+            raise RuntimeError("the response has already started")
+        cycle.response_started = True
+        cycle.waiting_for_100_continue = False
+        content = [STATUS_LINE[status]]
+        names = []
+        values = []
+        close = False
+        for name, value in (*cycle.default_headers, *headers):
+            names.append(name)
+            values.append(value)
+            if name == b"content-length" and cycle.chunked_encoding is None:
+                cycle.expected_content_length = int(value)
+                cycle.chunked_encoding = False
+            elif name == b"transfer-encoding" and value.lower() == b"chunked":
+                cycle.expected_content_length = 0
+                cycle.chunked_encoding = True
+            elif name == b"connection" and b"close" in value.lower():
+                cycle.keep_alive = False
+                close = True
+            content += (name, b": ", value, b"\r\n")
+        # uvicorn's checks, made once over the whole head rather than twice a header.
+        if HEADER_RE.search(b"".join(names)) or HEADER_VALUE_RE.search(b"".join(values)):
+            raise RuntimeError("Invalid HTTP header name or value.")
+        if not cycle.keep_alive and not close:
+            content.append(b"connection: close\r\n")
+        if cycle.chunked_encoding is None and status not in (204, 304):
+            cycle.chunked_encoding = True
+            content.append(b"transfer-encoding: chunked\r\n")
+        content.append(b"\r\n")
+        self._head = b"".join(content)
+
+    def flush(self) -> Awaitable[None] | None:
+        """Send a held head on its own (the body's first bytes are not there yet)."""
+        head = self._head
+        if head is None:
+            return None
+        self._head = None
+        cycle = self._cycle
+        if cycle.disconnected:
+            return None
+        cycle.transport.write(head)
+        return cycle.flow.drain() if cycle.flow.write_paused else None
+
+    def write(self, body: bytes, more: bool) -> Awaitable[None] | None:
+        """Send body bytes (the last of the response when not ``more``), after a held head."""
+        cycle = self._cycle
+        if cycle.disconnected or cycle.response_complete:
+            return None
+        if cycle.chunked_encoding:
+            if body:
+                data = b"%x\r\n%b\r\n" % (len(body), body)
+                if not more:
+                    data += b"0\r\n\r\n"
+            else:
+                data = b"" if more else b"0\r\n\r\n"
+        else:
+            cycle.expected_content_length -= len(body)
+            if cycle.expected_content_length < 0:
+                raise RuntimeError("Response content longer than Content-Length")
+            data = body
+        head = self._head
+        if head is not None:
+            self._head = None
+            data = head + data
+        if data:
+            cycle.transport.write(data)
+        if not more:
+            if cycle.expected_content_length != 0 and not cycle.chunked_encoding:
+                raise RuntimeError("Response content shorter than Content-Length")
+            cycle.response_complete = True
+            cycle.message_event.set()
+            if not cycle.keep_alive:
+                cycle.transport.close()
+            cycle.on_response()
+            return None
+        return cycle.flow.drain() if cycle.flow.write_paused else None
 
 
 def _asks_upgrade(headers: list[tuple[bytes, bytes]]) -> bool:

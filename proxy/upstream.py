@@ -22,6 +22,7 @@ import enum
 import errno
 import ipaddress
 import socket
+from collections.abc import Callable
 from typing import Any, cast
 
 import httptools
@@ -125,10 +126,17 @@ class Connection(asyncio.Protocol):
     """One upstream connection, carrying one request at a time."""
 
     def __init__(self) -> None:
-        self._loop = asyncio.get_running_loop()
+        self._loop = self.loop = asyncio.get_running_loop()
         self._transport: asyncio.Transport | None = None
+        # The parser's body callback is the list's own append: httptools calls
+        # it once per HTTP chunk (an engine writes one per SSE event), and a
+        # C method there costs no Python frame. What a Python callback did
+        # (count, pause, wake, drop stray bytes) is done once per read.
+        self._chunks: list[bytes] = []
+        self.on_body: Callable[[bytes], None] = self._chunks.append
         self._parser = httptools.HttpResponseParser(self)
         self._waiter: asyncio.Future[None] | None = None
+        self._wait_over = False
         self._read_timer: asyncio.TimerHandle | None = None
         self.state = ConnState.NEW
         self.requests_sent = 0
@@ -156,8 +164,11 @@ class Connection(asyncio.Protocol):
         self._informational = False
         self._error: BaseException | None = None
         self._received_any = False
-        self._chunks: list[bytes] = []
-        self._buffered = 0
+        self._chunks.clear()
+        # Bytes received since the relay last read (framing included): the pause's measure.
+        self._unread = 0
+        # With a stray message under way: how many chunks are this response's.
+        self._kept = 0
         self._paused = False
         self._last_data_at = 0.0
         self._wait_since = 0.0
@@ -181,12 +192,25 @@ class Connection(asyncio.Protocol):
         self._last_data_at = self._loop.time()
         if not self._head_done:
             self._head_bytes += len(data)
+        chunks = self._chunks
+        if self._stray:
+            self._kept = len(chunks)
         try:
             self._parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
             self._fail(BadResponse(f"upstream sent a malformed HTTP response ({exc!r})"))
             self.close()
             return
+        if chunks:
+            if self._stray:
+                # Bytes of a message after the end of this response are not its body.
+                del chunks[self._kept :]
+            self._unread += len(data)
+            if self._unread > _HIGH_WATER_BYTES and not self._paused and self._transport:
+                self._paused = True
+                self._transport.pause_reading()
+            if self._waiter is not None:
+                self._wake()
         if not self._head_done and self._head_bytes > MAX_HEAD_BYTES:
             # Endless header lines, or one huge one: memory stays bounded.
             self._fail(BadResponse(f"upstream's response head is larger than {MAX_HEAD_BYTES} bytes"))
@@ -207,6 +231,7 @@ class Connection(asyncio.Protocol):
             # Bytes after the end of the response: the next message began.
             # The connection is out of step with its requests; never reuse it.
             self._stray = True
+            self._kept = len(self._chunks)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if self._stray:
@@ -255,16 +280,6 @@ class Connection(asyncio.Protocol):
         self._head_done = True
         self._wake()
 
-    def on_body(self, body: bytes) -> None:
-        if self._stray:
-            return
-        self._chunks.append(body)
-        self._buffered += len(body)
-        if self._buffered > _HIGH_WATER_BYTES and not self._paused and self._transport:
-            self._paused = True
-            self._transport.pause_reading()
-        self._wake()
-
     def on_message_complete(self) -> None:
         if self._stray:
             return
@@ -308,13 +323,17 @@ class Connection(asyncio.Protocol):
         Unlike read_head, running out of time leaves the exchange alone.
         """
         if not self._head_done and self._error is None:
+            # A plain timer that wakes the wait (asyncio.timeout costs a
+            # dozen calls, and this wait is made for every stream).
+            self._wait_over = False
+            timer = self._loop.call_later(timeout_s, self._end_head_wait)
             try:
-                async with asyncio.timeout(timeout_s):
-                    while not self._head_done and self._error is None:
-                        await self._wait()
-            except TimeoutError:
-                if not self._head_done and self._error is None:
-                    return False
+                while not self._head_done and self._error is None:
+                    if self._wait_over:
+                        return False
+                    await self._wait()
+            finally:
+                timer.cancel()
         if self._head_done:
             return True
         assert self._error is not None
@@ -330,7 +349,7 @@ class Connection(asyncio.Protocol):
             if chunks:
                 data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
                 chunks.clear()
-                self._buffered = 0
+                self._unread = 0
                 if self._paused and self._transport is not None:
                     self._paused = False
                     self._transport.resume_reading()
@@ -351,6 +370,11 @@ class Connection(asyncio.Protocol):
     def awaited(self) -> bool:
         """Whether the relay is waiting on this connection for the upstream's bytes."""
         return self._waiter is not None and not self._waiter.done()
+
+    @property
+    def ready(self) -> bool:
+        """Whether ``read`` would return (or raise) without waiting."""
+        return bool(self._chunks) or self._complete or self._error is not None
 
     @property
     def complete(self) -> bool:
@@ -393,6 +417,10 @@ class Connection(asyncio.Protocol):
             self._transport.abort()
 
     # -- internals ----------------------------------------------------------
+
+    def _end_head_wait(self) -> None:
+        self._wait_over = True
+        self._wake()
 
     def _head_timed_out(self, timeout_s: float) -> None:
         if not self._head_done and self._error is None:

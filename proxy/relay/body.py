@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from proxy.asgi import Send
+from proxy.relay.out import Writer
 from proxy.relay.outcome import Outcome
 from proxy.upstream import Connection, UpstreamError
 
@@ -14,39 +14,45 @@ log = logging.getLogger("blazar.relay")
 SLICE_BYTES = 64 * 1024
 
 
-async def relay_body(conn: Connection, send: Send, outcome: Outcome, read_timeout_s: float) -> str | None:
-    """Relay a body as it arrives; the upstream error's code if it broke."""
+async def relay_body(conn: Connection, out: Writer, outcome: Outcome, read_timeout_s: float) -> str | None:
+    """Relay a body as it arrives, after the head ``out`` holds; the upstream error's code if it broke.
+
+    The head goes out with the first body bytes when they are already here,
+    else on its own before the wait.
+    """
     try:
+        if not conn.ready and (wait := out.flush()) is not None:
+            await wait
         while chunk := await conn.read(read_timeout_s):
             outcome.bytes_out += len(chunk)
             if len(chunk) > SLICE_BYTES:
-                chunk = await send_all_but_last_slice(send, chunk, outcome)
+                chunk = await write_all_but_last_slice(out, chunk, outcome)
             if conn.complete:
-                await send({"type": "http.response.body", "body": chunk})
+                if (wait := out.write(chunk, False)) is not None:
+                    await wait
                 return None
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if (wait := out.write(chunk, True)) is not None:
+                await wait
             outcome.sends += 1
     except UpstreamError as exc:
-        # Headers are out: the only honest signal left is to cut the
-        # client's connection before the declared end of the body.
+        # Headers are out (or go out now): the only honest signal left is to
+        # cut the client's connection before the declared end of the body.
         conn.close()
         log.warning("upstream body broken, cutting the client's response: %s", exc)
+        if (wait := out.flush()) is not None:
+            await wait
         return exc.code
-    await send({"type": "http.response.body", "body": b""})
+    if (wait := out.write(b"", False)) is not None:
+        await wait
     return None
 
 
-async def send_all_but_last_slice(send: Send, chunk: bytes, outcome: Outcome) -> bytes:
-    """Send a large chunk in slices, so that a slow but steady client shows progress; return the last."""
+async def write_all_but_last_slice(out: Writer, chunk: bytes, outcome: Outcome) -> bytes:
+    """Write a large chunk in slices, so that a slow but steady client shows progress; return the last."""
     view = memoryview(chunk)
     last = (len(chunk) - 1) // SLICE_BYTES * SLICE_BYTES
     for offset in range(0, last, SLICE_BYTES):
-        await send(
-            {
-                "type": "http.response.body",
-                "body": bytes(view[offset : offset + SLICE_BYTES]),
-                "more_body": True,
-            }
-        )
+        if (wait := out.write(bytes(view[offset : offset + SLICE_BYTES]), True)) is not None:
+            await wait
         outcome.sends += 1
     return bytes(view[last:])

@@ -29,6 +29,7 @@ from proxy.relay.built import respond_built
 from proxy.relay.drain import Drain
 from proxy.relay.failures import KEPT_ON_ERRORS, read_error_body, send_upstream_error, upstream_error_body
 from proxy.relay.heartbeat import await_head_with_heartbeats, continue_stream
+from proxy.relay.out import writer_for
 from proxy.relay.outcome import Outcome
 from proxy.relay.routes import Peer
 from proxy.relay.settings import RelaySettings
@@ -112,7 +113,7 @@ class Exchange:
                 return None
             if health is not None:
                 health.answered(conn.status)
-            await self._respond(conn, send, outcome)
+            await self._respond(conn, scope, send, outcome)
         except ClientGone:
             outcome.client_gone = True
         except asyncio.CancelledError:
@@ -164,7 +165,7 @@ class Exchange:
             timing = server_timing(outcome.started, outcome.sent_at, perf_counter())
             await send_upstream_error(send, exc, outcome.request_id, timing)
 
-    async def _respond(self, conn: Connection, send: Send, outcome: Outcome) -> None:
+    async def _respond(self, conn: Connection, scope: Scope, send: Send, outcome: Outcome) -> None:
         """The upstream's head is in: answer with it, or with what is wrong with it."""
         head_at = perf_counter()
         started, sent_at = outcome.started, outcome.sent_at
@@ -217,11 +218,12 @@ class Exchange:
                 if name == b"content-length":
                     headers.append((name, value))
                     break
-        await send({"type": "http.response.start", "status": status, "headers": headers})
+        out = writer_for(scope, send)
+        out.start(status, headers)
         if sse:
-            outcome.error = await relay_events(conn, send, outcome, self._read_timeout_s)
+            outcome.error = await relay_events(conn, out, outcome, self._read_timeout_s)
         else:
-            outcome.error = await relay_body(conn, send, outcome, self._read_timeout_s)
+            outcome.error = await relay_body(conn, out, outcome, self._read_timeout_s)
 
     async def _bad_response(self, send: Send, outcome: Outcome, head_at: float, message: str) -> None:
         """502 upstream_bad_response: a head the client cannot be given."""

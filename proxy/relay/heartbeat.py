@@ -14,6 +14,7 @@ from time import perf_counter
 from proxy.asgi import Send
 from proxy.headers import SSE_HEADERS, is_event_stream
 from proxy.relay.failures import read_error_body, upstream_error_body
+from proxy.relay.out import AsgiWriter
 from proxy.relay.outcome import Outcome
 from proxy.relay.sse import relay_events
 from proxy.relay.timing import server_timing
@@ -50,7 +51,8 @@ async def continue_stream(
 ) -> None:
     """The upstream's head after the gateway's heartbeats: relay its events, or its error as one."""
     if 200 <= status < 300 and is_event_stream(conn.headers):
-        outcome.error = await relay_events(conn, send, outcome, read_timeout_s)
+        # The head went out as the gateway's own: the events follow it (rare: no fast path).
+        outcome.error = await relay_events(conn, AsgiWriter(send), outcome, read_timeout_s)
         return
     try:
         body = await read_error_body(conn, read_timeout_s) if status >= 400 else b""

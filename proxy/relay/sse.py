@@ -7,9 +7,9 @@ bytes hold ``[DONE]``.
 
 from __future__ import annotations
 
-from proxy.asgi import Send
 from proxy.errors import sse_error_event
-from proxy.relay.body import SLICE_BYTES, send_all_but_last_slice
+from proxy.relay.body import SLICE_BYTES, write_all_but_last_slice
+from proxy.relay.out import Writer
 from proxy.relay.outcome import Outcome
 from proxy.upstream import Connection, UpstreamError
 
@@ -19,8 +19,8 @@ _TAIL_BYTES = 32
 _PARTIAL_EVENT_LIMIT_BYTES = 64 * 1024
 
 
-async def relay_events(conn: Connection, send: Send, outcome: Outcome, read_timeout_s: float) -> str | None:
-    """Relay an SSE stream event by event as bytes arrive, and vouch for its end.
+async def relay_events(conn: Connection, out: Writer, outcome: Outcome, read_timeout_s: float) -> str | None:
+    """Relay an SSE stream event by event as bytes arrive, after the head ``out`` holds; vouch for its end.
 
     Bytes after the last complete event of a read wait for the rest of
     their event (they are rare: servers write whole events), so that an
@@ -33,6 +33,9 @@ async def relay_events(conn: Connection, send: Send, outcome: Outcome, read_time
     tail = b""
     last = b""
     try:
+        if not conn.ready and (wait := out.flush()) is not None:
+            # Nothing of the body yet (a prefill): the head goes out alone.
+            await wait
         while chunk := await conn.read(read_timeout_s):
             if pending:
                 chunk = pending + chunk
@@ -46,17 +49,20 @@ async def relay_events(conn: Connection, send: Send, outcome: Outcome, read_time
             tail = chunk[-_TAIL_BYTES:] if len(chunk) >= _TAIL_BYTES else (tail + chunk)[-_TAIL_BYTES:]
             outcome.bytes_out += len(chunk)
             if len(chunk) > SLICE_BYTES:
-                chunk = await send_all_but_last_slice(send, chunk, outcome)
+                chunk = await write_all_but_last_slice(out, chunk, outcome)
             last = chunk
             if conn.complete and not conn.close_delimited and not pending and ends_stream(tail, last):
-                await send({"type": "http.response.body", "body": chunk})
+                if (wait := out.write(chunk, False)) is not None:
+                    await wait
                 return None
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if (wait := out.write(chunk, True)) is not None:
+                await wait
             outcome.sends += 1
     except UpstreamError as exc:
         conn.close()
         event = sse_error_event(exc.status, str(exc), code=exc.code)
-        await send({"type": "http.response.body", "body": event})
+        if (wait := out.write(event, False)) is not None:
+            await wait
         return exc.code
     if not ends_stream(tail, last):
         # An HTTP/1.0 stream ends with the close either way, and a chunked
@@ -64,9 +70,11 @@ async def relay_events(conn: Connection, send: Send, outcome: Outcome, read_time
         # cut it, or sent something else, and the client must know.
         message = "upstream stream ended without [DONE]: the response is truncated"
         event = sse_error_event(502, message, code="upstream_truncated")
-        await send({"type": "http.response.body", "body": event})
+        if (wait := out.write(event, False)) is not None:
+            await wait
         return "upstream_truncated"
-    await send({"type": "http.response.body", "body": pending})
+    if (wait := out.write(pending, False)) is not None:
+        await wait
     return None
 
 

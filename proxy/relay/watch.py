@@ -39,7 +39,7 @@ class ClientWatch:
         self._receive = receive
         self._conn = conn
         self._task: asyncio.Future[Message] | None = None
-        self._timer = asyncio.get_running_loop().call_later(_WATCH_AFTER_S, self._start)
+        self._timer = conn.loop.call_later(_WATCH_AFTER_S, self._start)
 
     def _start(self) -> None:
         self._task = asyncio.ensure_future(self._receive())
@@ -95,15 +95,14 @@ class StallWatch:
                 self.abort_client()
             self.task.cancel()
             return
-        loop = asyncio.get_running_loop()
-        self.guards.append(loop.call_later(self.interval_s, self.check, self.outcome.sends))
+        self.guards.append(self.conn.loop.call_later(self.interval_s, self.check, self.outcome.sends))
 
 
 def arm_guards(
     conn: Connection, outcome: Outcome, scope: Scope, total_timeout_s: float, send_stall_s: float
 ) -> list[asyncio.TimerHandle]:
     """Arm the optional whole-exchange deadline and the send-stall watchdog; cancel them all after."""
-    loop = asyncio.get_running_loop()
+    loop = conn.loop
     guards = []
     if total_timeout_s:
         error = TotalTimeout(f"the request took longer than the gateway's limit of {total_timeout_s:g} s")

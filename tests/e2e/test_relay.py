@@ -13,6 +13,7 @@ import orjson
 import pytest
 
 from tests.e2e.conftest import FakeEngine, Running, StartFakeEngine, StartGateway, free_port
+from tests.e2e.raw_http import payload, raw_request
 
 CHAT = "/v1/chat/completions"
 
@@ -139,6 +140,26 @@ def test_stream_is_relayed_before_it_ends(gateway: Running, fake: FakeEngine, ht
     ) as response:
         first = next(response.iter_raw())
     assert first.startswith(b"data: {")
+
+
+def test_a_stream_head_is_relayed_before_its_first_event(gateway: Running, fake: FakeEngine) -> None:
+    """The engine's head reaches the client during its prefill: the gateway holds a head back only
+    while the body's first bytes are already there to go with it."""
+    # The fake writes its 200 head at once, then its first comment only after 20 s.
+    sock = raw_request(gateway, "prefill=30; keepalive=20", payload(stream=True))
+    try:
+        sock.settimeout(10)
+        head = b""
+        while b"\r\n\r\n" not in head:
+            piece = sock.recv(65536)
+            assert piece, head
+            head += piece
+        status, _, rest = head.partition(b"\r\n")
+        assert status == b"HTTP/1.1 200 OK"
+        assert b"text/event-stream" in rest.lower()
+        assert rest.endswith(b"\r\n\r\n")  # nothing of the body yet
+    finally:
+        sock.close()
 
 
 def test_paths_without_v1_are_served(gateway: Running, fake: FakeEngine, http: httpx.Client) -> None:

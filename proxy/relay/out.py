@@ -1,0 +1,64 @@
+"""Where a relayed response is written: straight to the client's transport, or through ASGI ``send``.
+
+The server (``proxy/protocol.py``) offers ``scope["extensions"]["blazar.writer"]``;
+the relay uses it when the ``send`` it was given is the server's own (a
+wrapper such as the CORS one adds headers that only ``send`` would see).
+Either way the relay calls the same three methods, and awaits what
+``write`` and ``flush`` return only when it is not None.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from typing import Protocol
+
+from proxy.asgi import Scope, Send
+
+
+class Writer(Protocol):
+    def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None: ...
+
+    def flush(self) -> Awaitable[None] | None: ...
+
+    def write(self, body: bytes, more: bool) -> Awaitable[None] | None: ...
+
+
+class AsgiWriter:
+    """The same calls made as ASGI messages; the head waits for the first body bytes, as the server's does."""
+
+    __slots__ = ("_send", "_start")
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self._start: dict[str, object] | None = None
+
+    def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self._start = {"type": "http.response.start", "status": status, "headers": headers}
+
+    def flush(self) -> Awaitable[None] | None:
+        start = self._start
+        if start is None:
+            return None
+        self._start = None
+        return self._send(start)
+
+    def write(self, body: bytes, more: bool) -> Awaitable[None] | None:
+        message = {"type": "http.response.body", "body": body, "more_body": more}
+        if self._start is None:
+            return self._send(message)
+        return self._both(message)
+
+    async def _both(self, message: dict[str, object]) -> None:
+        start = self._start
+        self._start = None
+        assert start is not None
+        await self._send(start)
+        await self._send(message)
+
+
+def writer_for(scope: Scope, send: Send) -> Writer:
+    """The server's own writer when ``send`` is the server's, else one that sends ASGI messages."""
+    writer = (scope.get("extensions") or {}).get("blazar.writer")
+    if writer is not None and writer.serves(send):
+        return writer  # type: ignore[no-any-return]
+    return AsgiWriter(send)
