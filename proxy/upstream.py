@@ -522,7 +522,7 @@ class Pool:
         """An idle connection if a live one is pooled, else a new one."""
         idle = self._idle
         if idle:
-            now = asyncio.get_running_loop().time()
+            now = idle[-1].loop.time()
             while idle:
                 conn = idle.pop()
                 limit = self.idle_timeout_s
@@ -593,7 +593,7 @@ class Pool:
 
     def _park(self, conn: Connection) -> None:
         conn.state = ConnState.IDLE
-        conn.idle_since = asyncio.get_running_loop().time()
+        conn.idle_since = conn.loop.time()
         self._idle.append(conn)
 
     async def _open_spare(self) -> None:
