@@ -10,6 +10,7 @@ installs it from PyPI.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -291,14 +292,45 @@ def test_sigkill_of_gateway_leaves_no_orphan(engine_installed: None, logs_dir: P
     assert not _pid_alive(gateway.child_pid)
 
 
+def _wait_for_log(gateway: EngineGateway, text: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in gateway.log_path.read_text(errors="replace"):
+        assert gateway.proc.poll() is None, gateway.log_path.read_text(errors="replace")
+        assert time.monotonic() < deadline, f"no {text!r} in the gateway's log"
+        time.sleep(0.005)
+
+
 @pytest.mark.fault("drain", "a second and a third signal")
 def test_third_signal_kills_the_child_and_exits_130(engine_installed: None, logs_dir: Path) -> None:
-    """Three signals in a row: the gateway exits 130 at once and SIGKILLs its child itself."""
+    """Three signals in a row: the gateway exits 130 at once and SIGKILLs its child itself.
+
+    Each signal is sent once the gateway has told of the one before: two SIGINTs that
+    arrive before Python runs its handler are one signal to it (a busy machine made a
+    20 ms spacing flaky). A stream in flight holds the drain open after the first.
+    """
     gateway = start_engine_gateway(logs_dir)
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGINT):
+    body = {"model": DEMO, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4000}
+    body["stream"] = True
+    streamed = threading.Event()
+
+    def stream() -> None:
+        with (
+            contextlib.suppress(httpx.HTTPError),
+            httpx.Client(trust_env=False, timeout=60) as http,
+            http.stream("POST", f"{gateway.url}/v1/chat/completions", json=body) as response,
+        ):
+            for _ in response.iter_raw():
+                streamed.set()
+
+    client = threading.Thread(target=stream, daemon=True)
+    client.start()
+    assert streamed.wait(60)
+    for sig, told in ((signal.SIGTERM, "draining: 1 requests"), (signal.SIGINT, "second signal")):
         gateway.proc.send_signal(sig)
-        time.sleep(0.02)
+        _wait_for_log(gateway, told)
+    gateway.proc.send_signal(signal.SIGINT)
     assert gateway.proc.wait(10) == 130
+    client.join(10)
     deadline = time.monotonic() + 2.0
     while _pid_alive(gateway.child_pid) and time.monotonic() < deadline:
         time.sleep(0.05)
