@@ -481,6 +481,22 @@ def ttft_p50_ms(turns: Sequence[Turn]) -> float | None:
     return statistics.median(t.ttft_s for t in turns) * 1000 if turns else None
 
 
+def ttft_p90_ms(turns: Sequence[Turn]) -> float | None:
+    """The 90th percentile (inclusive: within the values seen), or the one value."""
+    if len(turns) < 2:
+        return turns[0].ttft_s * 1000 if turns else None
+    return statistics.quantiles((t.ttft_s for t in turns), n=10, method="inclusive")[-1] * 1000
+
+
+def ttft_mean_ms(turns: Sequence[Turn]) -> float | None:
+    return statistics.fmean(t.ttft_s for t in turns) * 1000 if turns else None
+
+
+def misses(turns: Sequence[Turn]) -> int:
+    """Turns that found less than half their prompt cached: a prefill of most of the prompt."""
+    return sum(1 for t in turns if t.cached_tokens * 2 < t.prompt_tokens)
+
+
 def max_share(served: Sequence[int]) -> float | None:
     """The busiest replica's share of the requests."""
     total = sum(served)
@@ -507,6 +523,10 @@ def summarize(results: Sequence[ModeResult], turns: int) -> dict[str, Any]:
             "turns": per_turn,
             "later_cached_fraction": cached_fraction(later),
             "later_ttft_p50_ms": ttft_p50_ms(later),
+            "later_ttft_p90_ms": ttft_p90_ms(later),
+            "later_ttft_mean_ms": ttft_mean_ms(later),
+            "later_misses": misses(later),
+            "later_turns": len(later),
             "served": result.served,
             "max_share": max_share(result.served),
             "cache_peak": result.cache_peak,
@@ -620,6 +640,22 @@ def markdown(data: dict[str, Any]) -> str:
     for name in measured:
         cells += [_f(modes[name]["later_cached_fraction"]), f"{_f(modes[name]['later_ttft_p50_ms'], 0)} ms"]
     lines += ["| 2+ | | " + " | ".join(cells) + " |", ""]
+    lines += [
+        "## Turns 2+: misses (under half the prompt cached) and the TTFT spread",
+        "",
+        "| mode | misses | TTFT p50 | TTFT p90 | TTFT mean |",
+        "|---|---|---|---|---|",
+    ]
+    for name in measured:
+        mode = modes[name]
+        if "later_misses" not in mode:
+            continue
+        lines.append(
+            f"| {name} | {mode['later_misses']} of {mode['later_turns']} | "
+            f"{_f(mode['later_ttft_p50_ms'], 0)} ms | {_f(mode['later_ttft_p90_ms'], 0)} ms | "
+            f"{_f(mode['later_ttft_mean_ms'], 0)} ms |"
+        )
+    lines.append("")
     lines += [
         "## Load split (requests each child served)",
         "",

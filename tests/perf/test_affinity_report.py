@@ -24,10 +24,12 @@ from perf.affinity import (
     markdown,
     max_share,
     merge,
+    misses,
     prompt_cache,
     summarize,
     system_prompt,
     think_time,
+    ttft_p90_ms,
 )
 from proxy.startup import configfile
 
@@ -216,3 +218,32 @@ def test_the_most_caches_held_is_read_from_the_childs_log_and_pooled_by_maximum(
     merge(pooled, ModeResult("affinity", served=[1, 1], cache_peak=[5, 3]))
     merge(pooled, ModeResult("affinity", served=[1, 1], cache_peak=[4, 5]))
     assert pooled.cache_peak == [5, 5]
+
+
+def test_later_turns_count_their_misses_and_the_ttft_spread() -> None:
+    """Turns 2+ report how many found under half their prompt cached, and TTFT p90 and mean beside p50."""
+    later = [
+        turn(2, 1000, 900, 0.1),
+        turn(3, 1000, 950, 0.2),
+        turn(4, 1000, 400, 5.0),
+        turn(2, 1000, 499, 3.0),
+    ]
+    assert misses(later) == 2  # 400 and 499 of 1000; 500 would count as cached
+    assert misses([turn(2, 1000, 500, 1.0)]) == 0
+    assert ttft_p90_ms([turn(2, 10, 0, 1.0)]) == 1000.0 and ttft_p90_ms([]) is None
+    p90 = ttft_p90_ms(later)
+    assert p90 is not None and 3000 < p90 < 5000
+    summary = summarize([ModeResult("least-busy", turns=[turn(1, 1000, 0, 9.0), *later], served=[3, 2])], 4)
+    mode = summary["modes"]["least-busy"]
+    assert (mode["later_misses"], mode["later_turns"]) == (2, 4)
+    assert abs(mode["later_ttft_mean_ms"] - 2075.0) < 1e-6
+    text = markdown(
+        {
+            "plan": {**AffinityPlan().__dict__},
+            "engine": ENGINE,
+            "model": "m",
+            "summary": summary,
+            "environment": {},
+        }
+    )
+    assert f"| least-busy | 2 of 4 | 1600 ms | {p90:.0f} ms | 2075 ms |" in text
