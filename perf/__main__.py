@@ -63,6 +63,17 @@ def main(argv: list[str] | None = None) -> int:
         "--think", type=float, default=None, help="affinity: mean pause in s before a later turn [0.5]"
     )
     parser.add_argument(
+        "--prompt-cache-size",
+        type=int,
+        default=None,
+        help="affinity: each engine child's --prompt-cache-size, through engine-args [engine default, 10]",
+    )
+    parser.add_argument(
+        "--prompt-cache-bytes",
+        default=None,
+        help="affinity: each engine child's --prompt-cache-bytes (e.g. 512M) [engine default, unbounded]",
+    )
+    parser.add_argument(
         "--concurrent", type=int, default=None, help="receipt: also aggregate tok/s at C=N [off]"
     )
     args = parser.parse_args(argv)
@@ -197,6 +208,10 @@ def _affinity(args: argparse.Namespace, out: Path) -> int:
         plan.think_s = args.think
     if args.conversations:
         plan.conversations = args.conversations
+    if args.prompt_cache_size is not None:
+        plan.prompt_cache_size = args.prompt_cache_size
+    if args.prompt_cache_bytes is not None:
+        plan.prompt_cache_bytes = args.prompt_cache_bytes
     if args.modes:
         plan.modes = tuple(args.modes.split(","))
         unknown = set(plan.modes) - set(MODES)

@@ -33,6 +33,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -60,6 +61,11 @@ AFFINITY_FLAG = "--affinity-slack"
 AFFINITY_OFF = "off"
 MODES = ("single", "least-busy", "affinity", "client-affinity")
 MODEL_TABLE = "perf-affinity"
+# mlx_lm.server's prompt cache (0.32.0): --prompt-cache-size distinct KV caches
+# (10 by default), --prompt-cache-bytes in total (unbounded by default). A user
+# whose memory bounds the cache sets them through the model's engine-args.
+PROMPT_CACHE_DEFAULT_SIZE = 10
+PROMPT_CACHE_DEFAULT_BYTES = None
 _WORDS = (
     "river", "stone", "light", "market", "winter", "garden", "letter", "engine", "silver", "window",
     "paper", "forest", "harbor", "signal", "morning", "thread", "copper", "island", "mirror", "valley",
@@ -89,6 +95,46 @@ class AffinityPlan:
     think_s: float = 0.5
     # Each mode this many times, the order rotating; figures pool the rounds.
     rounds: int = 1
+    # The children's prompt cache: None leaves the engine's default.
+    prompt_cache_size: int | None = None
+    # A size as mlx_lm.server reads it ("512M", "2G", or bytes); None leaves the default.
+    prompt_cache_bytes: str | None = None
+
+
+def engine_args(plan: AffinityPlan) -> list[str]:
+    """The engine children's extra arguments: the prompt cache's bounds, when the plan sets them."""
+    args = []
+    if plan.prompt_cache_size is not None:
+        args += ["--prompt-cache-size", str(plan.prompt_cache_size)]
+    if plan.prompt_cache_bytes is not None:
+        args += ["--prompt-cache-bytes", plan.prompt_cache_bytes]
+    return args
+
+
+def prompt_cache(plan: AffinityPlan) -> dict[str, Any]:
+    """The prompt cache each child runs with, and the engine's default, for the report."""
+    return {
+        "size": plan.prompt_cache_size,
+        "bytes": plan.prompt_cache_bytes,
+        "default_size": PROMPT_CACHE_DEFAULT_SIZE,
+        "default_bytes": PROMPT_CACHE_DEFAULT_BYTES,
+        "engine_args": engine_args(plan),
+    }
+
+
+def prompt_cache_text(cache: dict[str, Any]) -> str:
+    """The cache setting in words: what was set, and the engine's default beside it."""
+    size = cache["size"]
+    limit = cache["bytes"]
+    default = f"{cache['default_size']} caches, bytes unbounded"
+    if size is None and limit is None:
+        return f"the engine's default ({default})"
+    parts = []
+    if size is not None:
+        parts.append(f"`--prompt-cache-size {size}`")
+    if limit is not None:
+        parts.append(f"`--prompt-cache-bytes {limit}`")
+    return " ".join(parts) + f" (engine default: {default})"
 
 
 @dataclass(frozen=True)
@@ -115,6 +161,8 @@ class ModeResult:
     wall_s: float = 0.0
     skipped: str | None = None
     affinity: dict[str, list[int]] | None = None
+    # The most prompt caches each child held during the run (its log's "Prompt Cache:" lines).
+    cache_peak: list[int] = field(default_factory=list)
 
 
 def chars_per_token(model: str) -> float:
@@ -255,13 +303,14 @@ def gateway_flags() -> str:
 
 
 def _config(plan: AffinityPlan, replicas: int) -> str:
+    args = engine_args(plan)
     return (
         f"[models.{MODEL_TABLE}]\n"
         f'engine = "{ENGINE}"\n'
         f'variant = "{plan.variant}"\n'
         f'model = "{plan.model}"\n'
         f"replicas = {replicas}\n"
-        "always-loaded = true\n"
+        "always-loaded = true\n" + (f"engine-args = {json.dumps(args)}\n" if args else "")
     )
 
 
@@ -297,6 +346,27 @@ def _served_requests(log: Path) -> int:
     """Requests a child has answered so far: mlx_lm.server's access lines in its log."""
     with contextlib.suppress(OSError):
         return log.read_bytes().count(b'"POST /v1/chat/completions')
+    return 0
+
+
+def _log_size(log: Path) -> int:
+    with contextlib.suppress(OSError):
+        return log.stat().st_size
+    return 0
+
+
+_CACHE_LINE = re.compile(rb"Prompt Cache: (\d+) sequences")
+
+
+def cache_peak(text: bytes) -> int:
+    """The most prompt caches a child reported holding in ``text`` (mlx_lm.server logs it per request)."""
+    return max((int(n) for n in _CACHE_LINE.findall(text)), default=0)
+
+
+def _cache_peak(log: Path, offset: int) -> int:
+    with contextlib.suppress(OSError), log.open("rb") as file:
+        file.seek(offset)
+        return cache_peak(file.read())
     return 0
 
 
@@ -361,11 +431,13 @@ def run_mode(mode: str, plan: AffinityPlan, log_dir: Path, flags: str) -> ModeRe
     try:
         router = _Router(urls, plan.slack) if mode == "client-affinity" else _Router([gateway.url], None)
         before = [_served_requests(log) for log in logs]
+        offsets = [_log_size(log) for log in logs]
         started = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(plan.conversations) as pool:
             runs = list(pool.map(lambda n: _converse(plan, served, router, n), range(plan.conversations)))
         result.wall_s = time.perf_counter() - started
         result.served = [_served_requests(log) - b for log, b in zip(logs, before, strict=True)]
+        result.cache_peak = [_cache_peak(log, o) for log, o in zip(logs, offsets, strict=True)]
         result.turns = [turn for run in runs for turn in run]
         if router.affinity is not None:
             a = router.affinity
@@ -383,6 +455,11 @@ def merge(into: ModeResult, result: ModeResult) -> None:
         [a + b for a, b in zip(into.served, result.served, strict=True)] if into.served else result.served
     )
     into.wall_s += result.wall_s
+    into.cache_peak = (
+        [max(a, b) for a, b in zip(into.cache_peak, result.cache_peak, strict=True)]
+        if into.cache_peak
+        else result.cache_peak
+    )
     if result.affinity is not None:
         if into.affinity is None:
             into.affinity = {name: list(counts) for name, counts in result.affinity.items()}
@@ -402,6 +479,22 @@ def cached_fraction(turns: Sequence[Turn]) -> float | None:
 
 def ttft_p50_ms(turns: Sequence[Turn]) -> float | None:
     return statistics.median(t.ttft_s for t in turns) * 1000 if turns else None
+
+
+def ttft_p90_ms(turns: Sequence[Turn]) -> float | None:
+    """The 90th percentile (inclusive: within the values seen), or the one value."""
+    if len(turns) < 2:
+        return turns[0].ttft_s * 1000 if turns else None
+    return statistics.quantiles((t.ttft_s for t in turns), n=10, method="inclusive")[-1] * 1000
+
+
+def ttft_mean_ms(turns: Sequence[Turn]) -> float | None:
+    return statistics.fmean(t.ttft_s for t in turns) * 1000 if turns else None
+
+
+def misses(turns: Sequence[Turn]) -> int:
+    """Turns that found less than half their prompt cached: a prefill of most of the prompt."""
+    return sum(1 for t in turns if t.cached_tokens * 2 < t.prompt_tokens)
 
 
 def max_share(served: Sequence[int]) -> float | None:
@@ -430,8 +523,13 @@ def summarize(results: Sequence[ModeResult], turns: int) -> dict[str, Any]:
             "turns": per_turn,
             "later_cached_fraction": cached_fraction(later),
             "later_ttft_p50_ms": ttft_p50_ms(later),
+            "later_ttft_p90_ms": ttft_p90_ms(later),
+            "later_ttft_mean_ms": ttft_mean_ms(later),
+            "later_misses": misses(later),
+            "later_turns": len(later),
             "served": result.served,
             "max_share": max_share(result.served),
+            "cache_peak": result.cache_peak,
             "wall_s": result.wall_s,
             "affinity": result.affinity,
         }
@@ -521,6 +619,10 @@ def markdown(data: dict[str, Any]) -> str:
         f"a pause of 0–{2 * plan['think_s']:g} s before each later turn, {plan['rounds']} round(s), "
         f"engine {data['engine']}, model {plan['model']} ({data['model']}), slack {plan['slack']}. "
         f"Git {data['environment'].get('git_sha', '?')}.",
+    ]
+    if data.get("prompt_cache"):
+        lines += ["", f"Prompt cache per child: {prompt_cache_text(data['prompt_cache'])}."]
+    lines += [
         "",
         "## Per turn: cached fraction of the prompt, and TTFT p50",
         "",
@@ -539,20 +641,37 @@ def markdown(data: dict[str, Any]) -> str:
         cells += [_f(modes[name]["later_cached_fraction"]), f"{_f(modes[name]['later_ttft_p50_ms'], 0)} ms"]
     lines += ["| 2+ | | " + " | ".join(cells) + " |", ""]
     lines += [
-        "## Load split (requests each child served)",
+        "## Turns 2+: misses (under half the prompt cached) and the TTFT spread",
         "",
-        "| mode | per replica | busiest share | wall |",
+        "| mode | misses | TTFT p50 | TTFT p90 | TTFT mean |",
+        "|---|---|---|---|---|",
     ]
-    lines.append("|---|---|---|---|")
     for name in measured:
         mode = modes[name]
+        if "later_misses" not in mode:
+            continue
+        lines.append(
+            f"| {name} | {mode['later_misses']} of {mode['later_turns']} | "
+            f"{_f(mode['later_ttft_p50_ms'], 0)} ms | {_f(mode['later_ttft_p90_ms'], 0)} ms | "
+            f"{_f(mode['later_ttft_mean_ms'], 0)} ms |"
+        )
+    lines.append("")
+    lines += [
+        "## Load split (requests each child served)",
+        "",
+        "| mode | per replica | busiest share | most caches held, per replica | wall |",
+    ]
+    lines.append("|---|---|---|---|---|")
+    for name in measured:
+        mode = modes[name]
+        peak = " / ".join(str(n) for n in mode.get("cache_peak") or ()) or "—"
         lines.append(
             f"| {name} | {' / '.join(str(n) for n in mode['served'])} | {_f(mode['max_share'])} "
-            f"| {_f(mode['wall_s'], 1)} s |"
+            f"| {peak} | {_f(mode['wall_s'], 1)} s |"
         )
     for name in MODES:
         if name in modes and "skipped" in modes[name]:
-            lines.append(f"| {name} | not measured: {modes[name]['skipped']} | | |")
+            lines.append(f"| {name} | not measured: {modes[name]['skipped']} | | | |")
     if summary["goals"]:
         lines += [
             "",
@@ -605,6 +724,7 @@ def run_affinity(plan: AffinityPlan, out_dir: Path) -> dict[str, Any]:
         "model": MODEL_TABLE,
         "flag": {"name": AFFINITY_FLAG, "in_gateway": AFFINITY_FLAG in flags, "off": AFFINITY_OFF},
         "plan": asdict(plan),
+        "prompt_cache": prompt_cache(plan),
         "summary": summarize(list(results.values()), plan.turns),
         "runs": {r.mode: [asdict(t) for t in r.turns] for r in results.values()},
         "decision_cost": decision_cost(),

@@ -2,23 +2,36 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
+from engines import spec
+from engines.plan import check_engine_args
 from perf.affinity import (
     AFFINITY_FLAG,
+    ENGINE,
+    MODEL_TABLE,
     AffinityPlan,
     ModeResult,
     Turn,
+    _config,
     _Router,
+    cache_peak,
     cached_fraction,
     decision_cost,
+    engine_args,
     markdown,
     max_share,
     merge,
+    misses,
+    prompt_cache,
     summarize,
     system_prompt,
     think_time,
+    ttft_p90_ms,
 )
+from proxy.startup import configfile
 
 
 def turn(number: int, prompt: int, cached: int, ttft_s: float, conversation: int = 0) -> Turn:
@@ -74,6 +87,7 @@ def test_markdown_has_a_row_per_turn_the_split_and_the_goals() -> None:
     ]
     data: dict[str, Any] = {
         "plan": {**plan.__dict__},
+        "prompt_cache": prompt_cache(plan),
         "engine": "mlx-0.32.0",
         "model": "m",
         "summary": summarize(results, turns=2),
@@ -86,6 +100,7 @@ def test_markdown_has_a_row_per_turn_the_split_and_the_goals() -> None:
     assert "| least-busy | 1 / 1 | 0.50 |" in text
     assert f"not measured: the gateway has no {AFFINITY_FLAG} yet" in text
     assert "`choose`" in text and "9.0 µs" in text
+    assert "Prompt cache per child: the engine's default (10 caches, bytes unbounded)." in text
 
 
 def test_rounds_pool_their_turns_and_requests() -> None:
@@ -139,3 +154,96 @@ def test_decision_cost_is_measured() -> None:
     cost = decision_cost(repeat=1, number=50)
     assert cost["body_bytes"] > 6000
     assert cost["key_us"] > 0 and cost["choose_us"] > 0
+
+
+def _no_gateway_table(key: str, value: Any) -> tuple[str, Any]:
+    raise ValueError(f"the harness writes no [gateway] table, got {key}")
+
+
+def test_a_bounded_prompt_cache_reaches_the_children_through_engine_args(tmp_path: Path) -> None:
+    """--prompt-cache-size/-bytes go into the model's engine-args, as the gateway reads its config file."""
+    path = tmp_path / "affinity.toml"
+    path.write_text(_config(AffinityPlan(), 2))
+    (default,) = configfile.load(path, _no_gateway_table).models
+    assert default.name == MODEL_TABLE and default.replicas == 2 and default.engine_args == ()
+
+    plan = AffinityPlan(prompt_cache_size=5, prompt_cache_bytes="512M")
+    path.write_text(_config(plan, 2))
+    (bounded,) = configfile.load(path, _no_gateway_table).models
+    assert bounded.engine_args == ("--prompt-cache-size", "5", "--prompt-cache-bytes", "512M")
+    assert list(bounded.engine_args) == engine_args(plan)
+    check_engine_args(spec.load(ENGINE), bounded.engine_args)  # none of the gateway's own flags
+
+
+def test_the_report_states_the_cache_used_and_the_engines_default() -> None:
+    """The header and the JSON name the cache setting, beside the engine's default of 10 caches."""
+    plan = AffinityPlan(turns=1, prompt_cache_size=5)
+    results = [ModeResult("single", turns=[turn(1, 100, 0, 1.0)], served=[1], cache_peak=[5])]
+    data: dict[str, Any] = {
+        "plan": {**plan.__dict__},
+        "prompt_cache": prompt_cache(plan),
+        "engine": ENGINE,
+        "model": "m",
+        "summary": summarize(results, turns=1),
+        "environment": {},
+    }
+    assert json.loads(json.dumps(data["prompt_cache"])) == {
+        "size": 5,
+        "bytes": None,
+        "default_size": 10,
+        "default_bytes": None,
+        "engine_args": ["--prompt-cache-size", "5"],
+    }
+    text = markdown(data)
+    assert (
+        "Prompt cache per child: `--prompt-cache-size 5` (engine default: 10 caches, bytes unbounded)."
+        in text
+    )
+    assert "| single | 1 | — | 5 | " in text  # the most caches the child held
+    both = prompt_cache(AffinityPlan(prompt_cache_size=4, prompt_cache_bytes="1G"))
+    assert "`--prompt-cache-size 4` `--prompt-cache-bytes 1G`" in markdown({**data, "prompt_cache": both})
+
+
+def test_the_most_caches_held_is_read_from_the_childs_log_and_pooled_by_maximum() -> None:
+    """mlx_lm.server logs its prompt cache's size per request; rounds keep each child's largest."""
+    log = (
+        b"2026-12-01 14:38:18,855 - INFO - Prompt Cache: 3 sequences, 0.01 GB\n"
+        b"2026-12-01 14:38:18,855 - INFO - - assistant: 3 sequences, 0.01 GB\n"
+        b"2026-12-01 14:38:19,101 - INFO - Prompt Cache: 5 sequences, 0.02 GB\n"
+        b"2026-12-01 14:38:19,300 - INFO - Prompt Cache: 4 sequences, 0.02 GB\n"
+    )
+    assert cache_peak(log) == 5
+    assert cache_peak(b"no such line") == 0
+    pooled = ModeResult("affinity")
+    merge(pooled, ModeResult("affinity", served=[1, 1], cache_peak=[5, 3]))
+    merge(pooled, ModeResult("affinity", served=[1, 1], cache_peak=[4, 5]))
+    assert pooled.cache_peak == [5, 5]
+
+
+def test_later_turns_count_their_misses_and_the_ttft_spread() -> None:
+    """Turns 2+ report how many found under half their prompt cached, and TTFT p90 and mean beside p50."""
+    later = [
+        turn(2, 1000, 900, 0.1),
+        turn(3, 1000, 950, 0.2),
+        turn(4, 1000, 400, 5.0),
+        turn(2, 1000, 499, 3.0),
+    ]
+    assert misses(later) == 2  # 400 and 499 of 1000; 500 would count as cached
+    assert misses([turn(2, 1000, 500, 1.0)]) == 0
+    assert ttft_p90_ms([turn(2, 10, 0, 1.0)]) == 1000.0 and ttft_p90_ms([]) is None
+    p90 = ttft_p90_ms(later)
+    assert p90 is not None and 3000 < p90 < 5000
+    summary = summarize([ModeResult("least-busy", turns=[turn(1, 1000, 0, 9.0), *later], served=[3, 2])], 4)
+    mode = summary["modes"]["least-busy"]
+    assert (mode["later_misses"], mode["later_turns"]) == (2, 4)
+    assert abs(mode["later_ttft_mean_ms"] - 2075.0) < 1e-6
+    text = markdown(
+        {
+            "plan": {**AffinityPlan().__dict__},
+            "engine": ENGINE,
+            "model": "m",
+            "summary": summary,
+            "environment": {},
+        }
+    )
+    assert f"| least-busy | 2 of 4 | 1600 ms | {p90:.0f} ms | 2075 ms |" in text
