@@ -149,6 +149,7 @@ class Connection(asyncio.Protocol):
     def _reset(self) -> None:
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
+        self._raw_headers: list[tuple[bytes, bytes]] = []
         self.keep_alive = False
         self.close_delimited = False
         self._head_done = False
@@ -234,32 +235,32 @@ class Connection(asyncio.Protocol):
             self._kept = len(self._chunks)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self._stray:
-            return
-        self._header_bytes += len(name) + len(value) + 4
-        name = name.lower()
-        if name == b"content-length":
-            self._framed = True
-            self._lengths.add(value.strip())
-        elif name == b"transfer-encoding":
-            self._framed = True
-            self._codings.extend(c.strip().lower() for c in value.split(b","))
-        elif name == b"keep-alive":
-            self.idle_limit_s = _keep_alive_limit(value)
-        self.headers.append((name, value))
+        # Kept as they come; read once the head is whole (one loop, not a call's work per header).
+        self._raw_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        raw = self._raw_headers
+        self._raw_headers = []
         if self._stray:
             return
         status = self._parser.get_status_code()
         if status < 200:
             # 1xx: an interim response; the real one follows.
             self._informational = True
-            self.headers = []
-            self._framed = False
-            self._codings = []
-            self._lengths = set()
             return
+        headers = self.headers
+        for name, value in raw:
+            self._header_bytes += len(name) + len(value) + 4
+            name = name.lower()
+            if name == b"content-length":
+                self._framed = True
+                self._lengths.add(value.strip())
+            elif name == b"transfer-encoding":
+                self._framed = True
+                self._codings.extend(c.strip().lower() for c in value.split(b","))
+            elif name == b"keep-alive":
+                self.idle_limit_s = _keep_alive_limit(value)
+            headers.append((name, value))
         if self._header_bytes > MAX_HEAD_BYTES:
             self._fail(BadResponse(f"upstream's response head is larger than {MAX_HEAD_BYTES} bytes"))
             self.close()

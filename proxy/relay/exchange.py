@@ -95,9 +95,9 @@ class Exchange:
         # on it. Dead idle connections are weeded out by acquire() instead.
         conn.send(head, body)
         outcome.sent_at = perf_counter()
-        watch = ClientWatch(receive, conn)
+        guards, arm_stall_watch = arm_guards(conn, outcome, scope, self._total_timeout_s, self._send_stall_s)
+        watch = ClientWatch(receive, conn, arm_stall_watch)
         drain.active.add(conn)
-        guards = arm_guards(conn, outcome, scope, self._total_timeout_s, self._send_stall_s)
         try:
             try:
                 if self._heartbeat_s and outcome.stream:

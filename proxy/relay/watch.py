@@ -1,8 +1,9 @@
 """The watchers of an exchange: the client's disconnect, a client that stops taking bytes, the deadline.
 
-None of them costs anything per chunk: the disconnect is one task (started
-only for exchanges that last), the send-stall watchdog and the optional
-whole-exchange deadline one timer each, re-armed only when they fire.
+None of them costs anything per chunk: the disconnect is one task and the
+send-stall watchdog one timer, both started only for exchanges that last
+(after ``_WATCH_AFTER_S``), and the optional whole-exchange deadline one
+timer; the timers are re-armed only when they fire.
 """
 
 from __future__ import annotations
@@ -33,17 +34,21 @@ class ClientWatch:
     cancelling, and skipping the task saves ~15 µs of CPU a request.
     """
 
-    __slots__ = ("_conn", "_receive", "_task", "_timer")
+    __slots__ = ("_conn", "_receive", "_task", "_then", "_timer")
 
-    def __init__(self, receive: Receive, conn: Connection) -> None:
+    def __init__(self, receive: Receive, conn: Connection, then: Callable[[], object] | None = None) -> None:
         self._receive = receive
         self._conn = conn
         self._task: asyncio.Future[Message] | None = None
+        # What else starts once the exchange has lasted (the send-stall watchdog).
+        self._then = then
         self._timer = conn.loop.call_later(_WATCH_AFTER_S, self._start)
 
     def _start(self) -> None:
         self._task = asyncio.ensure_future(self._receive())
         self._task.add_done_callback(self._conn.client_event)
+        if self._then is not None:
+            self._then()
 
     def stop(self) -> bool:
         """Stop watching; True if the client has gone (its upstream is closed)."""
@@ -84,6 +89,10 @@ class StallWatch:
         self.guards = guards
         self.abort_client = abort_client
 
+    def arm(self) -> None:
+        """Start watching (the first check only re-arms: progress is counted from there)."""
+        self.guards.append(self.conn.loop.call_later(self.interval_s, self.check, -1))
+
     def check(self, last_sends: int) -> None:
         if self.outcome.sends == last_sends and not self.conn.awaited:
             self.outcome.stalled = True
@@ -100,17 +109,19 @@ class StallWatch:
 
 def arm_guards(
     conn: Connection, outcome: Outcome, scope: Scope, total_timeout_s: float, send_stall_s: float
-) -> list[asyncio.TimerHandle]:
-    """Arm the optional whole-exchange deadline and the send-stall watchdog; cancel them all after."""
-    loop = conn.loop
+) -> tuple[list[asyncio.TimerHandle], Callable[[], None] | None]:
+    """Arm the optional whole-exchange deadline; the send-stall watchdog's arming, for later.
+
+    The watchdog starts with the ClientWatch (after ``_WATCH_AFTER_S``): an
+    exchange that ends sooner arms no timer for it. Cancel the guards after.
+    """
     guards = []
     if total_timeout_s:
         error = TotalTimeout(f"the request took longer than the gateway's limit of {total_timeout_s:g} s")
-        guards.append(loop.call_later(total_timeout_s, conn.abort, error))
-    if send_stall_s:
-        task = asyncio.current_task()
-        assert task is not None
-        abort_client = (scope.get("extensions") or {}).get("blazar.abort")
-        watch = StallWatch(send_stall_s, conn, outcome, task, guards, abort_client)
-        guards.append(loop.call_later(send_stall_s, watch.check, -1))
-    return guards
+        guards.append(conn.loop.call_later(total_timeout_s, conn.abort, error))
+    if not send_stall_s:
+        return guards, None
+    task = asyncio.current_task()
+    assert task is not None
+    abort_client = (scope.get("extensions") or {}).get("blazar.abort")
+    return guards, StallWatch(send_stall_s, conn, outcome, task, guards, abort_client).arm
