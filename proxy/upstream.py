@@ -1,4 +1,4 @@
-"""The relay's upstream transport: pooled HTTP/1.1 over asyncio, parsed by httptools.
+"""The relay's upstream transport: HTTP/1.1 over asyncio, parsed by httptools (pooled by proxy/pool.py).
 
 Why not httpx here: measured on this machine with one fast loopback upstream,
 Starlette + httpx added 0.82 ms a request and httpcore scans its whole pool on
@@ -19,15 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import errno
-import ipaddress
-import socket
 from collections.abc import Callable
 from typing import Any, cast
 
 import httptools
-
-from proxy.routing import UpstreamAddress
 
 # Reading from the upstream pauses above this many unrelayed bytes.
 _HIGH_WATER_BYTES = 256 * 1024
@@ -491,134 +486,3 @@ class Connection(asyncio.Protocol):
     async def _wait(self) -> None:
         self._waiter = self._loop.create_future()
         await self._waiter
-
-
-class Pool:
-    """Connections to one upstream; idle ones are reused newest first."""
-
-    def __init__(
-        self,
-        address: UpstreamAddress,
-        *,
-        connect_timeout_s: float,
-        idle_timeout_s: float = 4.0,
-        max_idle: int = 512,
-    ) -> None:
-        self.address = address
-        self.connect_timeout_s = connect_timeout_s
-        # Shorter than common keep-alive timeouts (uvicorn's default is 5 s),
-        # so that the gateway, not the upstream, retires idle connections.
-        self.idle_timeout_s = idle_timeout_s
-        self.max_idle = max_idle
-        self._idle: list[Connection] = []
-        self._spare: asyncio.Future[None] | None = None
-        self._closed = False
-        self._resolved: list[str] = []
-        self.last_connect_error: str | None = None
-
-    def __repr__(self) -> str:
-        return f"<Pool {self.address.host_header.decode()} idle={len(self._idle)}>"
-
-    async def acquire(self) -> Connection:
-        """An idle connection if a live one is pooled, else a new one."""
-        idle = self._idle
-        if idle:
-            now = idle[-1].loop.time()
-            while idle:
-                conn = idle.pop()
-                limit = self.idle_timeout_s
-                if conn.idle_limit_s is not None and conn.idle_limit_s < limit:
-                    limit = conn.idle_limit_s
-                if (
-                    conn.state is ConnState.IDLE
-                    and now - conn.idle_since < limit
-                    and conn._transport is not None
-                    and not conn._transport.is_closing()
-                ):
-                    return conn
-                conn.close()
-        return await self.connect()
-
-    async def connect(self) -> Connection:
-        """A new connection, or ``ConnectFailed``."""
-        loop = asyncio.get_running_loop()
-        host, port = self.address.host, self.address.port
-        failure: OSError | None = None
-        try:
-            async with asyncio.timeout(self.connect_timeout_s):
-                for ip in await self._addresses(loop):
-                    try:
-                        _, conn = await loop.create_connection(Connection, ip, port)
-                    except OSError as exc:
-                        failure = exc
-                        continue
-                    self.last_connect_error = None
-                    return conn
-        except TimeoutError:
-            message = f"connecting to upstream {host}:{port} timed out after {self.connect_timeout_s:g} s"
-        except OSError as exc:  # name resolution
-            message = f"cannot resolve upstream host {host!r}: {exc}"
-        else:
-            reason = (failure.strerror or str(failure)) if failure else "no address"
-            if failure is not None and failure.errno in (errno.EMFILE, errno.ENFILE):
-                raise Overloaded(
-                    f"the gateway is overloaded: it has no file descriptor left for a connection "
-                    f"to the upstream ({reason}); retry shortly"
-                )
-            message = f"cannot connect to upstream {host}:{port}: {reason}"
-        self._resolved = []
-        self.last_connect_error = message
-        raise ConnectFailed(message)
-
-    def release(self, conn: Connection) -> None:
-        """Take back a connection whose request has ended."""
-        if conn.reusable and len(self._idle) < self.max_idle and not self._closed:
-            self._park(conn)
-            return
-        ended_cleanly = conn.complete and not conn.keep_alive
-        conn.close()
-        if ended_cleanly and not self._idle and self._spare is None and not self._closed:
-            # An upstream that closes after every response (HTTP/1.0, like
-            # mlx_lm.server): open the next request's connection now, off
-            # its critical path, instead of when it arrives.
-            self._spare = asyncio.ensure_future(self._open_spare())
-
-    def close(self) -> None:
-        """Close every idle connection; open no more spares."""
-        self._closed = True
-        if self._spare is not None:
-            self._spare.cancel()
-        for conn in self._idle:
-            conn.close()
-        self._idle.clear()
-
-    def _park(self, conn: Connection) -> None:
-        conn.state = ConnState.IDLE
-        conn.idle_since = conn.loop.time()
-        self._idle.append(conn)
-
-    async def _open_spare(self) -> None:
-        try:
-            conn = await self.connect()
-        except ConnectFailed:
-            return
-        finally:
-            self._spare = None
-        if self._closed:
-            conn.close()
-        else:
-            self._park(conn)
-
-    async def _addresses(self, loop: asyncio.AbstractEventLoop) -> list[str]:
-        # Resolve once and connect by IP after: asyncio resolves names in a
-        # thread on every connect, and an HTTP/1.0 upstream means a connect
-        # per request.
-        if not self._resolved:
-            host = self.address.host
-            try:
-                ipaddress.ip_address(host)
-                self._resolved = [host]
-            except ValueError:
-                infos = await loop.getaddrinfo(host, self.address.port, type=socket.SOCK_STREAM)
-                self._resolved = list(dict.fromkeys(str(info[4][0]) for info in infos))
-        return self._resolved

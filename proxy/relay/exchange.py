@@ -70,27 +70,10 @@ class Exchange:
         send the request to another peer. Otherwise None: the client is answered.
         """
         head = self._request_head(scope, peer, len(body), outcome.request_id)
-        drain = self._drain
-        if drain.closing:
-            # The drain is over: nothing new starts.
-            await self._refuse(send, outcome, Draining("the gateway is shutting down"))
-            return None
-        pool = peer.pool
-        health = peer.health
-        try:
-            conn = await pool.acquire()
-        except UpstreamError as exc:
-            if health is not None and isinstance(exc, ConnectFailed):
-                health.connect_failed(str(exc))
-                if may_move:
-                    return exc
-            await self._refuse(send, outcome, exc)
-            return None
-        if drain.closing:
-            # The drain ended while this connection was being opened: send nothing.
-            pool.release(conn)
-            await self._refuse(send, outcome, Draining("the gateway is shutting down"))
-            return None
+        conn = await self._open(send, peer, outcome, may_move)
+        if not isinstance(conn, Connection):
+            return conn
+        drain, pool, health = self._drain, peer.pool, peer.health
         # No retry once the request is written: the upstream may have acted
         # on it. Dead idle connections are weeded out by acquire() instead.
         conn.send(head, body)
@@ -134,6 +117,32 @@ class Exchange:
             else:
                 pool.release(conn)
         return None
+
+    async def _open(
+        self, send: Send, peer: Peer, outcome: Outcome, may_move: bool
+    ) -> Connection | ConnectFailed | None:
+        """A connection to ``peer``; else the client is answered (None), or, with ``may_move``,
+        the connect failure is returned for the caller to try another peer."""
+        drain = self._drain
+        if drain.closing:
+            # The drain is over: nothing new starts.
+            await self._refuse(send, outcome, Draining("the gateway is shutting down"))
+            return None
+        try:
+            conn = await peer.pool.acquire()
+        except UpstreamError as exc:
+            if peer.health is not None and isinstance(exc, ConnectFailed):
+                peer.health.connect_failed(str(exc))
+                if may_move:
+                    return exc
+            await self._refuse(send, outcome, exc)
+            return None
+        if drain.closing:
+            # The drain ended while this connection was being opened: send nothing.
+            peer.pool.release(conn)
+            await self._refuse(send, outcome, Draining("the gateway is shutting down"))
+            return None
+        return conn
 
     def _request_head(self, scope: Scope, peer: Peer, length: int, request_id: bytes) -> bytes:
         """The head sent upstream: the client's headers that may cross, and the gateway's own."""

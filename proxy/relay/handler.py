@@ -13,6 +13,7 @@ from proxy.assembly import ReplyAssembler
 from proxy.errors import HTTPError, echo
 from proxy.metrics import Metrics
 from proxy.payload import ask_for_stream, check_request, parse_request
+from proxy.pool import Pool
 from proxy.relay.drain import Drain
 from proxy.relay.exchange import Exchange
 from proxy.relay.failures import refuse
@@ -23,7 +24,7 @@ from proxy.relay.routes import ENDPOINTS, Peer, RouteEntry, Routes
 from proxy.relay.settings import RelaySettings
 from proxy.relay.ticket import Ticket
 from proxy.routing import RoutingTable, UpstreamAddress
-from proxy.upstream import ClientGone, Pool
+from proxy.upstream import ClientGone
 
 
 class Relay:

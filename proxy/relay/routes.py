@@ -15,9 +15,9 @@ from proxy.affinity import Affinity
 from proxy.health import Checked, HealthChecks, PeerHealth
 from proxy.metrics import Metrics, ModelMetrics
 from proxy.payload import RequestGuards
+from proxy.pool import Pool
 from proxy.relay.settings import RelaySettings
 from proxy.routing import Gate, ReplicaGate, Route, RoutingTable, UpstreamAddress
-from proxy.upstream import Pool
 
 # Client path → the endpoint below the upstream's /v1. Paths without /v1 are
 # served too: clients often get the base URL wrong.

@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 
+from proxy.pool import Pool
 from proxy.routing import UpstreamAddress
 from proxy.upstream import (
     BadResponse,
@@ -22,7 +23,6 @@ from proxy.upstream import (
     ConnState,
     EmptyReply,
     HeadTimeout,
-    Pool,
 )
 
 pytestmark = pytest.mark.anyio
