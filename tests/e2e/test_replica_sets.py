@@ -15,7 +15,8 @@ import httpx
 import orjson
 import pytest
 
-from tests.e2e.conftest import FakeEngine, StartFakeEngine, StartGateway
+from tests.e2e.conftest import FakeEngine, StartFakeEngine, StartGateway, free_port
+from tests.e2e.test_config import hang_up, wait_until, write_config
 from tests.e2e.test_engine_mlx import engine_installed as engine_installed
 from tests.e2e.test_engine_models import _READY_TIMEOUT_S, ConfigGateway, _model_table
 
@@ -224,3 +225,44 @@ def test_mlx_second_turn_is_served_from_its_prompt_cache(mlx_pair: ConfigGateway
     cached = usage["prompt_tokens_details"]["cached_tokens"]
     assert cached >= 0.9 * first_prompt, usage
     assert cached < usage["prompt_tokens"]
+
+
+def _checks(fake: FakeEngine) -> int:
+    """The health checks the fake was asked (GET /readyz, then /health)."""
+    return len([r for r in fake.records() if r["method"] == "GET" and r["path"] in ("/readyz", "/health")])
+
+
+@pytest.mark.fault("fleet", "a server of a set that dies and comes back")
+def test_a_reload_that_rebuilds_a_set_checks_its_new_servers_only(
+    start_fake_engine: StartFakeEngine, start_gateway: StartGateway, tmp_path: Path
+) -> None:
+    """After a reload from [a, b] to [a, dead, c]: the active checks take the dead new server out
+    before any request finds it, b (removed) is checked no more, c gets requests, none is lost."""
+    a, b, c = start_fake_engine(), start_fake_engine(), start_fake_engine()
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    path = tmp_path / "blazar.toml"
+    write_config(path, f'[models.m]\nupstream = ["{a.url}", "{b.url}"]\n')
+    gw = start_gateway({}, "--config", str(path), "--health-interval", INTERVAL, "--affinity-slack", "off")
+    wait_until(lambda: _checks(b) >= 2, "b is checked before the reload")
+
+    write_config(path, f'[models.m]\nupstream = ["{a.url}", "{dead}", "{c.url}"]\n')
+    assert hang_up(gw).split("reload: ", 1)[1] == "restarted m"
+    # No request yet: only an active check of the new server can take it out.
+    wait_until(lambda: f"{dead}/v1 is out of rotation: 2 failed checks" in gw.log(), "the dead server is out")
+    after = _checks(b)
+    # Several more rounds of checks of the set: c's count says they ran.
+    seen = _checks(c)
+    wait_until(lambda: _checks(c) >= seen + 3, "three more checks of c")
+    assert _checks(b) == after, "a removed server is still checked"
+    assert _sent(b) == []
+
+    with httpx.Client(base_url=gw.url, trust_env=False, timeout=10) as client:
+        for index in range(6):
+            response = client.post(CHAT, json=_chat(f"after the reload {index}", 1))
+            assert response.status_code == 200, response.text
+        metrics = client.get("/metrics").text
+    # Nothing sent twice, nothing lost on the dead server; the live new one takes its share.
+    assert (len(_sent(a)), len(_sent(c))) == (3, 3)
+    dead_port = int(dead.rsplit(":", 1)[1])
+    assert _metric(metrics, "blazar_replica_ejections_total", dead_port) == 1
+    assert _metric(metrics, "blazar_replica_ejections_total", c.port) == 0
