@@ -15,7 +15,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.e2e.conftest import FakeEngine, StartFakeEngine, StartGateway, free_port
+from tests.e2e.conftest import FakeEngine, Running, StartFakeEngine, StartGateway, free_port
 from tests.e2e.test_config import hang_up, wait_until, write_config
 from tests.e2e.test_engine_mlx import engine_installed as engine_installed
 from tests.e2e.test_engine_models import _READY_TIMEOUT_S, ConfigGateway, _model_table
@@ -50,9 +50,23 @@ def _metric(text: str, name: str, replica_port: int) -> float:
     raise AssertionError(f"no {name} for port {replica_port} in:\n{text}")
 
 
+def _set_gateway(start_gateway: StartGateway, a: FakeEngine, b: FakeEngine, *args: str) -> Running:
+    return start_gateway({"m": a.url}, "--upstream", f"m={b.url}", "--health-interval", INTERVAL, *args)
+
+
 def _set(start_gateway: StartGateway, a: FakeEngine, b: FakeEngine, *args: str) -> httpx.Client:
-    gw = start_gateway({"m": a.url}, "--upstream", f"m={b.url}", "--health-interval", INTERVAL, *args)
+    gw = _set_gateway(start_gateway, a, b, *args)
     return httpx.Client(base_url=gw.url, trust_env=False, timeout=10)
+
+
+def _access_lines(gw: Running, count: int) -> list[str]:
+    """The gateway's text access-log lines of completions, once there are ``count`` of them."""
+
+    def found() -> list[str]:
+        return [line for line in gw.log().splitlines() if f'"POST {CHAT}"' in line]
+
+    wait_until(lambda: len(found()) >= count, f"{count} access-log lines")
+    return found()
 
 
 def test_set_is_listed_once_and_spreads_conversations(
@@ -124,7 +138,8 @@ def test_dead_replica_costs_no_request_and_rejoins(
     """A stopped server is ejected and costs no request; started again on its port, it gets traffic."""
     a, b = start_fake_engine(), start_fake_engine()
     port = b.port
-    with _set(start_gateway, a, b, "--affinity-slack", "off") as client:
+    gw = _set_gateway(start_gateway, a, b, "--affinity-slack", "off")
+    with httpx.Client(base_url=gw.url, trust_env=False, timeout=10) as client:
         assert client.post(CHAT, json=_chat("warm up", 1)).status_code == 200
         before_a, before_b = len(_sent(a)), len(_sent(b))
         assert before_a + before_b == 1
@@ -139,6 +154,14 @@ def test_dead_replica_costs_no_request_and_rejoins(
         # Everything since b stopped went to a, once each: nothing was sent twice.
         assert len(_sent(a)) == before_a + 10
         assert len([s for s in _systems(a) if s.startswith("while b is down")]) == 10
+        # A request that moved says so in its access-log line, as nginx's $upstream_addr: b, then a.
+        lines = _access_lines(gw, 11)
+        moved = [line for line in lines if " upstream=" in line]
+        assert moved, lines
+        assert all(line.endswith(f" upstream=127.0.0.1:{port},127.0.0.1:{a.port}") for line in moved), moved
+        assert all(" 200 " in line for line in moved), moved
+        assert _metric(metrics, "blazar_replica_moved_away_total", port) == len(moved)
+        assert _metric(metrics, "blazar_replica_moved_away_total", a.port) == 0
 
         again = start_fake_engine("--port", str(port))
         deadline = time.monotonic() + 10 * float(INTERVAL) + 5
