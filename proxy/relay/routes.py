@@ -189,7 +189,7 @@ class Routes:
         several = len(replicas) > 1
         slack = self._settings.affinity_slack
         affinity = Affinity(len(replicas), slack) if several and slack is not None else None
-        active = bool(self._settings.health_interval_s)
+        checked = bool(self._settings.health_interval_s)
         for index, replica in enumerate(replicas):
             pool = self.pools.get(replica.upstream)
             if pool is None:
@@ -201,6 +201,9 @@ class Routes:
             health = None
             if several:
                 forget = functools.partial(affinity.forget, index) if affinity is not None else None
+                # An engine child is watched by its manager, not by the active checks
+                # (proxy/health.py): ejected, it comes back by time or by a new start.
+                active = checked and replica.gate is None
                 health = PeerHealth(f"{route.model} {name}", active=active, on_eject=forget)
             peers.append(Peer(pool, replica.upstream.host_header, targets, replica.gate, name, health))
         return RouteEntry(

@@ -2,10 +2,13 @@
 
 Two fake engines (real sockets) behind one gateway as ``--upstream m=A
 --upstream m=B``; what each fake was sent is read from its own records.
+The real engines as two children of one model: affinity on mlx's prompt
+cache, and who watches the children (their own logs).
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +20,9 @@ import pytest
 
 from tests.e2e.conftest import FakeEngine, Running, StartFakeEngine, StartGateway, free_port
 from tests.e2e.test_config import hang_up, wait_until, write_config
+from tests.e2e.test_engine_llamacpp import ENGINE as LLAMACPP
+from tests.e2e.test_engine_llamacpp import engine_python as engine_python
+from tests.e2e.test_engine_mlx import ENGINE, engine_home
 from tests.e2e.test_engine_mlx import engine_installed as engine_installed
 from tests.e2e.test_engine_models import _READY_TIMEOUT_S, ConfigGateway, _model_table
 
@@ -207,18 +213,87 @@ def test_every_replica_out_is_503_with_retry_after(
         assert ready.status_code == 503 and ready.json()["models"] == {"m": "unreachable"}
 
 
+def _engine_pair(tmp_path: Path, model: str, engine: str, *args: str) -> ConfigGateway:
+    """A gateway whose model ``model`` is two children of ``engine`` serving builtin:tiny, both ready."""
+    table = _model_table(model, "builtin:tiny", engine, replicas=2, always_loaded=True)
+    gateway = ConfigGateway(table, tmp_path, *args)
+    deadline = time.monotonic() + _READY_TIMEOUT_S
+    while not all(gateway.metric("blazar_engine_child_ready", model=model, replica=str(i)) for i in (0, 1)):
+        if time.monotonic() > deadline:
+            gateway.stop()
+            raise AssertionError(gateway.log())
+        time.sleep(0.1)
+    return gateway
+
+
+class ChildLog:
+    """What one child of a model logs from now on (its log file is appended to across runs)."""
+
+    def __init__(self, engine: str, model: str, replica: int) -> None:
+        self.path = engine_home() / "logs" / f"{engine}--{model}-{replica}.log"
+        self.start = self.path.stat().st_size if self.path.exists() else 0
+
+    def gets(self, path: str) -> int:
+        """The GETs of ``path`` it logged (mlx_lm.server's and uvicorn's request lines)."""
+        with self.path.open("rb") as log:
+            log.seek(self.start)
+            text = log.read().decode(errors="replace")
+        return len(re.findall(rf'"GET {re.escape(path)} HTTP/1\.[01]"', text))
+
+
+def _child_logs(engine: str, model: str) -> list[ChildLog]:
+    return [ChildLog(engine, model, replica) for replica in (0, 1)]
+
+
 @pytest.fixture
 def mlx_pair(engine_installed: None, tmp_path: Path) -> Iterator[ConfigGateway]:
     """The real mlx engine, two replicas of builtin:tiny, both ready; affinity at its default."""
-    gateway = ConfigGateway(_model_table("pair", "builtin:tiny", replicas=2, always_loaded=True), tmp_path)
+    gateway = _engine_pair(tmp_path, "pair", ENGINE)
     try:
-        deadline = time.monotonic() + _READY_TIMEOUT_S
-        while not all(
-            gateway.metric("blazar_engine_child_ready", model="pair", replica=str(i)) for i in (0, 1)
-        ):
-            assert time.monotonic() < deadline, gateway.log()
-            time.sleep(0.1)
         yield gateway
+    finally:
+        gateway.stop()
+
+
+def test_mlx_children_of_a_set_are_watched_by_their_manager_only(
+    engine_installed: None, tmp_path: Path
+) -> None:
+    """Two mlx children, active checks every 0.2 s: each child's log shows only its manager's GET
+    /health (every 5 s), never the checker's /readyz, and both serve."""
+    logs = _child_logs(ENGINE, "watched")
+    gateway = _engine_pair(tmp_path, "watched", ENGINE, "--health-interval", "0.2")
+    try:
+        seen = [log.gets("/health") for log in logs]
+        # Two more polls by the manager: 5 s or more, some 25 rounds of the gateway's checks.
+        wait_until(
+            lambda: all(log.gets("/health") >= n + 2 for log, n in zip(logs, seen, strict=True)),
+            "two more health polls by the manager",
+            timeout_s=60,
+        )
+        assert [log.gets("/readyz") for log in logs] == [0, 0]
+        for turn in range(4):
+            response = gateway.http.post(CHAT, json={**_chat(f"watched {turn}", 1), "model": "watched"})
+            assert response.status_code == 200, response.text
+    finally:
+        gateway.stop()
+
+
+def test_llamacpp_children_of_a_set_stay_in_rotation(engine_python: Path, tmp_path: Path) -> None:
+    """llama_cpp.server has no /health: two of its children, checked every 0.2 s, are not ejected by
+    checks it cannot answer (they were, for good, 0.4 s after starting); neither is asked for them."""
+    logs = _child_logs(LLAMACPP, "lcpair")
+    gateway = _engine_pair(tmp_path, "lcpair", LLAMACPP, "--health-interval", "0.2")
+    try:
+        time.sleep(2.0)  # ten rounds of the gateway's checks
+        for turn in range(4):
+            response = gateway.http.post(CHAT, json={**_chat(f"llama {turn}", 1), "model": "lcpair"})
+            assert response.status_code == 200, response.text
+        assert [log.gets("/readyz") + log.gets("/health") for log in logs] == [0, 0]
+        metrics = gateway.http.get("/metrics").text
+        ejections = [
+            line for line in metrics.splitlines() if line.startswith("blazar_replica_ejections_total{")
+        ]
+        assert len(ejections) == 2 and all(line.endswith(" 0.0") for line in ejections), ejections
     finally:
         gateway.stop()
 
