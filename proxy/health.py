@@ -23,14 +23,24 @@ it should not flap back every check. With checks off
 and a failure ejects it again.
 
 Active (``HealthChecks``): every ``interval_s`` (2 s by default, HAProxy's
-``inter``) each replica of a set is asked ``GET /readyz`` (a gateway: 503
+``inter``) each server of a set is asked ``GET /readyz`` (a gateway: 503
 while draining or with nothing ready) and, once that answers 404 or 405 (an
 engine has none), ``GET /health`` from then on. A 2xx passes. ``FALL``
-failed checks in a row eject; one that passes brings the replica back
-(HAProxy's ``fall``/``rise``, with a rise of 1: a replica that answers again
-is wanted at once). An engine child that is not ready is left to its manager
-and not checked. The checks run as one task per replica set, with httpx, off
-the request path.
+failed checks in a row eject; one that passes brings the server back
+(HAProxy's ``fall``/``rise``, with a rise of 1: a server that answers again
+is wanted at once). The checks run as one task per replica set, with httpx,
+off the request path.
+
+An engine child on this host (a replica with a gate) is not asked anything
+over HTTP: its manager already watches it (its exit at once, its engine's
+own health route if it has one, a 1-token generation now and then, and a
+restart when any fails), and its readiness is already the replica's gate.
+A second poller would only disagree with the first: llama_cpp.server has no
+``/health``, and its replicas were ejected for good 4 s after they started.
+The manager's state feeds the replica's health instead: a child ejected by
+the passive rules is back in rotation as soon as its manager has it ready in
+a new process (the check task reads its start count, in memory), else after
+``REJOIN_S``, as with checks off.
 """
 
 from __future__ import annotations
@@ -138,7 +148,7 @@ class PeerHealth:
 class Checked:
     """One replica as the checker sees it: where to ask, its health, its gate (engine children)."""
 
-    __slots__ = ("address", "failed", "gate", "health", "path")
+    __slots__ = ("address", "failed", "gate", "health", "path", "starts")
 
     def __init__(self, address: UpstreamAddress, health: PeerHealth, gate: ReplicaGate | None) -> None:
         self.address = address
@@ -146,6 +156,18 @@ class Checked:
         self.gate = gate
         self.path = "/readyz"
         self.failed = 0
+        # An engine child's start count when last seen: another start is a new process.
+        self.starts = gate.starts if gate is not None else 0
+
+
+def follow_child(replica: Checked) -> None:
+    """An engine child's health from its manager's state: a new process, once ready, is back in
+    rotation (whatever the old one did); nothing is asked over HTTP."""
+    gate = replica.gate
+    assert gate is not None
+    if gate.ready and gate.starts != replica.starts:
+        replica.starts = gate.starts
+        replica.health.rejoin()
 
 
 async def check_once(client: httpx.AsyncClient, replica: Checked) -> bool:
@@ -170,14 +192,19 @@ async def check_once(client: httpx.AsyncClient, replica: Checked) -> bool:
 
 
 async def _check_set(replicas: tuple[Checked, ...], interval_s: float) -> None:
+    servers = tuple(r for r in replicas if r.gate is None)
+    children = tuple(r for r in replicas if r.gate is not None)
     timeout = httpx.Timeout(min(interval_s, 5.0))
-    limits = httpx.Limits(max_connections=len(replicas), max_keepalive_connections=0)
+    limits = httpx.Limits(max_connections=max(len(servers), 1), max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
         while True:
             await asyncio.sleep(interval_s)
-            wanted = [r for r in replicas if r.gate is None or r.gate.ready]
-            results = await asyncio.gather(*(check_once(client, r) for r in wanted))
-            for replica, passed in zip(wanted, results, strict=True):
+            for child in children:
+                follow_child(child)
+            if not servers:
+                continue
+            results = await asyncio.gather(*(check_once(client, r) for r in servers))
+            for replica, passed in zip(servers, results, strict=True):
                 if passed:
                     replica.failed = 0
                     replica.health.passed(asyncio.get_running_loop().time())

@@ -39,6 +39,20 @@ class EngineSample:
     starts: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class ReplicaSample:
+    """One replica of a model with several, read at scrape time."""
+
+    model: str
+    replica: str
+    in_flight: int
+    affinity_hits: int
+    affinity_misses: int
+    affinity_spills: int
+    ejections: int
+    moved_away: int
+
+
 class Buckets:
     """A histogram's figures: counts per bucket (`le` bounds), sum and count."""
 
@@ -101,11 +115,8 @@ class Metrics:
         """Report in-flight and queued counts, read at scrape time from (model, in flight, queued)."""
         self.registry.register(_AdmissionCollector(sample))
 
-    def watch_replicas(
-        self, sample: Callable[[], Iterable[tuple[str, str, int, int, int, int, int]]]
-    ) -> None:
-        """Report each replica of a model with several, read at scrape time from (model, replica,
-        in flight, affinity hits, misses, spills, ejections)."""
+    def watch_replicas(self, sample: Callable[[], Iterable[ReplicaSample]]) -> None:
+        """Report each replica of a model with several, read at scrape time."""
         self.registry.register(_ReplicaCollector(sample))
 
     def watch_engines(self, sample: Callable[[], Iterable[EngineSample]]) -> None:
@@ -192,7 +203,7 @@ class _AdmissionCollector(Collector):
 
 
 class _ReplicaCollector(Collector):
-    def __init__(self, sample: Callable[[], Iterable[tuple[str, str, int, int, int, int, int]]]) -> None:
+    def __init__(self, sample: Callable[[], Iterable[ReplicaSample]]) -> None:
         self._sample = sample
 
     def collect(self) -> Iterator[Metric]:
@@ -218,13 +229,21 @@ class _ReplicaCollector(Collector):
         ejections = CounterMetricFamily(
             "blazar_replica_ejections", "Times a replica was taken out of rotation.", labels=labels
         )
-        for model, replica, running, hit, missed, spilled, ejected in self._sample():
-            in_flight.add_metric([model, replica], running)
-            hits.add_metric([model, replica], hit)
-            misses.add_metric([model, replica], missed)
-            spills.add_metric([model, replica], spilled)
-            ejections.add_metric([model, replica], ejected)
-        yield from (in_flight, hits, misses, spills, ejections)
+        moved_away = CounterMetricFamily(
+            "blazar_replica_moved_away",
+            "Requests that could not connect to a replica and went to another one (they had reached "
+            "no engine).",
+            labels=labels,
+        )
+        for row in self._sample():
+            key = [row.model, row.replica]
+            in_flight.add_metric(key, row.in_flight)
+            hits.add_metric(key, row.affinity_hits)
+            misses.add_metric(key, row.affinity_misses)
+            spills.add_metric(key, row.affinity_spills)
+            ejections.add_metric(key, row.ejections)
+            moved_away.add_metric(key, row.moved_away)
+        yield from (in_flight, hits, misses, spills, ejections, moved_away)
 
 
 class _EngineCollector(Collector):

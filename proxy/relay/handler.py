@@ -24,7 +24,7 @@ from proxy.relay.routes import ENDPOINTS, Peer, RouteEntry, Routes
 from proxy.relay.settings import RelaySettings
 from proxy.relay.ticket import Ticket
 from proxy.routing import RoutingTable, UpstreamAddress
-from proxy.upstream import ClientGone
+from proxy.upstream import ClientGone, ConnectFailed
 
 
 class Relay:
@@ -114,19 +114,21 @@ class Relay:
         outcome: Outcome,
     ) -> None:
         """The exchange with one of several replicas: one that could not be connected to is
-        ejected and the request goes to another (it reached no engine), each tried once."""
-        assert ticket.peer is not None
-        peer, tried = ticket.peer, set[Peer]()
-        while True:
+        ejected and the request goes to another (it reached no engine), each tried once.
+
+        A request that moved has each server it tried, in order, in its access-log line.
+        """
+        peer: Peer | None = ticket.peer
+        tried: list[Peer] = []
+        unsent: ConnectFailed | None = None
+        while peer is not None:
+            tried.append(peer)
             unsent = await self._exchange.run(scope, receive, send, peer, body, outcome, may_move=True)
-            if unsent is None:
-                return
-            tried.add(peer)
-            moved = ticket.move(entry, doc, tried)
-            if moved is None:
-                await self._exchange.refuse(send, outcome, unsent)
-                return
-            peer = moved
+            peer = None if unsent is None else ticket.move(entry, doc, tried)
+        if unsent is not None:
+            await self._exchange.refuse(send, outcome, unsent)  # no replica left to try
+        if len(tried) > 1:
+            outcome.upstreams = [p.addr for p in tried]
 
     def _parse(self, body: bytes, path: str, outcome: Outcome) -> tuple[RouteEntry, dict[str, Any], bool]:
         """The request's route, its document, and whether the body must be re-serialised; 400 or 404."""

@@ -41,6 +41,7 @@ class Outcome:
         "stats",
         "status",
         "stream",
+        "upstreams",
     )
 
     def __init__(self, request_id: bytes) -> None:
@@ -72,6 +73,8 @@ class Outcome:
         self.error: str | None = None
         self.client_gone = False
         self.stalled = False
+        # A request that moved between servers of a set: each one tried, in order (else None).
+        self.upstreams: list[str] | None = None
 
     def refuse(self, exc: HTTPError) -> None:
         self.refusal = exc
@@ -111,6 +114,7 @@ class Outcome:
                 duration_s=duration_s,
                 ttfb_s=self.head_s if self.own_s is not None else None,
                 overhead_s=self.own_s,
+                upstreams=self.upstreams,
             )
 
     def _count(self, stats: ModelMetrics, metrics: Metrics | None, route: str, duration_s: float) -> None:

@@ -7,13 +7,13 @@ request: the hot path does one dict lookup and finds everything it needs.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, NamedTuple
 
 from proxy.admission import Admission
 from proxy.affinity import Affinity
 from proxy.health import Checked, HealthChecks, PeerHealth
-from proxy.metrics import Metrics, ModelMetrics
+from proxy.metrics import Metrics, ModelMetrics, ReplicaSample
 from proxy.payload import RequestGuards
 from proxy.pool import Pool
 from proxy.relay.settings import RelaySettings
@@ -45,7 +45,19 @@ class Peer:
     from, and nothing for the request path to do.
     """
 
-    __slots__ = ("gate", "health", "host_header", "in_flight", "name", "pool", "served", "starts", "targets")
+    __slots__ = (
+        "addr",
+        "gate",
+        "health",
+        "host_header",
+        "in_flight",
+        "moved_away",
+        "name",
+        "pool",
+        "served",
+        "starts",
+        "targets",
+    )
 
     def __init__(
         self,
@@ -64,6 +76,10 @@ class Peer:
         self.health = health
         self.in_flight = 0
         self.served = 0
+        # Requests that could not connect to it and went to another peer.
+        self.moved_away = 0
+        # Where it is, as nginx's $upstream_addr names a server (host:port): for the access log.
+        self.addr = host_header.decode("latin-1")
         # The child's start count when last seen: another start means an empty prompt cache.
         self.starts = 0
 
@@ -88,7 +104,7 @@ class RouteEntry(NamedTuple):
     affinity: Affinity | None = None
 
 
-def least_busy(peers: tuple[Peer, ...], skip: frozenset[Peer] | set[Peer] = frozenset()) -> Peer | None:
+def least_busy(peers: tuple[Peer, ...], skip: Collection[Peer] = ()) -> Peer | None:
     """The available peer with the fewest requests in flight; ties go to the one that served fewest."""
     best: Peer | None = None
     for peer in peers:
@@ -173,7 +189,7 @@ class Routes:
         several = len(replicas) > 1
         slack = self._settings.affinity_slack
         affinity = Affinity(len(replicas), slack) if several and slack is not None else None
-        active = bool(self._settings.health_interval_s)
+        checked = bool(self._settings.health_interval_s)
         for index, replica in enumerate(replicas):
             pool = self.pools.get(replica.upstream)
             if pool is None:
@@ -185,6 +201,9 @@ class Routes:
             health = None
             if several:
                 forget = functools.partial(affinity.forget, index) if affinity is not None else None
+                # An engine child is watched by its manager, not by the active checks
+                # (proxy/health.py): ejected, it comes back by time or by a new start.
+                active = checked and replica.gate is None
                 health = PeerHealth(f"{route.model} {name}", active=active, on_eject=forget)
             peers.append(Peer(pool, replica.upstream.host_header, targets, replica.gate, name, health))
         return RouteEntry(
@@ -201,9 +220,8 @@ class Routes:
             affinity,
         )
 
-    def replica_sample(self) -> list[tuple[str, str, int, int, int, int, int]]:
-        """Per replica of a model with several: (model, replica, in flight, hits, misses, spills,
-        ejections), read at scrape time."""
+    def replica_sample(self) -> list[ReplicaSample]:
+        """Each replica of a model with several, read at scrape time."""
         rows = []
         for route, entry in self._built.items():
             if len(entry.peers) < 2:
@@ -218,7 +236,18 @@ class Routes:
                         affinity.spills[index],
                     )
                 ejections = peer.health.ejections if peer.health is not None else 0
-                rows.append((route.model, peer.name, peer.in_flight, hits, misses, spills, ejections))
+                rows.append(
+                    ReplicaSample(
+                        route.model,
+                        peer.name,
+                        peer.in_flight,
+                        hits,
+                        misses,
+                        spills,
+                        ejections,
+                        peer.moved_away,
+                    )
+                )
         return rows
 
     def admission_sample(self) -> list[tuple[str, int, int]]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Collection
 from time import perf_counter
 from typing import Any
 
@@ -120,7 +121,7 @@ class Ticket:
         self.peer = peer
         return peer
 
-    def move(self, entry: RouteEntry, doc: Any, tried: set[Peer]) -> Peer | None:
+    def move(self, entry: RouteEntry, doc: Any, tried: Collection[Peer]) -> Peer | None:
         """Another peer for a request that could not connect to its own (it reached no engine).
 
         The least busy available one not ``tried``; None when there is none.
@@ -131,6 +132,7 @@ class Ticket:
             return None
         if old is not None:
             old.in_flight -= 1
+            old.moved_away += 1
         peer.in_flight += 1
         peer.served += 1
         self.peer = peer

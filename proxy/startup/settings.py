@@ -247,8 +247,9 @@ class Settings:
     health_interval_s: float = _setting(
         _RELAY.health_interval_s,
         "--health-interval",
-        "Seconds between checks of each replica of a model with several (GET /readyz, or "
-        "/health for engines); one that fails leaves rotation, one that passes rejoins. "
+        "Seconds between checks of each server of a replica set (GET /readyz, or /health for "
+        "engines); one that fails leaves rotation, one that passes rejoins. Engine children are "
+        "watched by their manager instead. "
         "0: no active checks (replicas leave on connect failures and 5xx, and are tried again 10 s later).",
         low=0,
     )

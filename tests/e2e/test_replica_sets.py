@@ -2,10 +2,13 @@
 
 Two fake engines (real sockets) behind one gateway as ``--upstream m=A
 --upstream m=B``; what each fake was sent is read from its own records.
+The real engines as two children of one model: affinity on mlx's prompt
+cache, and who watches the children (their own logs).
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +18,11 @@ import httpx
 import orjson
 import pytest
 
-from tests.e2e.conftest import FakeEngine, StartFakeEngine, StartGateway
+from tests.e2e.conftest import FakeEngine, Running, StartFakeEngine, StartGateway, free_port
+from tests.e2e.test_config import hang_up, wait_until, write_config
+from tests.e2e.test_engine_llamacpp import ENGINE as LLAMACPP
+from tests.e2e.test_engine_llamacpp import engine_python as engine_python
+from tests.e2e.test_engine_mlx import ENGINE, engine_home
 from tests.e2e.test_engine_mlx import engine_installed as engine_installed
 from tests.e2e.test_engine_models import _READY_TIMEOUT_S, ConfigGateway, _model_table
 
@@ -49,9 +56,23 @@ def _metric(text: str, name: str, replica_port: int) -> float:
     raise AssertionError(f"no {name} for port {replica_port} in:\n{text}")
 
 
+def _set_gateway(start_gateway: StartGateway, a: FakeEngine, b: FakeEngine, *args: str) -> Running:
+    return start_gateway({"m": a.url}, "--upstream", f"m={b.url}", "--health-interval", INTERVAL, *args)
+
+
 def _set(start_gateway: StartGateway, a: FakeEngine, b: FakeEngine, *args: str) -> httpx.Client:
-    gw = start_gateway({"m": a.url}, "--upstream", f"m={b.url}", "--health-interval", INTERVAL, *args)
+    gw = _set_gateway(start_gateway, a, b, *args)
     return httpx.Client(base_url=gw.url, trust_env=False, timeout=10)
+
+
+def _access_lines(gw: Running, count: int) -> list[str]:
+    """The gateway's text access-log lines of completions, once there are ``count`` of them."""
+
+    def found() -> list[str]:
+        return [line for line in gw.log().splitlines() if f'"POST {CHAT}"' in line]
+
+    wait_until(lambda: len(found()) >= count, f"{count} access-log lines")
+    return found()
 
 
 def test_set_is_listed_once_and_spreads_conversations(
@@ -123,7 +144,8 @@ def test_dead_replica_costs_no_request_and_rejoins(
     """A stopped server is ejected and costs no request; started again on its port, it gets traffic."""
     a, b = start_fake_engine(), start_fake_engine()
     port = b.port
-    with _set(start_gateway, a, b, "--affinity-slack", "off") as client:
+    gw = _set_gateway(start_gateway, a, b, "--affinity-slack", "off")
+    with httpx.Client(base_url=gw.url, trust_env=False, timeout=10) as client:
         assert client.post(CHAT, json=_chat("warm up", 1)).status_code == 200
         before_a, before_b = len(_sent(a)), len(_sent(b))
         assert before_a + before_b == 1
@@ -138,6 +160,14 @@ def test_dead_replica_costs_no_request_and_rejoins(
         # Everything since b stopped went to a, once each: nothing was sent twice.
         assert len(_sent(a)) == before_a + 10
         assert len([s for s in _systems(a) if s.startswith("while b is down")]) == 10
+        # A request that moved says so in its access-log line, as nginx's $upstream_addr: b, then a.
+        lines = _access_lines(gw, 11)
+        moved = [line for line in lines if " upstream=" in line]
+        assert moved, lines
+        assert all(line.endswith(f" upstream=127.0.0.1:{port},127.0.0.1:{a.port}") for line in moved), moved
+        assert all(" 200 " in line for line in moved), moved
+        assert _metric(metrics, "blazar_replica_moved_away_total", port) == len(moved)
+        assert _metric(metrics, "blazar_replica_moved_away_total", a.port) == 0
 
         again = start_fake_engine("--port", str(port))
         deadline = time.monotonic() + 10 * float(INTERVAL) + 5
@@ -183,18 +213,87 @@ def test_every_replica_out_is_503_with_retry_after(
         assert ready.status_code == 503 and ready.json()["models"] == {"m": "unreachable"}
 
 
+def _engine_pair(tmp_path: Path, model: str, engine: str, *args: str) -> ConfigGateway:
+    """A gateway whose model ``model`` is two children of ``engine`` serving builtin:tiny, both ready."""
+    table = _model_table(model, "builtin:tiny", engine, replicas=2, always_loaded=True)
+    gateway = ConfigGateway(table, tmp_path, *args)
+    deadline = time.monotonic() + _READY_TIMEOUT_S
+    while not all(gateway.metric("blazar_engine_child_ready", model=model, replica=str(i)) for i in (0, 1)):
+        if time.monotonic() > deadline:
+            gateway.stop()
+            raise AssertionError(gateway.log())
+        time.sleep(0.1)
+    return gateway
+
+
+class ChildLog:
+    """What one child of a model logs from now on (its log file is appended to across runs)."""
+
+    def __init__(self, engine: str, model: str, replica: int) -> None:
+        self.path = engine_home() / "logs" / f"{engine}--{model}-{replica}.log"
+        self.start = self.path.stat().st_size if self.path.exists() else 0
+
+    def gets(self, path: str) -> int:
+        """The GETs of ``path`` it logged (mlx_lm.server's and uvicorn's request lines)."""
+        with self.path.open("rb") as log:
+            log.seek(self.start)
+            text = log.read().decode(errors="replace")
+        return len(re.findall(rf'"GET {re.escape(path)} HTTP/1\.[01]"', text))
+
+
+def _child_logs(engine: str, model: str) -> list[ChildLog]:
+    return [ChildLog(engine, model, replica) for replica in (0, 1)]
+
+
 @pytest.fixture
 def mlx_pair(engine_installed: None, tmp_path: Path) -> Iterator[ConfigGateway]:
     """The real mlx engine, two replicas of builtin:tiny, both ready; affinity at its default."""
-    gateway = ConfigGateway(_model_table("pair", "builtin:tiny", replicas=2, always_loaded=True), tmp_path)
+    gateway = _engine_pair(tmp_path, "pair", ENGINE)
     try:
-        deadline = time.monotonic() + _READY_TIMEOUT_S
-        while not all(
-            gateway.metric("blazar_engine_child_ready", model="pair", replica=str(i)) for i in (0, 1)
-        ):
-            assert time.monotonic() < deadline, gateway.log()
-            time.sleep(0.1)
         yield gateway
+    finally:
+        gateway.stop()
+
+
+def test_mlx_children_of_a_set_are_watched_by_their_manager_only(
+    engine_installed: None, tmp_path: Path
+) -> None:
+    """Two mlx children, active checks every 0.2 s: each child's log shows only its manager's GET
+    /health (every 5 s), never the checker's /readyz, and both serve."""
+    logs = _child_logs(ENGINE, "watched")
+    gateway = _engine_pair(tmp_path, "watched", ENGINE, "--health-interval", "0.2")
+    try:
+        seen = [log.gets("/health") for log in logs]
+        # Two more polls by the manager: 5 s or more, some 25 rounds of the gateway's checks.
+        wait_until(
+            lambda: all(log.gets("/health") >= n + 2 for log, n in zip(logs, seen, strict=True)),
+            "two more health polls by the manager",
+            timeout_s=60,
+        )
+        assert [log.gets("/readyz") for log in logs] == [0, 0]
+        for turn in range(4):
+            response = gateway.http.post(CHAT, json={**_chat(f"watched {turn}", 1), "model": "watched"})
+            assert response.status_code == 200, response.text
+    finally:
+        gateway.stop()
+
+
+def test_llamacpp_children_of_a_set_stay_in_rotation(engine_python: Path, tmp_path: Path) -> None:
+    """llama_cpp.server has no /health: two of its children, checked every 0.2 s, are not ejected by
+    checks it cannot answer (they were, for good, 0.4 s after starting); neither is asked for them."""
+    logs = _child_logs(LLAMACPP, "lcpair")
+    gateway = _engine_pair(tmp_path, "lcpair", LLAMACPP, "--health-interval", "0.2")
+    try:
+        time.sleep(2.0)  # ten rounds of the gateway's checks
+        for turn in range(4):
+            response = gateway.http.post(CHAT, json={**_chat(f"llama {turn}", 1), "model": "lcpair"})
+            assert response.status_code == 200, response.text
+        assert [log.gets("/readyz") + log.gets("/health") for log in logs] == [0, 0]
+        metrics = gateway.http.get("/metrics").text
+        ejections = [
+            line for line in metrics.splitlines() if line.startswith("blazar_replica_ejections_total{")
+        ]
+        assert len(ejections) == 2 and all(line.endswith(" 0.0") for line in ejections), ejections
     finally:
         gateway.stop()
 
@@ -224,3 +323,44 @@ def test_mlx_second_turn_is_served_from_its_prompt_cache(mlx_pair: ConfigGateway
     cached = usage["prompt_tokens_details"]["cached_tokens"]
     assert cached >= 0.9 * first_prompt, usage
     assert cached < usage["prompt_tokens"]
+
+
+def _checks(fake: FakeEngine) -> int:
+    """The health checks the fake was asked (GET /readyz, then /health)."""
+    return len([r for r in fake.records() if r["method"] == "GET" and r["path"] in ("/readyz", "/health")])
+
+
+@pytest.mark.fault("fleet", "a server of a set that dies and comes back")
+def test_a_reload_that_rebuilds_a_set_checks_its_new_servers_only(
+    start_fake_engine: StartFakeEngine, start_gateway: StartGateway, tmp_path: Path
+) -> None:
+    """After a reload from [a, b] to [a, dead, c]: the active checks take the dead new server out
+    before any request finds it, b (removed) is checked no more, c gets requests, none is lost."""
+    a, b, c = start_fake_engine(), start_fake_engine(), start_fake_engine()
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    path = tmp_path / "blazar.toml"
+    write_config(path, f'[models.m]\nupstream = ["{a.url}", "{b.url}"]\n')
+    gw = start_gateway({}, "--config", str(path), "--health-interval", INTERVAL, "--affinity-slack", "off")
+    wait_until(lambda: _checks(b) >= 2, "b is checked before the reload")
+
+    write_config(path, f'[models.m]\nupstream = ["{a.url}", "{dead}", "{c.url}"]\n')
+    assert hang_up(gw).split("reload: ", 1)[1] == "restarted m"
+    # No request yet: only an active check of the new server can take it out.
+    wait_until(lambda: f"{dead}/v1 is out of rotation: 2 failed checks" in gw.log(), "the dead server is out")
+    after = _checks(b)
+    # Several more rounds of checks of the set: c's count says they ran.
+    seen = _checks(c)
+    wait_until(lambda: _checks(c) >= seen + 3, "three more checks of c")
+    assert _checks(b) == after, "a removed server is still checked"
+    assert _sent(b) == []
+
+    with httpx.Client(base_url=gw.url, trust_env=False, timeout=10) as client:
+        for index in range(6):
+            response = client.post(CHAT, json=_chat(f"after the reload {index}", 1))
+            assert response.status_code == 200, response.text
+        metrics = client.get("/metrics").text
+    # Nothing sent twice, nothing lost on the dead server; the live new one takes its share.
+    assert (len(_sent(a)), len(_sent(c))) == (3, 3)
+    dead_port = int(dead.rsplit(":", 1)[1])
+    assert _metric(metrics, "blazar_replica_ejections_total", dead_port) == 1
+    assert _metric(metrics, "blazar_replica_ejections_total", c.port) == 0

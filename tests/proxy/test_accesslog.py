@@ -110,6 +110,37 @@ def test_lines_are_the_same_bytes_as_before(stream: Stream, fmt: str, expected: 
     assert stream.getvalue() == expected
 
 
+@pytest.mark.parametrize(
+    ("fmt", "tail"),
+    [
+        ("text", " id=req-1 upstream=10.0.0.1:80,10.0.0.2:80\n"),
+        ("json", ',"overhead_ms":0.1,"upstream":["10.0.0.1:80","10.0.0.2:80"]}\n'),
+    ],
+)
+def test_a_moved_request_lists_every_server_tried(stream: Stream, fmt: str, tail: str) -> None:
+    """A request that moved ends its line with the servers it tried, in order (nginx's $upstream_addr);
+    the rest of the line is the same bytes as without."""
+    access = AccessLog(fmt)
+    access.write(
+        SCOPE,
+        request_id=b"req-1",
+        model="m1",
+        status=200,
+        bytes_out=1234,
+        duration_s=0.0123456,
+        ttfb_s=0.0004565,
+        overhead_s=0.0000995,
+        upstreams=["10.0.0.1:80", "10.0.0.2:80"],
+    )
+    plain = (TEXT if fmt == "text" else JSON).splitlines()[0]
+    line = stream.getvalue()
+    assert line.endswith(tail), line
+    if fmt == "text":
+        assert line == plain + tail[len(" id=req-1") :]
+    else:
+        assert line == plain[:-1] + tail[len(',"overhead_ms":0.1') :]
+
+
 @pytest.mark.anyio
 async def test_lines_wait_for_one_write_per_batch(stream: Stream) -> None:
     """On the loop, lines wait in a buffer; the timer writes them all in one write, without a flush call."""

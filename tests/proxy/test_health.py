@@ -6,7 +6,8 @@ import asyncio
 
 import pytest
 
-from proxy.health import MAX_FAILS, REJOIN_S, PeerHealth
+from proxy.health import MAX_FAILS, REJOIN_S, Checked, PeerHealth, follow_child
+from proxy.routing import UpstreamAddress
 
 
 def test_a_refused_connection_ejects_at_once_and_counts_one_ejection() -> None:
@@ -71,3 +72,32 @@ async def test_a_replica_that_refused_rejoins_at_the_first_passed_check() -> Non
     health.connect_failed("refused")
     health.passed(asyncio.get_running_loop().time())
     assert health.up
+
+
+class ChildGate:
+    """What the relay reads of an engine child (``routing.ReplicaGate``): ready, and its start count."""
+
+    def __init__(self) -> None:
+        self.ready = True
+        self.starts = 1
+
+
+def test_an_ejected_child_rejoins_once_its_manager_has_a_new_process_ready() -> None:
+    """No HTTP for a child: its health follows its manager's state; the same process stays out, a new
+    one that is ready comes back (its 5xx hold too: it is another process)."""
+    gate = ChildGate()
+    health = PeerHealth("m 0", active=False)
+    replica = Checked(UpstreamAddress("127.0.0.1", 1), health, gate)
+    for _ in range(MAX_FAILS):
+        health.answered(500)
+    follow_child(replica)
+    assert not health.up  # the same process: out until REJOIN_S
+    gate.ready, gate.starts = False, 2  # its manager restarts it
+    follow_child(replica)
+    assert not health.up
+    gate.ready = True
+    follow_child(replica)
+    assert health.up and health.fails == 0
+    health.connect_failed("refused")
+    follow_child(replica)
+    assert not health.up  # no new start since: nothing brings it back early
