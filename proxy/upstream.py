@@ -231,7 +231,8 @@ class Connection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         # Kept as they come; read once the head is whole (one loop, not a call's work per header).
-        self._raw_headers.append((name, value))
+        if not self._stray:
+            self._raw_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         raw = self._raw_headers

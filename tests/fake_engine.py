@@ -128,6 +128,8 @@ class FakeOptions:
     die_after: int | None = None
     # With die-after: the last thing written is half of the next event.
     mid_event: bool = False
+    # The first event written in two halves, this many seconds apart.
+    split_first_s: float = 0.0
     # Chunked (--http11) streams: an invalid chunk-size line after the first event.
     bad_chunk: bool = False
     garbage: bool = False
@@ -147,6 +149,7 @@ class FakeOptions:
         return not (
             self.prefill_s > 0
             or self.stall_s > 0
+            or self.split_first_s > 0
             or self.chunk_delay_s > 0
             or self.die_after is not None
             or self.bad_chunk
@@ -209,6 +212,7 @@ _CONTROLS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "stall": ("stall_s", _parse_seconds),
     "die-after": ("die_after", _parse_count),
     "mid-event": ("mid_event", _parse_flag),
+    "split-first": ("split_first_s", _parse_seconds),
     "bad-chunk": ("bad_chunk", _parse_flag),
     "garbage": ("garbage", _parse_flag),
     "reset": ("reset", _parse_flag),
@@ -1303,10 +1307,12 @@ class _Connection(asyncio.Protocol):
         rec.status = reply.status
         rec.fault = reply.fault
         rec.error = reply.error
-        if not head_sent:
+        # split-first: the head goes out in one write with half of the first event.
+        lead = head if not head_sent and opts.split_first_s > 0 and reply.events is not None else b""
+        if not head_sent and not lead:
             transport.write(head)
         if reply.events is not None:
-            await self._play_events(rec, reply, opts, chunked)
+            await self._play_events(rec, reply, opts, chunked, lead)
             if self._closed_by_us:
                 return
         else:
@@ -1367,7 +1373,9 @@ class _Connection(asyncio.Protocol):
             self._transport.write(_frame(comment) if chunked else comment)
         await asyncio.sleep(max(0.0, deadline - loop.time()))
 
-    async def _play_events(self, rec: RequestRecord, reply: _Reply, opts: FakeOptions, chunked: bool) -> None:
+    async def _play_events(
+        self, rec: RequestRecord, reply: _Reply, opts: FakeOptions, chunked: bool, lead: bytes = b""
+    ) -> None:
         transport = self._transport
         assert transport is not None and reply.events is not None
         delay_s = opts.chunk_delay_s
@@ -1380,6 +1388,11 @@ class _Connection(asyncio.Protocol):
                 self._finish(rec, OUTCOME_ABORTED, status=reply.status)
                 self._close()
                 return
+            if index == 0 and opts.split_first_s > 0:
+                half, rest = event[: len(event) // 2], event[len(event) // 2 :]
+                transport.write(lead + (_frame(half) if chunked else half))
+                await asyncio.sleep(opts.split_first_s)
+                event = rest
             transport.write(_frame(event) if chunked else event)
             rec.events_sent = index + 1
             if index == 0 and opts.bad_chunk and chunked:

@@ -45,6 +45,9 @@ async def relay_events(conn: Connection, out: Writer, outcome: Outcome, read_tim
                 if cut < len(chunk) and len(chunk) - cut <= _PARTIAL_EVENT_LIMIT_BYTES:
                     chunk, pending = chunk[:cut], chunk[cut:]
                     if not chunk:
+                        # Half an event only: a held head must not wait for the rest.
+                        if (wait := out.flush()) is not None:
+                            await wait
                         continue
             tail = chunk[-_TAIL_BYTES:] if len(chunk) >= _TAIL_BYTES else (tail + chunk)[-_TAIL_BYTES:]
             outcome.bytes_out += len(chunk)

@@ -71,6 +71,8 @@ class GatewayServer(uvicorn.Server):
         await super().startup(sockets)
         # What start-up built lives as long as the gateway: out of the
         # collector's sight, each collection visits only what requests made.
+        # (A reload's first replacement of start-up objects that sit in
+        # reference cycles leaves them uncollected: once, and bounded.)
         gc.collect()
         gc.freeze()
         if self.on_listening is not None and not self.should_exit:

@@ -142,11 +142,23 @@ def test_stream_is_relayed_before_it_ends(gateway: Running, fake: FakeEngine, ht
     assert first.startswith(b"data: {")
 
 
-def test_a_stream_head_is_relayed_before_its_first_event(gateway: Running, fake: FakeEngine) -> None:
+@pytest.mark.parametrize(
+    "fake_header",
+    [
+        # The 200 head at once, then the first comment only after 20 s.
+        "prefill=30; keepalive=20",
+        # The head with half of the first event (one read, over HTTP/1.1), the rest after 20 s.
+        "split-first=20",
+    ],
+)
+def test_a_stream_head_is_relayed_before_its_first_event(
+    start_fake_engine: StartFakeEngine, start_gateway: StartGateway, fake_header: str
+) -> None:
     """The engine's head reaches the client during its prefill: the gateway holds a head back only
-    while the body's first bytes are already there to go with it."""
-    # The fake writes its 200 head at once, then its first comment only after 20 s.
-    sock = raw_request(gateway, "prefill=30; keepalive=20", payload(stream=True))
+    while a whole event is there to go with it."""
+    fake = start_fake_engine("--http11")
+    gateway = start_gateway({"fake": fake.url})
+    sock = raw_request(gateway, fake_header, payload(stream=True))
     try:
         sock.settimeout(10)
         head = b""
