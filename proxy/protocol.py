@@ -61,6 +61,8 @@ class GatewayProtocol(HttpToolsProtocol):
         self._head_begun = False
         self._refusal: tuple[int, str, str] | None = None
         self._extensions: dict[str, Any] = {}
+        # Pipelined requests still running behind uvicorn's newest cycle.
+        self._earlier: list[RequestResponseCycle] = []
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -70,6 +72,14 @@ class GatewayProtocol(HttpToolsProtocol):
         self._cancel_head_timer()
         self._cancel_body_timer()
         super().connection_lost(exc)
+        # uvicorn tells only its newest cycle; a pipelined request behind a
+        # running one would leave that one writing to a closed connection and
+        # its engine generating for nobody.
+        for cycle in self._earlier:
+            if not cycle.response_complete:
+                cycle.disconnected = True
+                cycle.message_event.set()
+        self._earlier.clear()
 
     def data_received(self, data: bytes) -> None:
         if self._in_head:
@@ -82,8 +92,9 @@ class GatewayProtocol(HttpToolsProtocol):
         # The timers are armed only for what is still incomplete after a read:
         # a request that arrives whole in one read (nearly all do) arms none.
         if not self._in_head:
-            # In a body: it must end within body_timeout_s of its head's end.
-            if self._body_timer is None:
+            # In a body: it must end within body_timeout_s of its head's end, or of
+            # its turn (a pipelined request waits, unread, behind the one running).
+            if self._body_timer is None and not self._queued():
                 self._body_timer = self.loop.call_later(self.body_timeout_s, self._body_too_slow)
         elif self._head_bytes > self.max_header_bytes:
             self._reply_and_close(
@@ -125,10 +136,15 @@ class GatewayProtocol(HttpToolsProtocol):
                 "upgrade_not_supported",
             )
             raise _Refused()
+        earlier = self.cycle
         super().on_headers_complete()
         cycle = self.cycle
         if cycle is not None and cycle.scope is self.scope:
             self._extensions["blazar.writer"] = ClientWriter(cycle)
+            if earlier is not None and earlier is not cycle and not earlier.response_complete:
+                # Pipelined: the earlier request still runs; see connection_lost.
+                self._earlier = [c for c in self._earlier if not c.response_complete]
+                self._earlier.append(earlier)
 
     def on_message_complete(self) -> None:
         self._cancel_body_timer()
@@ -136,6 +152,21 @@ class GatewayProtocol(HttpToolsProtocol):
         # The next bytes on this connection begin the next request's head.
         self._in_head = True
         self._head_bytes = 0
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        # A queued request whose body is still coming has its turn now (uvicorn started it).
+        if (
+            not self._in_head
+            and self._body_timer is None
+            and not self._queued()
+            and not self.transport.is_closing()
+        ):
+            self._body_timer = self.loop.call_later(self.body_timeout_s, self._body_too_slow)
+
+    def _queued(self) -> bool:
+        """Whether the request being read waits behind a running one (pipelined)."""
+        return any(cycle is self.cycle for cycle, _ in self.pipeline)
 
     def send_400_response(self, msg: str) -> None:
         status, message, code = self._refusal or (400, f"invalid HTTP request: {msg}", "invalid_request")
@@ -250,7 +281,7 @@ class ClientWriter:
             return None
         self._head = None
         cycle = self._cycle
-        if cycle.disconnected:
+        if cycle.disconnected or cycle.transport.is_closing():
             return None
         cycle.transport.write(head)
         return cycle.flow.drain() if cycle.flow.write_paused else None
@@ -258,7 +289,7 @@ class ClientWriter:
     def write(self, body: bytes, more: bool) -> Awaitable[None] | None:
         """Send body bytes (the last of the response when not ``more``), after a held head."""
         cycle = self._cycle
-        if cycle.disconnected or cycle.response_complete:
+        if cycle.disconnected or cycle.response_complete or cycle.transport.is_closing():
             return None
         if cycle.chunked_encoding:
             if body:

@@ -75,6 +75,33 @@ def test_slow_body_gets_408(strict: Running, fake: FakeEngine) -> None:
 
 
 @pytest.mark.fault("clients", "slowloris: heads and bodies that trickle or never come")
+def test_a_pipelined_body_that_waits_its_turn_does_not_cut_the_running_response(
+    strict: Running, fake: FakeEngine
+) -> None:
+    """A second request queued behind a running stream, its body not all sent: the stream ends
+    whole, and only then does the second get its 408 (its body deadline runs from its turn)."""
+    stream = orjson.dumps({"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": True})
+    first = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"x-fake: stall=1.5\r\nContent-Length: %d\r\n\r\n" % len(stream) + stream
+    )
+    second = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(BODY) + BODY[:10]
+    )
+    with socket.create_connection(("127.0.0.1", strict.port), timeout=10) as sock:
+        sock.sendall(first + second)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    assert received.startswith(b"HTTP/1.1 200 OK")
+    stream_part, _, rest = received.partition(b"HTTP/1.1 408")
+    assert b"data: [DONE]" in stream_part, received
+    assert stream_part.endswith(b"0\r\n\r\n")
+    assert b'"code":"request_timeout"' in rest
+
+
+@pytest.mark.fault("clients", "slowloris: heads and bodies that trickle or never come")
 def test_a_head_that_declares_a_body_then_sends_nothing_gets_408(strict: Running, fake: FakeEngine) -> None:
     """The body deadline runs from the end of the head: a declared body of which no byte comes is cut."""
     head = (

@@ -15,7 +15,7 @@ import time
 import orjson
 import pytest
 
-from tests.e2e.conftest import FakeEngine, Running
+from tests.e2e.conftest import FakeEngine, Running, StartGateway
 
 pytestmark = pytest.mark.fault("clients", "a client that leaves mid-request")
 
@@ -69,6 +69,29 @@ def test_client_disconnect_closes_upstream(
     assert record["closed_at"] - client_closed_at < _NOTICE_WITHIN_S
     if read_first:
         assert record["events_sent"] < 400
+
+
+def test_a_pipelined_client_that_hangs_up_frees_the_running_request(
+    start_gateway: StartGateway, fake: FakeEngine
+) -> None:
+    """A client that sent a second request behind a running stream, then hung up: the running one's
+    upstream is closed too (uvicorn tells only the newest request of the disconnect)."""
+    body = orjson.dumps({"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": True})
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n" % len(body)
+    )
+    gateway = start_gateway({"fake": fake.url})
+    sock = socket.create_connection(("127.0.0.1", gateway.port))
+    sock.sendall(head + b"x-fake: stall=30\r\n\r\n" + body + head + b"\r\n" + body)
+    received = b""
+    while b"data: {" not in received:
+        received += sock.recv(65536)
+    client_closed_at = hang_up(sock)
+    record = fake.wait_for_record(lambda r: r["closed_at"] is not None, timeout_s=5)
+    assert record["outcome"] == "peer_closed"
+    assert record["closed_at"] - client_closed_at < _NOTICE_WITHIN_S
+    assert "Traceback" not in gateway.log()
 
 
 def test_gateway_keeps_serving_after_disconnects(gateway: Running, fake: FakeEngine) -> None:
