@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -169,9 +168,8 @@ def _stamped(scope: Scope, send: Send, request_id_of: RequestIds) -> Send:
 
 def build_app(
     table: RoutingTable,
+    settings: RelaySettings,
     *,
-    relay_settings: RelaySettings | None = None,
-    connect_timeout_s: float = 5.0,
     on_startup: Callable[[], Awaitable[None]] | None = None,
     on_shutdown: Callable[[], Awaitable[None]] | None = None,
     api_keys: ApiKeys | None = None,
@@ -179,16 +177,15 @@ def build_app(
     access_log: AccessLog | None = None,
     cors: Cors | None = None,
 ) -> Gateway:
-    """Build the gateway for a routing table; every setting is resolved here.
+    """Build the gateway for a routing table and the relay's settings, resolved before.
 
-    ``on_startup`` and ``on_shutdown`` run in the server's event loop (the
-    engine manager's start and stop).
+    ``settings`` is the gateway's own ``Settings`` (the composition root's,
+    with every default): the relay reads it as it is. ``on_startup`` and
+    ``on_shutdown`` run in the server's event loop (the engine manager's
+    start and stop).
     """
     state = GatewayState()
-    settings = relay_settings or RelaySettings()
-    if api_keys:
-        settings = dataclasses.replace(settings, strip_credentials=True)
-    relay = Relay(table, settings, metrics, access_log, connect_timeout_s=connect_timeout_s)
+    relay = Relay(table, settings, metrics, access_log)
     routes = _AdminRoutes(relay, state, cors, metrics)
 
     @contextlib.asynccontextmanager

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import pytest
 
 from engines import spec as specs
+from proxy.auth import ApiKeys
 from proxy.errors import HTTPError
 from proxy.payload import RequestGuards, ask_for_stream, check_request
 from proxy.relay import RelaySettings
 from proxy.routing import Route
 from proxy.startup.catalog import Catalog
 from proxy.startup.configfile import ModelConfig
-from proxy.startup.settings import Settings, relay_settings
+from proxy.startup.settings import Settings, flags
 from tests.engines.test_spec import shipped_table
 
 
@@ -21,10 +23,14 @@ def names(cls: type) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)}
 
 
+def reads(protocol: type) -> set[str]:
+    """The read-only properties a protocol declares: what its reader reads."""
+    return {name for name, member in vars(protocol).items() if isinstance(member, property)}
+
+
 def test_every_guard_the_spec_defines_is_one_the_request_path_reads() -> None:
     """The spec's one Guards and the relay's RequestGuards protocol name the same guards: none is dead."""
-    read = {name for name, member in vars(RequestGuards).items() if isinstance(member, property)}
-    assert read == names(specs.Guards)
+    assert reads(RequestGuards) == names(specs.Guards)
 
 
 def test_a_route_with_no_engine_gets_what_a_spec_without_guards_gets() -> None:
@@ -51,18 +57,31 @@ def test_a_shipped_spec_s_guards_are_the_relay_s_checks() -> None:
     assert not ask_for_stream({"model": "m", "logprobs": True}, b"/chat/completions", guards)
 
 
-def test_every_relay_setting_is_a_gateway_setting_with_the_relays_default() -> None:
-    given = names(RelaySettings) - {"strip_credentials"}
-    assert given <= names(Settings)
-    assert relay_settings(Settings()) == RelaySettings()
+def test_every_setting_the_relay_reads_is_a_gateway_setting_of_the_same_type() -> None:
+    """The relay's protocol names only Settings' fields, each with its flag and type; no defaults."""
+    read = reads(RelaySettings)
+    assert "max_body_bytes" in read and "health_interval_s" in read  # the protocol is what is read
+    derived = {"strip_credentials"}
+    assert read - derived <= {name for name, _ in flags()}
+    given = typing.get_type_hints(Settings)
+    for name in read - derived:
+        assert typing.get_type_hints(getattr(RelaySettings, name).fget)["return"] == given[name], name
+    assert typing.get_type_hints(vars(Settings)["strip_credentials"].fget)["return"] is bool
 
 
-def test_the_relay_gets_what_the_gateway_was_told() -> None:
+def test_the_relay_reads_what_the_gateway_was_told_from_the_gateway_s_own_object() -> None:
     told = Settings(first_byte_timeout_s=9.0, max_queued=3, forwarded_allow_ips=("10.0.0.1",))
-    relay = relay_settings(told, strip_credentials=True)
+    relay: RelaySettings = told  # what the composition root hands over, as it is
     assert (relay.first_byte_timeout_s, relay.max_queued, relay.forwarded_allow_ips) == (
         9.0,
         3,
         ("10.0.0.1",),
     )
-    assert relay.strip_credentials
+
+
+def test_the_relay_strips_the_client_s_credentials_exactly_when_the_gateway_checks_keys() -> None:
+    """Derived from the keys by the rule the gateway checks them with: a blank key is none."""
+    assert not Settings().strip_credentials
+    assert Settings(api_keys=("k",)).strip_credentials
+    for keys in [(), ("k",), ("  ",), ("", "k")]:
+        assert Settings(api_keys=keys).strip_credentials == bool(ApiKeys(keys)), keys

@@ -36,10 +36,8 @@ class Relay:
         settings: RelaySettings,
         metrics: Metrics | None = None,
         access_log: AccessLog | None = None,
-        *,
-        connect_timeout_s: float = 5.0,
     ) -> None:
-        self._routes = Routes(settings, metrics, connect_timeout_s)
+        self._routes = Routes(settings, metrics)
         self.pools: dict[UpstreamAddress, Pool] = self._routes.pools
         self._entries: dict[str, RouteEntry] = {}
         self.update(table)

@@ -137,11 +137,10 @@ def by_affinity(peers: tuple[Peer, ...], affinity: Affinity, doc: Any) -> Peer |
 class Routes:
     """Route entries by model name (and alias), and one connection pool per upstream address."""
 
-    def __init__(self, settings: RelaySettings, metrics: Metrics | None, connect_timeout_s: float) -> None:
+    def __init__(self, settings: RelaySettings, metrics: Metrics | None) -> None:
         self._settings = settings
         self.checks = HealthChecks(settings.health_interval_s)
         self._metrics = metrics
-        self._connect_timeout_s = connect_timeout_s
         self.pools: dict[UpstreamAddress, Pool] = {}
         self.table = RoutingTable(())
         self._built: dict[Route, RouteEntry] = {}
@@ -194,7 +193,7 @@ class Routes:
             pool = self.pools.get(replica.upstream)
             if pool is None:
                 pool = self.pools[replica.upstream] = Pool(
-                    replica.upstream, connect_timeout_s=self._connect_timeout_s
+                    replica.upstream, connect_timeout_s=self._settings.connect_timeout_s
                 )
             targets = {path: replica.upstream.target(endpoint) for path, endpoint in ENDPOINTS.items()}
             name = replica.upstream.base_url

@@ -1,32 +1,55 @@
-"""The relay's settings: resolved once at startup, read by no request."""
+"""What the relay reads of the gateway's settings: resolved once at startup, read by no request."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Protocol
 
 
-@dataclass(frozen=True, slots=True)
-class RelaySettings:
-    max_body_bytes: int = 32 * 1024 * 1024
-    first_byte_timeout_s: float = 600.0
-    read_timeout_s: float = 300.0
-    max_queued: int = 256
-    queue_timeout_s: float = 60.0
+class RelaySettings(Protocol):
+    """The settings the relay reads, by name and type only.
+
+    Each setting's default, flag, variable and help are written once, in
+    ``proxy.startup.settings.Settings``, the frozen object the composition
+    root hands to the relay as it is (the request path may not import
+    ``startup``; mypy checks that the one fits the other where it is handed
+    over).
+    """
+
+    @property
+    def max_body_bytes(self) -> int: ...
+    @property
+    def connect_timeout_s(self) -> float: ...
+    @property
+    def first_byte_timeout_s(self) -> float: ...
+    @property
+    def read_timeout_s(self) -> float: ...
+    @property
+    def max_queued(self) -> int: ...
+    @property
+    def queue_timeout_s(self) -> float: ...
     # The gateway checks API keys: the client's credentials are for it alone.
-    strip_credentials: bool = False
+    @property
+    def strip_credentials(self) -> bool: ...
     # A request for a model whose child is starting waits this long for it
     # (0: answer 503 model_loading at once).
-    load_wait_s: float = 0.0
+    @property
+    def load_wait_s(self) -> float: ...
     # A stream whose head takes longer than this gets SSE keepalive comments.
-    heartbeat_s: float = 15.0
+    @property
+    def heartbeat_s(self) -> float: ...
     # A whole exchange may take this long (0: no limit).
-    total_timeout_s: float = 0.0
+    @property
+    def total_timeout_s(self) -> float: ...
     # A client that takes no bytes for this long while some wait is cut (0: never).
-    send_stall_s: float = 120.0
+    @property
+    def send_stall_s(self) -> float: ...
     # Proxies whose X-Forwarded-For is believed (and passed on, with the peer appended).
-    forwarded_allow_ips: tuple[str, ...] = ()
+    @property
+    def forwarded_allow_ips(self) -> tuple[str, ...]: ...
     # A model's replica with its conversation's prompt cache keeps it while it has at
     # most this many requests in flight more than the least busy (None: least busy only).
-    affinity_slack: int | None = 4
+    @property
+    def affinity_slack(self) -> int | None: ...
     # Seconds between active checks of a model's replicas (0: passive only).
-    health_interval_s: float = 2.0
+    @property
+    def health_interval_s(self) -> float: ...

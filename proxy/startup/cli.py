@@ -40,7 +40,7 @@ from proxy.startup.configfile import ConfigError, FileConfig, ModelConfig
 from proxy.startup.options import gateway_options, settings_from
 from proxy.startup.reload import Reloader
 from proxy.startup.server import GatewayServer
-from proxy.startup.settings import Settings, relay_settings
+from proxy.startup.settings import Settings
 
 log = logging.getLogger("blazar.cli")
 
@@ -294,8 +294,7 @@ def serve(settings: Settings, *, registry: Registry | None = None, reloader: Rel
 
     app = build_app(
         RoutingTable(settings.routes),
-        relay_settings=relay_settings(settings),
-        connect_timeout_s=settings.connect_timeout_s,
+        settings,
         on_startup=startup,
         on_shutdown=shutdown,
         api_keys=ApiKeys(settings.api_keys),

@@ -4,10 +4,9 @@
 field that a user can set carries a :class:`Flag` in its metadata: the click
 option is built from it (``proxy.startup.options``), the config file's
 ``[gateway]`` keys are checked by that option, and ``BLAZAR_*`` is the flag's
-name. The relay's own settings keep their defaults in the relay's type
-(``proxy.relay.RelaySettings``, which the request path reads and may not get
-from here); the fields below take those defaults from it, and the relay's
-settings are built from these by name (:func:`relay_settings`).
+name. The relay is handed this object as it is: it declares only what it
+reads (``proxy.relay.RelaySettings``, a protocol with no defaults), and mypy
+checks that ``Settings`` fits it where the composition root hands it over.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from engines import spec as specs
-from proxy.relay import RelaySettings
+from proxy.auth import ApiKeys
 from proxy.routing import Route
 from proxy.startup.configfile import FileConfig
 
@@ -59,9 +58,6 @@ class Flag:
 
 def _setting(default: Any, decls: str, help: str, **flag: Any) -> Any:
     return field(default=default, metadata={"flag": Flag(decls, help, **flag)})
-
-
-_RELAY = RelaySettings()
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +127,7 @@ class Settings:
     host: str = _setting("127.0.0.1", "--host", "Address to bind.")
     port: int = _setting(8000, "--port", "Port to bind.", low=0, high=65535)
     max_body_bytes: int = _setting(
-        _RELAY.max_body_bytes,
+        32 * 1024 * 1024,
         "--max-body-bytes",
         "Largest request body accepted; larger ones get 413.",
         low=1,
@@ -144,14 +140,14 @@ class Settings:
         low_open=True,
     )
     first_byte_timeout_s: float = _setting(
-        _RELAY.first_byte_timeout_s,
+        600.0,
         "--first-byte-timeout",
         "Seconds to wait for an upstream's response head (prefill can take minutes); past it, 504.",
         low=0,
         low_open=True,
     )
     read_timeout_s: float = _setting(
-        _RELAY.read_timeout_s,
+        300.0,
         "--read-timeout",
         "Seconds an upstream may go silent in the middle of a response; past it, an SSE error "
         "event (streams) or a cut connection.",
@@ -167,13 +163,13 @@ class Settings:
         low=1,
     )
     max_queued: int = _setting(
-        _RELAY.max_queued,
+        256,
         "--max-queued",
         "Requests that may wait per model; past it, 429 with Retry-After.",
         low=0,
     )
     queue_timeout_s: float = _setting(
-        _RELAY.queue_timeout_s,
+        60.0,
         "--queue-timeout",
         "Seconds a request may wait for a slot; past it, 503 with Retry-After.",
         low=0,
@@ -206,14 +202,14 @@ class Settings:
         64 * 1024, "--max-header-bytes", "Largest request head accepted; past it, 431 and close.", low=1024
     )
     load_wait_s: float = _setting(
-        _RELAY.load_wait_s,
+        0.0,
         "--load-wait",
         "Seconds a request for a model whose engine is starting waits for it; 0 answers "
         "503 model_loading with Retry-After at once (openai-python retries those itself).",
         low=0,
     )
     heartbeat_s: float = _setting(
-        _RELAY.heartbeat_s,
+        15.0,
         "--sse-heartbeat",
         "A stream whose upstream has not answered after this many seconds (a long prefill) "
         "is started by the gateway with `: keepalive` comments, so proxies in front do not time "
@@ -221,20 +217,20 @@ class Settings:
         low=0,
     )
     total_timeout_s: float = _setting(
-        _RELAY.total_timeout_s,
+        0.0,
         "--total-timeout",
         "Seconds a whole request may take; past it, 504 (or an SSE error event). 0: no limit.",
         low=0,
     )
     send_stall_s: float = _setting(
-        _RELAY.send_stall_s,
+        120.0,
         "--send-stall",
         "A client that reads nothing for this long while response bytes wait for it is cut "
         "(its upstream closed). Until then backpressure reaches the upstream. 0: never.",
         low=0,
     )
     affinity_slack: int | None = _setting(
-        _RELAY.affinity_slack,
+        4,
         "--affinity-slack",
         "A model with several replicas sends each conversation to the replica that served its "
         "earlier turns (its prompt cache), unless that one has more than N requests in flight beyond "
@@ -245,7 +241,7 @@ class Settings:
         metavar="N|off",
     )
     health_interval_s: float = _setting(
-        _RELAY.health_interval_s,
+        2.0,
         "--health-interval",
         "Seconds between checks of each server of a replica set (GET /readyz, or /health for "
         "engines); one that fails leaves rotation, one that passes rejoins. Engine children are "
@@ -298,7 +294,7 @@ class Settings:
         "text", "--log-format", "Access log lines as text or JSON.", choices=LOG_FORMATS
     )
     forwarded_allow_ips: tuple[str, ...] = _setting(
-        _RELAY.forwarded_allow_ips,
+        (),
         "--forwarded-allow-ips",
         "Comma-separated proxy addresses whose X-Forwarded-For is trusted for the client address.",
         metavar="CIDRS",
@@ -308,17 +304,16 @@ class Settings:
     # Not a flag: the routes the catalog built from the models to serve.
     routes: tuple[Route, ...] = ()
 
+    @property
+    def strip_credentials(self) -> bool:
+        """The gateway checks API keys, so the client's credentials are for it alone (the relay drops them).
+
+        Read from ``api_keys`` once the command line has added ``--api-key-file``'s keys to it,
+        by the rule the gateway checks them with (a blank key is none).
+        """
+        return bool(ApiKeys(self.api_keys))
+
 
 def flags() -> list[tuple[str, Flag]]:
     """Each settable field's name and flag, in ``--help``'s order."""
     return [(f.name, f.metadata["flag"]) for f in dataclasses.fields(Settings) if "flag" in f.metadata]
-
-
-def relay_settings(settings: Settings, *, strip_credentials: bool = False) -> RelaySettings:
-    """The relay's settings, taken from the gateway's by name (the relay reads only these)."""
-    given = {
-        f.name: getattr(settings, f.name)
-        for f in dataclasses.fields(RelaySettings)
-        if f.name != "strip_credentials"
-    }
-    return RelaySettings(**given, strip_credentials=strip_credentials)

@@ -21,8 +21,9 @@ from engines.child import Child, ChildState
 from engines.registry import Registry
 from engines.served import Lifetime, LoadFailed, ModelState, ServedModel
 from engines.spec import Guards
-from proxy.relay import Relay, RelaySettings
+from proxy.relay import Relay
 from proxy.routing import Replica, Route, RoutingTable, UpstreamAddress
+from proxy.startup.settings import Settings
 from tests.engines.test_child import alive, config, free_port, wait_until
 
 pytestmark = pytest.mark.anyio
@@ -361,7 +362,7 @@ async def test_a_failing_replica_does_not_stop_the_healthy_one_serving_a_lazy_lo
     good = Child(config(tmp_path, name="good", log_path=tmp_path / "logs" / "good.log"))
     model = kept(registry, "m", [bad, good])
     await registry.start()
-    relay = Relay(RoutingTable([_route(model)]), RelaySettings(heartbeat_s=0))
+    relay = Relay(RoutingTable([_route(model)]), Settings(heartbeat_s=0))
     try:
         status, _ = await _relay_call(relay, "m")
         assert status == 200
@@ -435,7 +436,7 @@ async def test_clients_that_leave_while_their_model_loads_are_not_relayed(tmp_pa
     slow = slow_fake_engine(port, delay_s=1.5)
     model = kept(registry, "g", [Child(config(tmp_path, argv=slow, port=port))])
     await registry.start()
-    relay = Relay(RoutingTable([_route(model)]), RelaySettings(heartbeat_s=0))
+    relay = Relay(RoutingTable([_route(model)]), Settings(heartbeat_s=0))
     try:
         results = await asyncio.gather(*(_relay_call(relay, "g", gone=True) for _ in range(5)))
         assert [status for status, _ in results] == [None] * 5
@@ -456,7 +457,7 @@ async def test_requests_waiting_for_a_load_are_bounded_by_max_queued(tmp_path: P
     slow = slow_fake_engine(port, delay_s=1.5)
     model = kept(registry, "q", [Child(config(tmp_path, argv=slow, port=port))])
     await registry.start()
-    relay = Relay(RoutingTable([_route(model)]), RelaySettings(heartbeat_s=0, max_queued=2))
+    relay = Relay(RoutingTable([_route(model)]), Settings(heartbeat_s=0, max_queued=2))
     try:
         results = await asyncio.gather(*(_relay_call(relay, "q") for _ in range(5)))
         statuses = sorted(status for status, _ in results if status is not None)
@@ -474,7 +475,7 @@ async def test_a_drain_that_ends_answers_requests_waiting_for_a_load(tmp_path: P
     slow = slow_fake_engine(port, delay_s=30)
     model = kept(registry, "d", [Child(config(tmp_path, argv=slow, port=port))])
     await registry.start()
-    relay = Relay(RoutingTable([_route(model)]), RelaySettings(heartbeat_s=0))
+    relay = Relay(RoutingTable([_route(model)]), Settings(heartbeat_s=0))
     try:
         waiting = asyncio.ensure_future(_relay_call(relay, "d"))
         await wait_until(lambda: model.state == "loading")
@@ -492,7 +493,7 @@ async def test_max_queued_zero_still_lets_the_first_request_start_a_model(tmp_pa
     registry = Registry()
     model = served(tmp_path, registry, "z")
     await registry.start()
-    relay = Relay(RoutingTable([_route(model)]), RelaySettings(heartbeat_s=0, max_queued=0))
+    relay = Relay(RoutingTable([_route(model)]), Settings(heartbeat_s=0, max_queued=0))
     try:
         status, _ = await _relay_call(relay, "z")
         assert status == 200

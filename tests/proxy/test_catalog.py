@@ -17,10 +17,11 @@ from engines.child import ChildState
 from engines.plan import PlannedChild
 from engines.registry import Registry
 from engines.served import Lifetime, ModelState, ServedModel
-from proxy.relay import Relay, RelaySettings
+from proxy.relay import Relay
 from proxy.routing import Route, RoutingTable, UpstreamAddress
 from proxy.startup.catalog import Catalog, ReloadPlan, _Prepared, plan_reload
 from proxy.startup.configfile import ConfigError, FileConfig, ModelConfig
+from proxy.startup.settings import Settings
 from tests.engines.test_child import config as child_config
 
 MLX = "mlx-0.32.0"
@@ -276,7 +277,7 @@ async def test_a_reload_that_only_retunes_asks_the_registry_and_keeps_the_model(
     served = route.gate
     assert isinstance(served, ServedModel)
     registry.add(served)
-    relay = Relay(RoutingTable([route]), RelaySettings())
+    relay = Relay(RoutingTable([route]), Settings())
     retuned = engine("m", ttl_s=30.0, aliases=("gpt",))
     await catalog.reload(file(retuned), keep=(), relay=relay)
     assert lines[-1] == "reload: updated m (children kept)"
@@ -293,7 +294,7 @@ async def test_a_reload_of_static_upstreams_swaps_the_relay_s_table(tmp_path: Pa
     lines: list[str] = []
     catalog = Catalog(home=None, registry=Registry(), announce=lines.append)
     catalog.build([upstream("a"), upstream("b")])
-    relay = Relay(RoutingTable(route for _, route in catalog.entries.values()), RelaySettings())
+    relay = Relay(RoutingTable(route for _, route in catalog.entries.values()), Settings())
     kept = catalog.entries["a"][1]
     await catalog.reload(file(upstream("a"), upstream("c", "http://127.0.0.1:9003")), keep=(), relay=relay)
     assert lines[-1] == "reload: started c; removed b"
@@ -308,7 +309,7 @@ async def test_a_reload_that_fails_changes_nothing(tmp_path: Path) -> None:
     catalog = Catalog(home=None, registry=Registry())
     catalog.build([upstream("a")])
     before = dict(catalog.entries)
-    relay = Relay(RoutingTable(route for _, route in catalog.entries.values()), RelaySettings())
+    relay = Relay(RoutingTable(route for _, route in catalog.entries.values()), Settings())
     table = relay.table
     with pytest.raises(ConfigError, match=r"\[models.b\]"):
         await catalog.reload(file(upstream("a"), upstream("b", "ftp://x")), keep=(), relay=relay)

@@ -12,9 +12,9 @@ from proxy.errors import HTTPError
 from proxy.relay.drain import Drain
 from proxy.relay.outcome import Outcome
 from proxy.relay.routes import RouteEntry, Routes
-from proxy.relay.settings import RelaySettings
 from proxy.relay.ticket import Ticket
 from proxy.routing import Replica, Route, RoutingTable, UpstreamAddress
+from proxy.startup.settings import Settings
 
 pytestmark = pytest.mark.anyio
 
@@ -28,7 +28,7 @@ def _entry(max_in_flight: int | None, *, max_queued: int = 4, replicas: int = 1)
         max_in_flight=max_in_flight,
         replicas=tuple(Replica(a) for a in addresses) if replicas > 1 else (),
     )
-    routes = Routes(RelaySettings(max_queued=max_queued, queue_timeout_s=5), None, 1.0)
+    routes = Routes(Settings(max_queued=max_queued, queue_timeout_s=5, connect_timeout_s=1.0), None)
     return routes.update(RoutingTable([route]))["m"]
 
 
