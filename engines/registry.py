@@ -164,6 +164,11 @@ class Registry:
             self._announce(f"the engine's last lines (its whole output is in {child.config.log_path}):")
             for line in lines:
                 self._announce(f"  | {line}")
+            if any("libcuda.so" in line for line in lines):
+                self._announce(
+                    "the engine's CUDA variant needs an NVIDIA driver, and it found none (libcuda.so): "
+                    "start it with --engine-variant cpu, or auto, which picks the variant the machine has"
+                )
         else:
             self._announce(f"the engine wrote nothing (its log: {child.config.log_path})")
         if at_start and self._on_start_failed is not None:

@@ -148,7 +148,7 @@ class PeerHealth:
 class Checked:
     """One replica as the checker sees it: where to ask, its health, its gate (engine children)."""
 
-    __slots__ = ("address", "failed", "gate", "health", "path", "starts")
+    __slots__ = ("address", "failed", "gate", "health", "path", "starts", "why")
 
     def __init__(self, address: UpstreamAddress, health: PeerHealth, gate: ReplicaGate | None) -> None:
         self.address = address
@@ -156,6 +156,8 @@ class Checked:
         self.gate = gate
         self.path = "/readyz"
         self.failed = 0
+        # What the last failed check saw (a refused connection, a status).
+        self.why = ""
         # An engine child's start count when last seen: another start is a new process.
         self.starts = gate.starts if gate is not None else 0
 
@@ -186,9 +188,25 @@ async def check_once(client: httpx.AsyncClient, replica: Checked) -> bool:
                 status = response.status_code
             finally:
                 await response.aclose()
-    except httpx.HTTPError:
+    except httpx.HTTPError as exc:
+        replica.why = _reason(exc)
         return False
-    return 200 <= status < 300
+    if 200 <= status < 300:
+        return True
+    replica.why = f"it answered {status}"
+    return False
+
+
+def _reason(exc: httpx.HTTPError) -> str:
+    """What a failed check met, in a few words (httpx's own text, or its kind)."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, ConnectionRefusedError):
+            return "connection refused"
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(exc, httpx.TimeoutException):
+        return "no answer in time"
+    return str(exc) or type(exc).__name__
 
 
 async def _check_set(replicas: tuple[Checked, ...], interval_s: float) -> None:
@@ -211,7 +229,7 @@ async def _check_set(replicas: tuple[Checked, ...], interval_s: float) -> None:
                     continue
                 replica.failed += 1
                 if replica.failed >= FALL:
-                    replica.health.eject(f"{replica.failed} failed checks of {replica.path}")
+                    replica.health.eject(f"{replica.failed} failed checks of {replica.path} ({replica.why})")
 
 
 class HealthChecks:

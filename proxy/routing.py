@@ -159,8 +159,14 @@ class RoutingTable:
         return list(dict.fromkeys(b.upstream for r in self._routes.values() for b in r.all_replicas))
 
 
+# OpenAI endpoints: an upstream URL that ends in one was copied from a request, not a base URL.
+_ENDPOINT_PATHS = ("/chat/completions", "/completions", "/embeddings", "/models", "/responses")
+
+
 def parse_upstream_url(url: str) -> UpstreamAddress:
     """Parse ``http://host:port[/prefix][/v1]`` into an address."""
+    if "://" not in url:
+        raise UpstreamSpecError(f"upstream URL {url!r} has no scheme: write http://{url.strip()}")
     try:
         parts = urlsplit(url.strip())
         port = parts.port
@@ -180,6 +186,16 @@ def parse_upstream_url(url: str) -> UpstreamAddress:
     if port == 0:
         raise UpstreamSpecError(f"upstream URL {url!r}: port 0 is not a port to connect to")
     prefix = "/" + parts.path.strip("/")
+    if prefix.endswith(_ENDPOINT_PATHS):
+        base = url.strip().rstrip("/")
+        for endpoint in _ENDPOINT_PATHS:
+            if base.endswith(endpoint):
+                base = base[: -len(endpoint)]
+                break
+        raise UpstreamSpecError(
+            f"upstream URL {url!r} names an endpoint; give the server's base URL "
+            f"(the gateway adds the endpoint): {base}"
+        )
     if prefix == "/v1" or prefix.endswith("/v1"):
         prefix = prefix[: -len("/v1")]
     return UpstreamAddress(host=host, port=80 if port is None else port, prefix=prefix.rstrip("/"))

@@ -79,7 +79,7 @@ async def _read_rest(message: Message, receive: Receive, limit: int) -> bytes:
 def too_large(limit: int) -> HTTPError:
     return HTTPError(
         413,
-        f"request body is larger than the limit of {limit} bytes",
+        f"request body is larger than the limit of {limit} bytes (the gateway's --max-body-bytes)",
         code="request_too_large",
         headers=((b"connection", b"close"),),
     )

@@ -109,7 +109,10 @@ class Catalog:
         chosen = builtin.parse(config.model)
         if engine == "auto":
             if config.model is None:
-                raise ConfigError('engine "auto" needs a model: the engine is picked by its format')
+                raise ConfigError(
+                    'engine "auto" needs a model: the engine is picked by its format; give --model PATH, '
+                    f"or name an engine for its built-in model ({', '.join(specs.available())})"
+                )
             if chosen is not None:
                 raise ConfigError(
                     f'engine "auto" picks the engine from a model\'s format; {config.model} is made for '

@@ -33,7 +33,7 @@ from proxy.auth import ApiKeys, read_key_file
 from proxy.cors import Cors
 from proxy.metrics import EngineSample, Metrics
 from proxy.protocol import protocol_class
-from proxy.routing import RoutingTable, UpstreamSpecError, parse_upstream_spec
+from proxy.routing import RoutingTable, UpstreamAddress, UpstreamSpecError, parse_upstream_spec
 from proxy.startup import configfile
 from proxy.startup.catalog import Catalog
 from proxy.startup.configfile import ConfigError, FileConfig, ModelConfig
@@ -460,6 +460,43 @@ async def _announce_ready(
     ).decode()
     key = " -H 'authorization: Bearer YOUR_API_KEY'" if keyed else ""
     _echo(f"try it: curl -s {base}/chat/completions{key} -H 'content-type: application/json' -d '{body}'")
+    await _warn_unreachable(table)
+
+
+# How long the start-up look at each --upstream server waits for a connection.
+_PROBE_TIMEOUT_S = 2.0
+
+
+async def _warn_unreachable(table: RoutingTable) -> None:
+    """Say which servers named as upstreams refuse connections now (their requests get 503 until they
+    answer): a ready line alone would promise a request that cannot work."""
+    servers: dict[UpstreamAddress, str] = {}
+    for route in table:
+        if route.gate is None:
+            for replica in route.all_replicas:
+                if replica.gate is None:
+                    servers.setdefault(replica.upstream, route.model)
+    reasons = await asyncio.gather(*(_refusal(address) for address in servers))
+    for (address, model), why in zip(servers.items(), reasons, strict=True):
+        if why is not None:
+            where = f"nothing answers at {address.base_url} ({model})"
+            _echo(f"warning: {where}: {why}; its requests get 503 until it does")
+
+
+async def _refusal(address: UpstreamAddress) -> str | None:
+    """Why a connection to ``address`` cannot be opened now; None when it can."""
+    try:
+        _, writer = await asyncio.wait_for(
+            asyncio.open_connection(address.host, address.port), _PROBE_TIMEOUT_S
+        )
+    except ConnectionRefusedError:
+        return "connection refused"
+    except TimeoutError:
+        return f"no connection within {_PROBE_TIMEOUT_S:g} s"
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    writer.close()
+    return None
 
 
 def _engine_samples(table: RoutingTable) -> list[EngineSample]:

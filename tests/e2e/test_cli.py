@@ -132,3 +132,19 @@ def test_ready_line_names_the_gateways_url_and_a_request_that_works(
     assert sent["model"] == "fake" and sent["max_tokens"] >= 1
     answer = httpx.post(url, content=body, headers={"content-type": "application/json"}, trust_env=False)
     assert answer.status_code == 200, answer.text
+
+
+def test_an_upstream_that_refuses_connections_at_start_is_named(
+    start_gateway: StartGateway, fake: FakeEngine
+) -> None:
+    """The ready line is followed by a warning for each server that refuses connections, and none for
+    one that answers."""
+    dead = free_port()
+    gateway = start_gateway({"fake": fake.url, "gone": f"http://127.0.0.1:{dead}"})
+    warning = f"warning: nothing answers at http://127.0.0.1:{dead}/v1 (gone): connection refused"
+    for _ in range(100):
+        if warning in gateway.log():
+            break
+        time.sleep(0.05)
+    assert warning in gateway.log()
+    assert gateway.log().count("warning: nothing answers") == 1

@@ -346,7 +346,9 @@ def test_a_reload_that_rebuilds_a_set_checks_its_new_servers_only(
     write_config(path, f'[models.m]\nupstream = ["{a.url}", "{dead}", "{c.url}"]\n')
     assert hang_up(gw).split("reload: ", 1)[1] == "restarted m"
     # No request yet: only an active check of the new server can take it out.
-    wait_until(lambda: f"{dead}/v1 is out of rotation: 2 failed checks" in gw.log(), "the dead server is out")
+    # The line says why (the check's own cause), not only that checks failed.
+    out = f"{dead}/v1 is out of rotation: 2 failed checks of /readyz (connection refused)"
+    wait_until(lambda: out in gw.log(), "the dead server is out")
     after = _checks(b)
     # Several more rounds of checks of the set: c's count says they ran.
     seen = _checks(c)

@@ -501,6 +501,25 @@ async def test_max_queued_zero_still_lets_the_first_request_start_a_model(tmp_pa
         await registry.shutdown()
 
 
+async def test_a_cuda_variant_without_a_driver_is_told_to_use_the_cpu_variant(tmp_path: Path) -> None:
+    """mlx[cuda12] on a machine with no NVIDIA driver dies importing libcuda: the report says what to do."""
+    lines: list[str] = []
+    registry = Registry(announce=lines.append)
+    # What mlx's CUDA build prints there (seen with --engine-variant cuda12 on this CPU-only machine).
+    error = "ImportError: libcuda.so.1: cannot open shared object file: No such file or directory"
+    argv = [sys.executable, "-c", f"print({error!r}); raise SystemExit(1)"]
+    child = Child(config(tmp_path, argv=argv))
+    kept(registry, "m", [child], Lifetime(always_loaded=True))
+    failures: list[str] = []
+    await registry.start(on_start_failed=failures.append)
+    try:
+        await wait_until(lambda: bool(failures), timeout_s=15)
+        assert f"  | {error}" in lines
+        assert any("--engine-variant cpu" in line and "NVIDIA driver" in line for line in lines), lines
+    finally:
+        await registry.shutdown()
+
+
 async def test_an_always_loaded_model_that_cannot_start_is_stopped_and_reported(tmp_path: Path) -> None:
     """A child that exits the same way twice: the model stops, its reason is kept, the start hook told."""
     lines: list[str] = []

@@ -51,6 +51,27 @@ def test_path_before_v1_is_the_prefix(url: str, prefix: str) -> None:
     assert parse_upstream_url(url).prefix == prefix
 
 
+@pytest.mark.parametrize(
+    ("url", "base"),
+    [
+        ("http://127.0.0.1:8000/v1/chat/completions", "http://127.0.0.1:8000/v1"),
+        ("http://h:1/v1/completions/", "http://h:1/v1"),
+        ("http://h:1/api/v1/embeddings", "http://h:1/api/v1"),
+    ],
+)
+def test_an_endpoint_url_is_refused_with_its_base(url: str, base: str) -> None:
+    """A URL copied from a request (it names the endpoint) is refused, and the message gives its base."""
+    with pytest.raises(UpstreamSpecError, match="names an endpoint") as raised:
+        parse_upstream_url(url)
+    assert str(raised.value).endswith(f": {base}")
+
+
+@pytest.mark.parametrize("url", ["127.0.0.1:8080", "localhost:8080/v1"])
+def test_a_url_without_a_scheme_is_refused_with_the_fix(url: str) -> None:
+    with pytest.raises(UpstreamSpecError, match=f"has no scheme: write http://{url}$"):
+        parse_upstream_url(url)
+
+
 def test_prefix_goes_into_target_and_base_url() -> None:
     """UpstreamAddress.target and base_url put the prefix before /v1."""
     address = parse_upstream_url("http://h:1/api/v1")
