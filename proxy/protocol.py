@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
+from operator import itemgetter
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import (
@@ -38,6 +39,15 @@ from uvicorn.protocols.http.httptools_impl import (
 )
 
 from proxy.errors import error_body
+from proxy.headers import HEADER_LINE
+from proxy.timers import for_loop
+
+_NAME = itemgetter(0)
+_VALUE = itemgetter(1)
+# A body's bytes as one HTTP chunk, after what goes before it (a held head,
+# or nothing); as the last one, with the end of the body.
+_CHUNK = b"%b%x\r\n%b\r\n"
+_LAST_CHUNK = b"%b%x\r\n%b\r\n0\r\n\r\n"
 
 
 class _Refused(Exception):
@@ -63,6 +73,9 @@ class GatewayProtocol(HttpToolsProtocol):
         self._extensions: dict[str, Any] = {}
         # Pipelined requests still running behind uvicorn's newest cycle.
         self._earlier: list[RequestResponseCycle] = []
+        # The wait for the next request on a kept-alive connection: a coarse timer (proxy/timers.py).
+        self._timers = for_loop(self.loop)
+        self._keep_alive_timer: int | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -105,11 +118,14 @@ class GatewayProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        # The client's abort, for the relay to cut a client that stopped reading.
-        extensions: dict[str, Any] = dict(self.scope.get("extensions") or {})
-        extensions["blazar.abort"] = self.transport.abort
-        self.scope["extensions"] = self._extensions = extensions
+        # The client's abort, for the relay to cut a client that stopped reading
+        # (uvicorn's scope has no extensions of its own).
+        self.scope["extensions"] = self._extensions = {"blazar.abort": self.transport.abort}
         self._head_begun = True
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        # uvicorn's, less its look for Expect: that is made once the head is whole.
+        self.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
         self._cancel_head_timer()
@@ -128,7 +144,12 @@ class GatewayProtocol(HttpToolsProtocol):
                 "headers_too_large",
             )
             raise _Refused()
-        if _asks_upgrade(self.headers):
+        fields = dict(self.headers)
+        if b"expect" in fields:
+            self.expect_100_continue = any(
+                name == b"expect" and value.lower() == b"100-continue" for name, value in self.headers
+            )
+        if b"upgrade" in fields and _asks_upgrade(self.headers):
             self._refusal = (
                 400,
                 "protocol upgrades are not served here (the request has Connection: upgrade); "
@@ -154,7 +175,18 @@ class GatewayProtocol(HttpToolsProtocol):
         self._head_bytes = 0
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
+        # uvicorn's, with its keep-alive wait on a coarse timer.
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self._unset_keepalive_if_required()
+        self.flow.resume_reading()
+        if self.pipeline:
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+        else:
+            handler = self.timeout_keep_alive_handler
+            self._keep_alive_timer = self._timers.later(self.timeout_keep_alive, handler)
         # A queued request whose body is still coming has its turn now (uvicorn started it).
         if (
             not self._in_head
@@ -163,6 +195,12 @@ class GatewayProtocol(HttpToolsProtocol):
             and not self.transport.is_closing()
         ):
             self._body_timer = self.loop.call_later(self.body_timeout_s, self._body_too_slow)
+
+    def _unset_keepalive_if_required(self) -> None:
+        # uvicorn's own keep-alive timer is armed only in the on_response_complete replaced above.
+        if self._keep_alive_timer is not None:
+            self._timers.cancel(self.timeout_keep_alive, self._keep_alive_timer)
+            self._keep_alive_timer = None
 
     def _queued(self) -> bool:
         """Whether the request being read waits behind a running one (pipelined)."""
@@ -246,27 +284,24 @@ class ClientWriter:
             raise RuntimeError("the response has already started")
         cycle.response_started = True
         cycle.waiting_for_100_continue = False
-        content = [STATUS_LINE[status]]
-        names = []
-        values = []
-        close = False
-        for name, value in (*cycle.default_headers, *headers):
-            names.append(name)
-            values.append(value)
-            if name == b"content-length" and cycle.chunked_encoding is None:
-                cycle.expected_content_length = int(value)
-                cycle.chunked_encoding = False
-            elif name == b"transfer-encoding" and value.lower() == b"chunked":
-                cycle.expected_content_length = 0
-                cycle.chunked_encoding = True
-            elif name == b"connection" and b"close" in value.lower():
-                cycle.keep_alive = False
-                close = True
-            content += (name, b": ", value, b"\r\n")
+        headers = [*cycle.default_headers, *headers]
         # uvicorn's checks, made once over the whole head rather than twice a header.
-        if HEADER_RE.search(b"".join(names)) or HEADER_VALUE_RE.search(b"".join(values)):
+        if HEADER_RE.search(b"".join(map(_NAME, headers))) or HEADER_VALUE_RE.search(
+            b"".join(map(_VALUE, headers))
+        ):
             raise RuntimeError("Invalid HTTP header name or value.")
-        if not cycle.keep_alive and not close:
+        # The relay's heads name each framing field once, in lower case: looked up, not scanned.
+        fields = dict(headers)
+        content = [STATUS_LINE[status], *map(HEADER_LINE.__mod__, headers)]
+        if fields.get(b"transfer-encoding", b"").lower() == b"chunked":
+            cycle.expected_content_length = 0
+            cycle.chunked_encoding = True
+        elif (length := fields.get(b"content-length")) is not None:
+            cycle.expected_content_length = int(length)
+            cycle.chunked_encoding = False
+        if b"close" in fields.get(b"connection", b"").lower():
+            cycle.keep_alive = False
+        elif not cycle.keep_alive:
             content.append(b"connection: close\r\n")
         if cycle.chunked_encoding is None and status not in (204, 304):
             cycle.chunked_encoding = True
@@ -291,22 +326,22 @@ class ClientWriter:
         cycle = self._cycle
         if cycle.disconnected or cycle.response_complete or cycle.transport.is_closing():
             return None
+        head = self._head
+        if head is None:
+            head = b""
+        else:
+            self._head = None
         if cycle.chunked_encoding:
             if body:
-                data = b"%x\r\n%b\r\n" % (len(body), body)
-                if not more:
-                    data += b"0\r\n\r\n"
+                # One copy of the body: a held head and the framing in the same format.
+                data = (_CHUNK if more else _LAST_CHUNK) % (head, len(body), body)
             else:
-                data = b"" if more else b"0\r\n\r\n"
+                data = head if more else head + b"0\r\n\r\n"
         else:
             cycle.expected_content_length -= len(body)
             if cycle.expected_content_length < 0:
                 raise RuntimeError("Response content longer than Content-Length")
-            data = body
-        head = self._head
-        if head is not None:
-            self._head = None
-            data = head + data
+            data = head + body if head else body
         if data:
             cycle.transport.write(data)
         if not more:

@@ -24,10 +24,14 @@ from typing import Any, cast
 
 import httptools
 
+from proxy.timers import for_loop
+
 # Reading from the upstream pauses above this many unrelayed bytes.
 _HIGH_WATER_BYTES = 256 * 1024
 # An upstream's response head larger than this is refused (as request heads are).
 MAX_HEAD_BYTES = 64 * 1024
+# The response fields that say how its body is framed, and how long the connection may idle.
+_FRAMING_FIELDS = frozenset({b"content-length", b"transfer-encoding", b"keep-alive"})
 
 
 class UpstreamError(Exception):
@@ -122,6 +126,8 @@ class Connection(asyncio.Protocol):
 
     def __init__(self) -> None:
         self._loop = self.loop = asyncio.get_running_loop()
+        # The loop's coarse timers (proxy/timers.py), for the deadlines that may be a tick late.
+        self.timers = for_loop(self._loop)
         self._transport: asyncio.Transport | None = None
         # The parser's body callback is the list's own append: httptools calls
         # it once per HTTP chunk (an engine writes one per SSE event), and a
@@ -148,9 +154,8 @@ class Connection(asyncio.Protocol):
         self.keep_alive = False
         self.close_delimited = False
         self._head_done = False
-        # Bytes received before the head was whole, and the head's header lines alone.
+        # Bytes received before the head was whole.
         self._head_bytes = 0
-        self._header_bytes = 0
         self._stray = False
         self._framed = False
         # Transfer-Encoding and Content-Length as the upstream sent them, to check its framing.
@@ -230,7 +235,7 @@ class Connection(asyncio.Protocol):
             self._kept = len(self._chunks)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        # Kept as they come; read once the head is whole (one loop, not a call's work per header).
+        # Kept as they come; read once the head is whole (one comprehension, not a call's work per header).
         if not self._stray:
             self._raw_headers.append((name, value))
 
@@ -244,20 +249,20 @@ class Connection(asyncio.Protocol):
             # 1xx: an interim response; the real one follows.
             self._informational = True
             return
-        headers = self.headers
-        for name, value in raw:
-            self._header_bytes += len(name) + len(value) + 4
-            name = name.lower()
+        # The names lower-cased in one comprehension; only the fields about
+        # framing and idling (one or two) are looked at one by one.
+        self.headers = headers = [(name.lower(), value) for name, value in raw]
+        for name, value in [h for h in headers if h[0] in _FRAMING_FIELDS]:
             if name == b"content-length":
                 self._framed = True
                 self._lengths.add(value.strip())
             elif name == b"transfer-encoding":
                 self._framed = True
                 self._codings.extend(c.strip().lower() for c in value.split(b","))
-            elif name == b"keep-alive":
+            else:
                 self.idle_limit_s = _keep_alive_limit(value)
-            headers.append((name, value))
-        if self._header_bytes > MAX_HEAD_BYTES:
+        if self._head_bytes > MAX_HEAD_BYTES and sum(len(n) + len(v) + 4 for n, v in raw) > MAX_HEAD_BYTES:
+            # Only a head whose reads passed the limit can be over it.
             self._fail(BadResponse(f"upstream's response head is larger than {MAX_HEAD_BYTES} bytes"))
             self.close()
             return
@@ -304,12 +309,12 @@ class Connection(asyncio.Protocol):
     async def read_head(self, timeout_s: float) -> None:
         """Wait for the response head (status and headers), or raise."""
         if not self._head_done and self._error is None:
-            timer = self._loop.call_later(timeout_s, self._head_timed_out, timeout_s)
+            timer = self.timers.later(timeout_s, self._head_timed_out, timeout_s)
             try:
                 while not self._head_done and self._error is None:
                     await self._wait()
             finally:
-                timer.cancel()
+                self.timers.cancel(timeout_s, timer)
         if not self._head_done:
             assert self._error is not None
             raise self._error
@@ -320,17 +325,17 @@ class Connection(asyncio.Protocol):
         Unlike read_head, running out of time leaves the exchange alone.
         """
         if not self._head_done and self._error is None:
-            # A plain timer that wakes the wait (asyncio.timeout costs a
+            # A coarse timer that wakes the wait (asyncio.timeout costs a
             # dozen calls, and this wait is made for every stream).
             self._wait_over = False
-            timer = self._loop.call_later(timeout_s, self._end_head_wait)
+            timer = self.timers.later(timeout_s, self._end_head_wait)
             try:
                 while not self._head_done and self._error is None:
                     if self._wait_over:
                         return False
                     await self._wait()
             finally:
-                timer.cancel()
+                self.timers.cancel(timeout_s, timer)
         if self._head_done:
             return True
         assert self._error is not None

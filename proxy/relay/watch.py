@@ -42,7 +42,7 @@ class ClientWatch:
         self._task: asyncio.Future[Message] | None = None
         # What else starts once the exchange has lasted (the send-stall watchdog).
         self._then = then
-        self._timer = conn.loop.call_later(_WATCH_AFTER_S, self._start)
+        self._timer = conn.timers.later(_WATCH_AFTER_S, self._start)
 
     def _start(self) -> None:
         self._task = asyncio.ensure_future(self._receive())
@@ -52,7 +52,7 @@ class ClientWatch:
 
     def stop(self) -> bool:
         """Stop watching; True if the client has gone (its upstream is closed)."""
-        self._timer.cancel()
+        self._conn.timers.cancel(_WATCH_AFTER_S, self._timer)
         task = self._task
         if task is None:
             return False

@@ -121,6 +121,36 @@ async def test_header_names_arrive_lower_cased() -> None:
         assert conn.headers == [(b"content-length", b"2"), (b"x-mixed-case", b"A")]
 
 
+async def test_a_head_that_comes_a_byte_at_a_time_after_an_interim_one_is_read_whole() -> None:
+    """A head read across many reads, after a 1xx head: its fields as sent, names lower-cased."""
+    head = (
+        b"HTTP/1.1 102 Processing\r\nX-Interim: 1\r\n\r\n"
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nX-Blank:   padded value \t\r\nX-Colon: a:b\r\n"
+        b"X-Empty:\r\nx-twice: 1\r\nX-Twice: 2\r\n\r\nok"
+    )
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        for i in range(len(head)):
+            writer.write(head[i : i + 1])
+            await writer.drain()
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.2)
+
+    async with scripted(handler) as server:
+        pool = Pool(server.address, connect_timeout_s=1)
+        conn, body = await roundtrip(pool)
+        assert conn.status == 200 and body == b"ok"
+        assert conn.headers == [
+            (b"content-length", b"2"),
+            (b"x-blank", b"padded value \t"),
+            (b"x-colon", b"a:b"),
+            (b"x-empty", b""),
+            (b"x-twice", b"1"),
+            (b"x-twice", b"2"),
+        ]
+
+
 async def test_http10_close_delimited_body_ends_at_close() -> None:
     """An HTTP/1.0 body without Content-Length is complete when the upstream closes."""
 
