@@ -68,9 +68,6 @@ SSE_HEADERS: tuple[Header, ...] = (
 
 _REQUEST_ID_MAX_CHARS = 200
 
-# One header's line, from its (name, value) tuple: ``HEADER_LINE % header``.
-HEADER_LINE = b"%b: %b\r\n"
-
 
 def connection_tokens(headers: Iterable[Header]) -> frozenset[bytes]:
     """The field names that a ``Connection`` header marks as hop-by-hop."""
@@ -103,15 +100,20 @@ def filter_response_headers(headers: Iterable[Header]) -> list[Header]:
 
 
 def _without(headers: Iterable[Header], drop: frozenset[bytes]) -> list[Header]:
-    headers = list(headers)
-    kept = [h for h in headers if h[0] not in drop]
-    if len(kept) == len(headers):
-        return kept
-    connection = [h for h in headers if h[0] == b"connection"]
+    kept = []
+    connection: list[Header] = []
+    for header in headers:
+        if header[0] not in drop:
+            kept.append(header)
+        elif header[0] == b"connection":
+            connection.append(header)
     if not connection:
         return kept
-    # Rare: the Connection header names more fields to keep on this hop.
-    extra = connection_tokens(connection)
+    # The Connection header may name more fields to keep on this hop (it
+    # mostly names only keep-alive or close, dropped already).
+    extra = connection_tokens(connection) - drop
+    if not extra:
+        return kept
     return [h for h in kept if h[0] not in extra]
 
 
@@ -126,8 +128,13 @@ def is_event_stream(headers: Iterable[Header]) -> bool:
     """Whether the response is Server-Sent Events (by its Content-Type)."""
     for name, value in headers:
         if name == b"content-type":
-            return value.split(b";", 1)[0].strip().lower() == b"text/event-stream"
+            return is_event_stream_type(value)
     return False
+
+
+def is_event_stream_type(content_type: bytes | None) -> bool:
+    """Whether a Content-Type value is Server-Sent Events'."""
+    return content_type is not None and content_type.split(b";", 1)[0].strip().lower() == b"text/event-stream"
 
 
 def valid_request_id(value: bytes) -> bool:
@@ -139,17 +146,17 @@ def request_head(
     method: bytes, target: bytes, host: bytes, headers: Iterable[Header], content_length: int
 ) -> bytes:
     """Serialise an HTTP/1.1 request head for the upstream."""
-    # The header lines formatted in C (``map`` of ``%``): no bytecode per header.
-    return b"".join(
-        (
-            method,
-            b" ",
-            target,
-            b" HTTP/1.1\r\nhost: ",
-            host,
-            b"\r\ncontent-type: application/json\r\ncontent-length: ",
-            b"%d\r\n" % content_length,
-            *map(HEADER_LINE.__mod__, headers),
-            b"\r\n",
-        )
-    )
+    parts = [
+        method,
+        b" ",
+        target,
+        b" HTTP/1.1\r\nhost: ",
+        host,
+        b"\r\ncontent-type: application/json\r\ncontent-length: ",
+        str(content_length).encode(),
+        b"\r\n",
+    ]
+    for name, value in headers:
+        parts += (name, b": ", value, b"\r\n")
+    parts.append(b"\r\n")
+    return b"".join(parts)

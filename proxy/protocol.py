@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
-from operator import itemgetter
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import (
@@ -39,11 +38,8 @@ from uvicorn.protocols.http.httptools_impl import (
 )
 
 from proxy.errors import error_body
-from proxy.headers import HEADER_LINE
 from proxy.timers import for_loop
 
-_NAME = itemgetter(0)
-_VALUE = itemgetter(1)
 # A body's bytes as one HTTP chunk, after what goes before it (a held head,
 # or nothing); as the last one, with the end of the body.
 _CHUNK = b"%b%x\r\n%b\r\n"
@@ -123,10 +119,6 @@ class GatewayProtocol(HttpToolsProtocol):
         self.scope["extensions"] = self._extensions = {"blazar.abort": self.transport.abort}
         self._head_begun = True
 
-    def on_header(self, name: bytes, value: bytes) -> None:
-        # uvicorn's, less its look for Expect: that is made once the head is whole.
-        self.headers.append((name.lower(), value))
-
     def on_headers_complete(self) -> None:
         self._cancel_head_timer()
         self._in_head = False
@@ -144,12 +136,7 @@ class GatewayProtocol(HttpToolsProtocol):
                 "headers_too_large",
             )
             raise _Refused()
-        fields = dict(self.headers)
-        if b"expect" in fields:
-            self.expect_100_continue = any(
-                name == b"expect" and value.lower() == b"100-continue" for name, value in self.headers
-            )
-        if b"upgrade" in fields and _asks_upgrade(self.headers):
+        if _asks_upgrade(self.headers):
             self._refusal = (
                 400,
                 "protocol upgrades are not served here (the request has Connection: upgrade); "
@@ -284,24 +271,27 @@ class ClientWriter:
             raise RuntimeError("the response has already started")
         cycle.response_started = True
         cycle.waiting_for_100_continue = False
-        headers = [*cycle.default_headers, *headers]
+        content = [STATUS_LINE[status]]
+        names = []
+        values = []
+        close = False
+        for name, value in (*cycle.default_headers, *headers):
+            names.append(name)
+            values.append(value)
+            if name == b"content-length" and cycle.chunked_encoding is None:
+                cycle.expected_content_length = int(value)
+                cycle.chunked_encoding = False
+            elif name == b"transfer-encoding" and value.lower() == b"chunked":
+                cycle.expected_content_length = 0
+                cycle.chunked_encoding = True
+            elif name == b"connection" and b"close" in value.lower():
+                cycle.keep_alive = False
+                close = True
+            content += (name, b": ", value, b"\r\n")
         # uvicorn's checks, made once over the whole head rather than twice a header.
-        if HEADER_RE.search(b"".join(map(_NAME, headers))) or HEADER_VALUE_RE.search(
-            b"".join(map(_VALUE, headers))
-        ):
+        if HEADER_RE.search(b"".join(names)) or HEADER_VALUE_RE.search(b"".join(values)):
             raise RuntimeError("Invalid HTTP header name or value.")
-        # The relay's heads name each framing field once, in lower case: looked up, not scanned.
-        fields = dict(headers)
-        content = [STATUS_LINE[status], *map(HEADER_LINE.__mod__, headers)]
-        if fields.get(b"transfer-encoding", b"").lower() == b"chunked":
-            cycle.expected_content_length = 0
-            cycle.chunked_encoding = True
-        elif (length := fields.get(b"content-length")) is not None:
-            cycle.expected_content_length = int(length)
-            cycle.chunked_encoding = False
-        if b"close" in fields.get(b"connection", b"").lower():
-            cycle.keep_alive = False
-        elif not cycle.keep_alive:
+        if not cycle.keep_alive and not close:
             content.append(b"connection: close\r\n")
         if cycle.chunked_encoding is None and status not in (204, 304):
             cycle.chunked_encoding = True

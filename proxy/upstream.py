@@ -30,8 +30,6 @@ from proxy.timers import for_loop
 _HIGH_WATER_BYTES = 256 * 1024
 # An upstream's response head larger than this is refused (as request heads are).
 MAX_HEAD_BYTES = 64 * 1024
-# The response fields that say how its body is framed, and how long the connection may idle.
-_FRAMING_FIELDS = frozenset({b"content-length", b"transfer-encoding", b"keep-alive"})
 
 
 class UpstreamError(Exception):
@@ -150,12 +148,16 @@ class Connection(asyncio.Protocol):
     def _reset(self) -> None:
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
+        # The first Content-Type and Content-Length of the head, as sent.
+        self.content_type: bytes | None = None
+        self.content_length: bytes | None = None
         self._raw_headers: list[tuple[bytes, bytes]] = []
         self.keep_alive = False
         self.close_delimited = False
         self._head_done = False
-        # Bytes received before the head was whole.
+        # Bytes received before the head was whole, and the head's header lines alone.
         self._head_bytes = 0
+        self._header_bytes = 0
         self._stray = False
         self._framed = False
         # Transfer-Encoding and Content-Length as the upstream sent them, to check its framing.
@@ -235,7 +237,7 @@ class Connection(asyncio.Protocol):
             self._kept = len(self._chunks)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        # Kept as they come; read once the head is whole (one comprehension, not a call's work per header).
+        # Kept as they come; read once the head is whole (one loop, not a call's work per header).
         if not self._stray:
             self._raw_headers.append((name, value))
 
@@ -249,20 +251,25 @@ class Connection(asyncio.Protocol):
             # 1xx: an interim response; the real one follows.
             self._informational = True
             return
-        # The names lower-cased in one comprehension; only the fields about
-        # framing and idling (one or two) are looked at one by one.
-        self.headers = headers = [(name.lower(), value) for name, value in raw]
-        for name, value in [h for h in headers if h[0] in _FRAMING_FIELDS]:
+        headers = self.headers
+        for name, value in raw:
+            self._header_bytes += len(name) + len(value) + 4
+            name = name.lower()
             if name == b"content-length":
                 self._framed = True
                 self._lengths.add(value.strip())
+                if self.content_length is None:
+                    self.content_length = value
+            elif name == b"content-type":
+                if self.content_type is None:
+                    self.content_type = value
             elif name == b"transfer-encoding":
                 self._framed = True
                 self._codings.extend(c.strip().lower() for c in value.split(b","))
-            else:
+            elif name == b"keep-alive":
                 self.idle_limit_s = _keep_alive_limit(value)
-        if self._head_bytes > MAX_HEAD_BYTES and sum(len(n) + len(v) + 4 for n, v in raw) > MAX_HEAD_BYTES:
-            # Only a head whose reads passed the limit can be over it.
+            headers.append((name, value))
+        if self._header_bytes > MAX_HEAD_BYTES:
             self._fail(BadResponse(f"upstream's response head is larger than {MAX_HEAD_BYTES} bytes"))
             self.close()
             return

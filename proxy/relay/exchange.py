@@ -20,7 +20,7 @@ from proxy.headers import (
     add_sse_headers,
     filter_response_headers,
     forward_request_headers,
-    is_event_stream,
+    is_event_stream_type,
     request_drop,
     request_head,
 )
@@ -192,7 +192,7 @@ class Exchange:
             await self._bad_response(send, outcome, head_at, f"upstream answered with status {status}")
             return
         headers = filter_response_headers(conn.headers)
-        sse = is_event_stream(headers)
+        sse = is_event_stream_type(conn.content_type)
         if outcome.built is not None and status == 200 and sse:
             await respond_built(conn, send, outcome, head_at, self._read_timeout_s)
             return
@@ -222,11 +222,8 @@ class Exchange:
         # The gateway's own time, computed once: for the header and the metrics.
         outcome.own_s = sent_at - started + perf_counter() - head_at
         headers.append(timing_header(outcome.own_s, head_at - sent_at))
-        if not conn.close_delimited and status not in (204, 304):
-            for name, value in conn.headers:
-                if name == b"content-length":
-                    headers.append((name, value))
-                    break
+        if not conn.close_delimited and status not in (204, 304) and conn.content_length is not None:
+            headers.append((b"content-length", conn.content_length))
         out = writer_for(scope, send)
         out.start(status, headers)
         if sse:
