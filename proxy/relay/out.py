@@ -44,14 +44,14 @@ class AsgiWriter:
 
     def write(self, body: bytes, more: bool) -> Awaitable[None] | None:
         message = {"type": "http.response.body", "body": body, "more_body": more}
-        if self._start is None:
-            return self._send(message)
-        return self._both(message)
-
-    async def _both(self, message: dict[str, object]) -> None:
         start = self._start
+        if start is None:
+            return self._send(message)
+        # Taken now, not when awaited: a second write before that await must not send it again.
         self._start = None
-        assert start is not None
+        return self._both(start, message)
+
+    async def _both(self, start: dict[str, object], message: dict[str, object]) -> None:
         await self._send(start)
         await self._send(message)
 
