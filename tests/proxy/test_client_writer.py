@@ -9,7 +9,7 @@ writer refuses.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -155,9 +155,9 @@ async def test_the_writer_refuses_a_second_head_a_bad_header_and_a_body_longer_t
 
 
 async def test_a_wrapped_send_gets_the_asgi_writer_that_makes_the_same_bytes() -> None:
-    sent: list[dict[str, object]] = []
+    sent: list[MutableMapping[str, Any]] = []
 
-    async def send(message: dict[str, object]) -> None:
+    async def send(message: MutableMapping[str, Any]) -> None:
         sent.append(message)
 
     scope: dict[str, Any] = {"extensions": {}}
