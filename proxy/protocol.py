@@ -14,8 +14,9 @@
   Transfer-Encoding) get uvicorn's 400 and close, but in OpenAI's envelope.
 
 It also offers the relay an ASGI extension of its own,
-``scope["extensions"]["blazar.writer"]``: a ``ClientWriter`` that writes a
-relayed response straight to the client's transport. The head goes out with
+``scope["extensions"]["blazar.writer"]``: given the ``send`` the app got, it
+makes a ``ClientWriter`` that writes a relayed response straight to the
+client's transport (None for a wrapped ``send``). The head goes out with
 the first body bytes in one write, and each later piece in one call with no
 message dict, no coroutine and no await unless the client's buffer is full.
 It keeps uvicorn's response state (the cycle's own fields), so a response
@@ -114,9 +115,15 @@ class GatewayProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        # The client's abort, for the relay to cut a client that stopped reading
-        # (uvicorn's scope has no extensions of its own).
-        self.scope["extensions"] = self._extensions = {"blazar.abort": self.transport.abort}
+        # The client's abort, for the relay to cut a client that stopped
+        # reading, and the writer's maker (uvicorn's scope has no extensions
+        # of its own). The maker, not a writer: a writer holds its cycle, and
+        # the cycle holds this scope, a reference cycle per request that only
+        # the collector would free (a gen 0 collection every ~50 requests).
+        self.scope["extensions"] = self._extensions = {
+            "blazar.abort": self.transport.abort,
+            "blazar.writer": ClientWriter.of,
+        }
         self._head_begun = True
 
     def on_headers_complete(self) -> None:
@@ -146,13 +153,10 @@ class GatewayProtocol(HttpToolsProtocol):
             raise _Refused()
         earlier = self.cycle
         super().on_headers_complete()
-        cycle = self.cycle
-        if cycle is not None and cycle.scope is self.scope:
-            self._extensions["blazar.writer"] = ClientWriter(cycle)
-            if earlier is not None and earlier is not cycle and not earlier.response_complete:
-                # Pipelined: the earlier request still runs; see connection_lost.
-                self._earlier = [c for c in self._earlier if not c.response_complete]
-                self._earlier.append(earlier)
+        if earlier is not None and earlier is not self.cycle and not earlier.response_complete:
+            # Pipelined: the earlier request still runs; see connection_lost.
+            self._earlier = [c for c in self._earlier if not c.response_complete]
+            self._earlier.append(earlier)
 
     def on_message_complete(self) -> None:
         self._cancel_body_timer()
@@ -260,9 +264,13 @@ class ClientWriter:
         self._send = cycle.send
         self._head: bytes | None = None
 
-    def serves(self, send: object) -> bool:
-        """Whether ``send`` is this response's own (no wrapper adds headers to it)."""
-        return send == self._send
+    @staticmethod
+    def of(send: object) -> ClientWriter | None:
+        """The writer of the response whose ASGI ``send`` this is: uvicorn's own, not a wrapper's (None)."""
+        if getattr(send, "__func__", None) is not RequestResponseCycle.send:
+            return None  # a wrapper (CORS) adds headers that only send would see
+        cycle: RequestResponseCycle = send.__self__  # type: ignore[attr-defined]
+        return ClientWriter(cycle)
 
     def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         """The response head, held until the first body bytes (or ``flush``)."""

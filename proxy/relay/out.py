@@ -1,8 +1,8 @@
 """Where a relayed response is written: straight to the client's transport, or through ASGI ``send``.
 
-The server (``proxy/protocol.py``) offers ``scope["extensions"]["blazar.writer"]``;
-the relay uses it when the ``send`` it was given is the server's own (a
-wrapper such as the CORS one adds headers that only ``send`` would see).
+The server (``proxy/protocol.py``) offers ``scope["extensions"]["blazar.writer"]``,
+which makes a writer for the ``send`` it is given when that is the server's
+own (a wrapper such as the CORS one adds headers that only ``send`` would see).
 Either way the relay calls the same three methods, and awaits what
 ``write`` and ``flush`` return only when it is not None.
 """
@@ -58,7 +58,7 @@ class AsgiWriter:
 
 def writer_for(scope: Scope, send: Send) -> Writer:
     """The server's own writer when ``send`` is the server's, else one that sends ASGI messages."""
-    writer = (scope.get("extensions") or {}).get("blazar.writer")
-    if writer is not None and writer.serves(send):
+    make = (scope.get("extensions") or {}).get("blazar.writer")
+    if make is not None and (writer := make(send)) is not None:
         return writer  # type: ignore[no-any-return]
     return AsgiWriter(send)

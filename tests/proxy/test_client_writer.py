@@ -9,6 +9,7 @@ writer refuses.
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
 from typing import Any
@@ -35,6 +36,12 @@ async def serving(scenarios: dict[str, Scenario], seen: list[object]) -> AsyncIt
             await send({"type": "lifespan.shutdown.complete"})
             return
         await receive()
+        if scope["path"].startswith("/wrapped"):
+            inner = send
+
+            async def send(message: Any) -> None:
+                await inner(message)
+
         writer = writer_for(scope, send)
         seen.append(writer)
         try:
@@ -170,3 +177,38 @@ async def test_a_wrapped_send_gets_the_asgi_writer_that_makes_the_same_bytes() -
         await wait
     assert [m["type"] for m in sent] == ["http.response.start", "http.response.body", "http.response.body"]
     assert [m.get("body") for m in sent[1:]] == [b"a", b"b"]
+
+
+async def test_a_wrapped_send_gets_asgi_messages_and_the_same_bytes() -> None:
+    async def stream(out: ClientWriter) -> None:
+        out.start(200, [(b"content-type", b"text/event-stream")])
+        for wait in (out.write(b"data: 1\n\n", True), out.write(b"data: 22\n\n", False)):
+            if wait is not None:
+                await wait
+
+    seen: list[object] = []
+    async with serving({"/wrapped": stream}, seen) as port:
+        _, body = body_of(await exchange(port, "/wrapped"))
+    assert isinstance(seen[0], AsgiWriter)
+    assert body == b"9\r\ndata: 1\n\n\r\na\r\ndata: 22\n\n\r\n0\r\n\r\n"
+
+
+async def test_a_response_written_this_way_leaves_no_reference_cycle() -> None:
+    """Each request's cycle, scope and writer are freed when it ends, not left for the collector."""
+
+    async def stream(out: ClientWriter) -> None:
+        out.start(200, [(b"content-type", b"text/event-stream")])
+        out.write(b"data: 1\n\n", False)
+
+    async with serving({"/s": stream}, []) as port:
+        await exchange(port, "/s")  # the server's own start-up garbage, out of the way
+        gc.collect()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            await exchange(port, *["/s"] * 20)
+            gc.collect()
+            left = [type(o).__name__ for o in gc.garbage]
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+    assert "RequestResponseCycle" not in left and "ClientWriter" not in left
