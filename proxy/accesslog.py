@@ -14,6 +14,13 @@ waits). Going through ``logging`` for each line, with a ``write`` and a flush
 each time, cost 22-37 µs of CPU a line here, this ~4 µs; see
 ``python -m perf accesslog``.
 
+A request for a model no route serves (a 404 model_not_found) carries the
+name the client asked for, cut to ``MODEL_LIMIT_CHARS`` (with a ``…``): in
+a text line with spaces, quotes, backslashes and control or other
+unprintable characters written as ``\\xHH`` (``\\uHHHH``), as nginx escapes
+its variables, so that the line still splits on spaces; in JSON as given.
+Known names come from the configuration and go out as they are.
+
 A request to a model of several servers that moved (its first server
 refused the connection, so it went to another) carries every server tried,
 in order, as nginx's ``$upstream_addr`` does: ``upstream=A,B`` at the end of
@@ -37,6 +44,7 @@ from collections.abc import Iterable
 import orjson
 
 from proxy.asgi import Scope
+from proxy.errors import ECHO_LIMIT
 from proxy.forwarded import ProxyTrust
 
 log = logging.getLogger("blazar.access")
@@ -49,6 +57,9 @@ MAX_LINES = 512
 # The running loop or None: asyncio's own accessor, which does not raise. It
 # costs a getpid() system call (its fork check), so it is called once a batch.
 _running_loop = asyncio._get_running_loop
+
+# The most of a client's unknown model name a line carries (proxy.errors.echo's bound).
+MODEL_LIMIT_CHARS = ECHO_LIMIT
 
 # The text line; %-formatting gives the same bytes as the f-string it replaced, faster.
 _TEXT = '%s "%s %s" %s %s %.3fms ttfb=%sms overhead=%sms model=%s id=%s'
@@ -124,6 +135,11 @@ class AccessLog:
             # Full; or the loop whose timer would write these has stopped (a test's).
             self.flush()
 
+    def asked_model(self, name: str) -> str:
+        """A model name the client gave that no route serves, as this log's lines can carry it."""
+        cut = name[:MODEL_LIMIT_CHARS] + ("…" if len(name) > MODEL_LIMIT_CHARS else "")
+        return cut if self.json else "".join(map(_text_safe, cut))
+
     def _schedule(self) -> None:
         """Arm the timer that writes the batch this line begins: once per batch, not per line."""
         loop = _running_loop()
@@ -145,6 +161,14 @@ class AccessLog:
     def pending(self) -> int:
         """How many lines wait to be written."""
         return len(self._lines)
+
+
+def _text_safe(char: str) -> str:
+    """One character of client text in a text line: as it is, or escaped if it could break the line."""
+    if char.isprintable() and not char.isspace() and char not in '"\\':
+        return char
+    code = ord(char)
+    return f"\\x{code:02X}" if code < 0x100 else f"\\u{code:04X}"
 
 
 def _flush_at_exit(ref: weakref.ReferenceType[AccessLog]) -> None:

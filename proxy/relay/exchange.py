@@ -161,7 +161,9 @@ class Exchange:
     async def _refuse(self, send: Send, outcome: Outcome, exc: UpstreamError) -> None:
         """Answer for an exchange that could not begin (no connection, or the drain is over)."""
         outcome.failed(exc)
-        await send_upstream_error(send, exc, outcome.request_id, server_timing(outcome.started))
+        outcome.bytes_out = await send_upstream_error(
+            send, exc, outcome.request_id, server_timing(outcome.started)
+        )
 
     async def _head_failed(self, conn: Connection, send: Send, outcome: Outcome, exc: UpstreamError) -> None:
         """No usable head came (a timeout, a close, garbage): tell the client, as an event once streaming."""
@@ -169,10 +171,11 @@ class Exchange:
         outcome.failed(exc)
         if outcome.sse_started:
             event = sse_error_event(exc.status, str(exc), code=exc.code)
+            outcome.bytes_out += len(event)  # after the heartbeats'
             await send({"type": "http.response.body", "body": event})
         else:
             timing = server_timing(outcome.started, outcome.sent_at, perf_counter())
-            await send_upstream_error(send, exc, outcome.request_id, timing)
+            outcome.bytes_out = await send_upstream_error(send, exc, outcome.request_id, timing)
 
     async def _respond(self, conn: Connection, scope: Scope, send: Send, outcome: Outcome) -> None:
         """The upstream's head is in: answer with it, or with what is wrong with it."""
@@ -205,15 +208,19 @@ class Exchange:
             await self._bad_response(send, outcome, head_at, message)
             return
         if status >= 400 and not sse:
+            # The upstream's head came: the same ttfb and overhead a relayed success has.
+            outcome.own_s = sent_at - started + perf_counter() - head_at
             try:
                 body = await read_error_body(conn, self._read_timeout_s)
             except UpstreamError as exc:
                 # The error body broke or timed out: say that, with its own status.
                 conn.close()
                 outcome.failed(exc)
+                outcome.own_s = None  # the gateway's own answer, as for a head that failed
                 status, body = exc.status, upstream_error_body(exc.status, str(exc), exc.code)
             kept = [(n, v) for n, v in headers if n in KEPT_ON_ERRORS]
             timing = server_timing(started, sent_at, perf_counter())
+            outcome.bytes_out = len(body)
             await send_json(send, status, body, [(b"x-request-id", outcome.request_id), timing, *kept])
             return
         if sse:
@@ -235,5 +242,6 @@ class Exchange:
         """502 upstream_bad_response: a head the client cannot be given."""
         outcome.status, outcome.error = 502, "upstream_bad_response"
         body = upstream_error_body(502, message, "upstream_bad_response")
+        outcome.bytes_out = len(body)
         timing = server_timing(outcome.started, outcome.sent_at, head_at)
         await send_json(send, 502, body, [(b"x-request-id", outcome.request_id), timing])

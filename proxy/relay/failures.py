@@ -36,10 +36,12 @@ def draining(reason: str) -> HTTPError:
     return HTTPError(503, reason, code="draining", headers=((b"retry-after", _RETRY_AFTER_S),))
 
 
-async def refuse(send: Send, exc: HTTPError, request_id: bytes, started: float) -> None:
-    """Answer with the gateway's own refusal."""
+async def refuse(send: Send, exc: HTTPError, request_id: bytes, started: float) -> int:
+    """Answer with the gateway's own refusal; return the body's size (the access log's bytes)."""
     headers = [(b"x-request-id", request_id), server_timing(started), *exc.headers]
-    await send_json(send, exc.status, exc.body(), headers)
+    body = exc.body()
+    await send_json(send, exc.status, body, headers)
+    return len(body)
 
 
 def upstream_error_body(status: int, message: str, code: str) -> bytes:
@@ -48,12 +50,15 @@ def upstream_error_body(status: int, message: str, code: str) -> bytes:
 
 async def send_upstream_error(
     send: Send, exc: UpstreamError | AssemblyError, request_id: bytes, timing: tuple[bytes, bytes]
-) -> None:
-    """Answer for an upstream that failed before the response started (503s with Retry-After)."""
+) -> int:
+    """Answer for an upstream that failed before the response started (503s with Retry-After);
+    return the body's size (the access log's bytes)."""
     headers = [(b"x-request-id", request_id), timing]
     if exc.status == 503:
         headers.append((b"retry-after", _RETRY_AFTER_S))
-    await send_json(send, exc.status, upstream_error_body(exc.status, str(exc), exc.code), headers)
+    body = upstream_error_body(exc.status, str(exc), exc.code)
+    await send_json(send, exc.status, body, headers)
+    return len(body)
 
 
 async def read_error_body(conn: Connection, read_timeout_s: float) -> bytes:

@@ -97,7 +97,7 @@ class Relay:
         finally:
             ticket.release()
         if outcome.refusal is not None:
-            await refuse(send, outcome.refusal, outcome.request_id, outcome.started)
+            outcome.bytes_out = await refuse(send, outcome.refusal, outcome.request_id, outcome.started)
         outcome.record(scope, self._metrics, self._access)
 
     async def _run_on_set(
@@ -133,6 +133,8 @@ class Relay:
         model, doc = parse_request(body)
         entry = self._entries.get(model)
         if entry is None:
+            # Logged as the client gave it (made safe for the line); counted under no model's label.
+            outcome.model = model
             raise _not_found(model)
         outcome.model, outcome.stats = model, entry.stats
         endpoint = ENDPOINTS[path]

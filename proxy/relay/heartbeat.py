@@ -66,4 +66,6 @@ async def continue_stream(
             502, f"upstream answered {status} without an event stream", "upstream_bad_response"
         )
     outcome.error = outcome.error or "upstream_status"
-    await send({"type": "http.response.body", "body": b"data: " + body + b"\n\n"})
+    event = b"data: " + body + b"\n\n"
+    outcome.bytes_out += len(event)
+    await send({"type": "http.response.body", "body": event})

@@ -98,6 +98,9 @@ class Outcome:
             duration_s = now - self.started
             if stats is not None:
                 stats.count(ROUTE_LABELS[scope["path"]], self.status)
+            if access is not None and self.refusal.code == "model_not_found":
+                # A name no route serves: the client's own text, made safe for the line.
+                self.model = access.asked_model(self.model)
         else:
             if not self.status:
                 self.status = 499  # the client left before the response began
@@ -121,7 +124,8 @@ class Outcome:
         """A relayed request's figures: a few pre-bound metric updates."""
         stats.count(route, self.status)
         stats.e2e.observe(duration_s)
-        if self.own_s is not None:
+        if self.own_s is not None and self.status < 400:
+            # A relayed upstream error has its figures in the access log, not in these histograms.
             stats.overhead.observe(self.own_s)
             stats.ttft.observe(self.head_s)
         if self.error is not None:

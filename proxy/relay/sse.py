@@ -64,6 +64,7 @@ async def relay_events(conn: Connection, out: Writer, outcome: Outcome, read_tim
     except UpstreamError as exc:
         conn.close()
         event = sse_error_event(exc.status, str(exc), code=exc.code)
+        outcome.bytes_out += len(event)
         if (wait := out.write(event, False)) is not None:
             await wait
         return exc.code
@@ -73,6 +74,7 @@ async def relay_events(conn: Connection, out: Writer, outcome: Outcome, read_tim
         # cut it, or sent something else, and the client must know.
         message = "upstream stream ended without [DONE]: the response is truncated"
         event = sse_error_event(502, message, code="upstream_truncated")
+        outcome.bytes_out += len(event)
         if (wait := out.write(event, False)) is not None:
             await wait
         return "upstream_truncated"

@@ -19,7 +19,6 @@ from typing import Any
 import click
 import orjson
 import uvicorn
-from click.core import ParameterSource
 
 from engines import install as installing
 from engines import spec as specs
@@ -37,7 +36,7 @@ from proxy.routing import RoutingTable, UpstreamAddress, UpstreamSpecError, pars
 from proxy.startup import configfile
 from proxy.startup.catalog import Catalog
 from proxy.startup.configfile import ConfigError, FileConfig, ModelConfig
-from proxy.startup.options import gateway_options, settings_from
+from proxy.startup.options import gateway_options, given_as, settings_from
 from proxy.startup.reload import Reloader
 from proxy.startup.server import GatewayServer
 from proxy.startup.settings import Settings
@@ -420,16 +419,7 @@ def _bind_error(exc: OSError, ctx: click.Context, host: str, port: int) -> str:
 
 def _given_as(ctx: click.Context, name: str) -> str:
     """How option ``name`` was set, to say which one to change: its flag, its variable or the file's key."""
-    source = ctx.get_parameter_source(name)
-    variable = f"BLAZAR_{name.upper()}"
-    if source is ParameterSource.COMMANDLINE:
-        return f"--{name}"
-    if source is ParameterSource.ENVIRONMENT:
-        return variable
-    if source is ParameterSource.DEFAULT_MAP:
-        config: FileConfig | None = ctx.params.get("config_file")
-        return f"{name} in {config.path if config else 'the config file'}'s [gateway] table"
-    return f"--{name} (or {variable}, or {name} in a config file's [gateway])"
+    return given_as(ctx, next(p for p in ctx.command.params if p.name == name))
 
 
 # The ready line waits this long for the always-loaded models (their readiness timeout is 600 s).

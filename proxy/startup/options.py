@@ -7,7 +7,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import click
+from click.core import ParameterSource
 
+from proxy.startup.configfile import FileConfig
 from proxy.startup.settings import Flag, Settings, flags
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -23,10 +25,78 @@ def click_type(flag: Flag, default: object) -> click.ParamType[Any] | None:
     if kind is Path:
         return click.Path(exists=flag.exists, dir_okay=False, path_type=Path)
     if kind is int and flag.low is not None:
-        return click.IntRange(int(flag.low), None if flag.high is None else int(flag.high))
+        high = None if flag.high is None else int(flag.high)
+        return WholeNumber(int(flag.low), high, _NOUNS.get(flag.long, "a whole number"))
     if kind is float and flag.low is not None:
         return click.FloatRange(flag.low, flag.high, min_open=flag.low_open)
     return None
+
+
+# What an integer option's value is, where "a whole number" says too little.
+_NOUNS = {"--port": "a port number"}
+
+
+class BadValue(click.BadParameter):
+    """A bad value, said as ``--flag: what is wrong; what to give``, naming where it was given."""
+
+    def format_message(self) -> str:
+        if self.param is None or self.ctx is None:
+            return self.message
+        return f"{given_as(self.ctx, self.param)}: {self.message}"
+
+
+class WholeNumber(click.IntRange):
+    """An integer from ``low`` (to ``high``), refused in words that say what to give.
+
+    click's own wording names the variable whatever gave the value, and the type
+    ("is not a valid integer range"); this one says what the value is not and
+    what would do.
+    """
+
+    def __init__(self, low: int, high: int | None = None, noun: str = "a whole number") -> None:
+        super().__init__(low, high)
+        self.noun = noun
+        if noun == "a port number" and low == 0:
+            self.wanted = f"give 1-{high}, or 0 for any free port"
+        elif high is None:
+            self.wanted = f"give {low} or more"
+        else:
+            self.wanted = f"give {low}-{high}"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        try:
+            number: int = super().convert(value, param, ctx)
+        except click.BadParameter:
+            if self.noun == "a whole number" and _is_integer(value):
+                # A whole number, out of the range: say which way.
+                wrong = "too small" if self.min is not None and int(value) < self.min else "too large"
+                raise BadValue(f"{value!r} is {wrong}; {self.wanted}", ctx, param) from None
+            raise BadValue(f"{value!r} is not {self.noun}; {self.wanted}", ctx, param) from None
+        return number
+
+
+def _is_integer(value: object) -> bool:
+    try:
+        int(str(value))
+    except ValueError:
+        return False
+    return not isinstance(value, bool)
+
+
+def given_as(ctx: click.Context, param: click.Parameter) -> str:
+    """How ``param`` was set, to say which one to change: its flag, its variable or the file's key."""
+    flag = next((o for o in param.opts if o.startswith("--")), param.human_readable_name)
+    key = flag.removeprefix("--")
+    variable = param.envvar if isinstance(param.envvar, str) else f"BLAZAR_{key.upper().replace('-', '_')}"
+    source = ctx.get_parameter_source(param.name) if param.name else None
+    if source is ParameterSource.COMMANDLINE:
+        return flag
+    if source is ParameterSource.ENVIRONMENT:
+        return variable
+    if source is ParameterSource.DEFAULT_MAP:
+        config: FileConfig | None = ctx.params.get("config_file")
+        return f"{key} in {config.path if config else 'the config file'}'s [gateway] table"
+    return f"{flag} (or {variable}, or {key} in a config file's [gateway])"
 
 
 class IntOrOff(click.ParamType[int | None]):

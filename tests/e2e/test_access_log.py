@@ -8,13 +8,15 @@ it stops.
 from __future__ import annotations
 
 import concurrent.futures
+import re
 import signal
 import time
 
 import httpx
 import orjson
+import pytest
 
-from tests.e2e.conftest import FakeEngine, Running, StartGateway
+from tests.e2e.conftest import FakeEngine, Running, StartGateway, free_port
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -128,3 +130,117 @@ def test_streams_ended_by_the_drain_are_logged(start_gateway: StartGateway, fake
         assert all(b'"draining"' in future.result(timeout=20) for future in streams)
     drained = sorted(line.rsplit("id=", 1)[1] for line in lines(log, "id=drained-"))
     assert drained == ["drained-0", "drained-1", "drained-2"]
+
+
+# A text line: client "METHOD PATH" status bytes duration ttfb= overhead= model= id= [upstream=].
+TEXT_LINE = re.compile(
+    r'^\S+ "POST \S+" (?P<status>\d+) (?P<bytes>\d+) [\d.]+ms ttfb=(?P<ttfb>[\d.]+|-)ms '
+    r"overhead=(?P<overhead>[\d.]+|-)ms model=(?P<model>\S+) id=(?P<id>\S+)$"
+)
+
+
+def fields(gateway: Running, fmt: str, request_id: str) -> dict[str, object]:
+    """The figures of one request's line, the same keys for either format."""
+    if fmt == "json":
+        (line,) = wait_for_lines(gateway, f'"request_id":"{request_id}"', 1)
+        record = orjson.loads(line)
+        return {k: record[k] for k in ("status", "bytes", "ttfb_ms", "overhead_ms", "model")}
+    (line,) = wait_for_lines(gateway, f" id={request_id}", 1)
+    match = TEXT_LINE.match(line)
+    assert match is not None, line
+    ttfb, overhead = match["ttfb"], match["overhead"]
+    return {
+        "status": int(match["status"]),
+        "bytes": int(match["bytes"]),
+        "ttfb_ms": None if ttfb == "-" else float(ttfb),
+        "overhead_ms": None if overhead == "-" else float(overhead),
+        "model": match["model"],
+    }
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_error_bodies_count_their_bytes_and_a_relayed_error_has_its_ttfb(
+    start_gateway: StartGateway, fake: FakeEngine, http: httpx.Client, fmt: str
+) -> None:
+    """Every error body the client gets is counted in bytes (nginx's $body_bytes_sent): the gateway's
+    refusals, its answers for a failed upstream and a relayed upstream error; only the relayed one,
+    whose head came from the upstream, has a ttfb and an overhead."""
+    gateway = start_gateway(
+        {"fake": fake.url, "down": f"http://127.0.0.1:{free_port()}"}, "--log-format", fmt
+    )
+    cases = {
+        # id: (model, extra body, x-fake, status wanted, relayed)
+        "refused-400": ("fake", {"max_tokens": 0}, "", 400, False),
+        "refused-404": ("nowhere", {}, "", 404, False),
+        "relayed-500": ("fake", {}, "status=500", 500, True),
+        "relayed-429": ("fake", {}, "status=429", 429, True),
+        "garbage-502": ("fake", {}, "garbage", 502, False),
+        "empty-502": ("fake", {}, "empty", 502, False),
+        "unreachable": ("down", {}, "", 0, False),
+    }
+    sizes = {}
+    for request_id, (model, extra, misbehave, status, _) in cases.items():
+        headers = {"x-request-id": request_id, **({"x-fake": misbehave} if misbehave else {})}
+        response = http.post(gateway.url + CHAT, json={**BODY, "model": model, **extra}, headers=headers)
+        assert response.status_code == status or (not status and response.status_code >= 500), request_id
+        assert response.content and response.json()["error"]["message"], request_id
+        sizes[request_id] = (response.status_code, len(response.content))
+    for request_id, (_, _, _, _, relayed) in cases.items():
+        line = fields(gateway, fmt, request_id)
+        assert (line["status"], line["bytes"]) == sizes[request_id], (request_id, line)
+        if relayed:
+            assert line["ttfb_ms"] is not None and line["overhead_ms"] is not None, (request_id, line)
+        else:
+            assert line["ttfb_ms"] is None and line["overhead_ms"] is None, (request_id, line)
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_the_gateways_error_events_after_a_stream_began_count_their_bytes(
+    start_gateway: StartGateway, fake: FakeEngine, fmt: str
+) -> None:
+    """A stream that the gateway ends with an error event of its own logs every byte the client got:
+    a truncated stream's relayed events and the event, heartbeats and an upstream's error after them."""
+    gateway = start_gateway({"fake": fake.url}, "--log-format", fmt, "--sse-heartbeat", "0.05")
+    cases = {"truncated": "no-done", "after-heartbeats": "prefill=0.3; status=500"}
+    sizes = {}
+    with httpx.Client(trust_env=False, timeout=10) as client:
+        for request_id, misbehave in cases.items():
+            with client.stream(
+                "POST",
+                gateway.url + CHAT,
+                json={**BODY, "stream": True},
+                headers={"x-request-id": request_id, "x-fake": misbehave},
+            ) as response:
+                body = response.read()
+            assert b'"error"' in body, (request_id, body)
+            sizes[request_id] = len(body)
+    for request_id in cases:
+        line = fields(gateway, fmt, request_id)
+        assert (line["status"], line["bytes"]) == (200, sizes[request_id]), (request_id, line)
+
+
+def test_an_unknown_model_is_logged_as_asked_and_safe_for_the_line(
+    start_gateway: StartGateway, fake: FakeEngine, http: httpx.Client
+) -> None:
+    """A 404 model_not_found logs the name the client gave: in a text line cut and escaped so that the
+    line still splits on spaces, in JSON as given (cut); no metric gets a label for it."""
+    prefix = 'my "odd" model\\\n\t\x1b'
+    odd = prefix + "x" * 100
+    text = start_gateway({"fake": fake.url}, "--api-key", "k")
+    json_log = start_gateway({"fake": fake.url}, "--log-format", "json")
+    auth = {"authorization": "Bearer k"}
+    for gateway, headers in ((text, auth), (json_log, {})):
+        for request_id, model in (("plain", "gpt-4o"), ("odd", odd)):
+            response = http.post(
+                gateway.url + CHAT,
+                json={**BODY, "model": model},
+                headers={**headers, "x-request-id": request_id},
+            )
+            assert response.status_code == 404
+    assert fields(text, "text", "plain")["model"] == "gpt-4o"
+    shown = fields(text, "text", "odd")["model"]
+    assert shown == r"my\x20\x22odd\x22\x20model\x5C\x0A\x09\x1B" + "x" * (64 - len(prefix)) + "…", shown
+    assert fields(json_log, "json", "plain")["model"] == "gpt-4o"
+    assert fields(json_log, "json", "odd")["model"] == odd[:64] + "…"
+    metrics = http.get(text.url + "/metrics", headers=auth).text
+    assert "gpt-4o" not in metrics and "odd" not in metrics

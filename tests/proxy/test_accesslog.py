@@ -10,6 +10,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import orjson
 import pytest
 
 from proxy import accesslog
@@ -252,3 +253,49 @@ def test_a_stream_that_cannot_be_written_fails_no_request(
     for _ in range(MAX_LINES):
         write_one(access)
     assert access.pending() == 0
+
+
+ODD_PREFIX = 'a "b" c\\d\n\x00\u2028é'
+ODD_MODEL = ODD_PREFIX + "z" * 80
+
+
+def test_an_unknown_model_in_a_text_line_is_cut_and_escaped(stream: Stream) -> None:
+    """A model name no route serves is cut to 64 characters and escaped nginx-style: the line keeps
+    its fields (split on spaces) and its one line."""
+    access = AccessLog("text")
+    shown = access.asked_model(ODD_MODEL)
+    assert shown == r"a\x20\x22b\x22\x20c\x5Cd\x0A\x00\u2028é" + "z" * (64 - len(ODD_PREFIX)) + "…"
+    assert access.asked_model("gpt-4o") == "gpt-4o"
+    access.write(
+        SCOPE,
+        request_id=b"r",
+        model=shown,
+        status=404,
+        bytes_out=180,
+        duration_s=0.001,
+        ttfb_s=None,
+        overhead_s=None,
+    )
+    (line,) = stream.getvalue().split("\n")[:-1]
+    assert line.split(" ")[-2] == "model=" + shown
+    assert len(line.split(" ")) == len(TEXT.splitlines()[0].split(" "))
+
+
+def test_an_unknown_model_in_a_json_line_is_as_given_but_cut(stream: Stream) -> None:
+    """JSON carries the client's name as given, cut to 64 characters."""
+    access = AccessLog("json")
+    shown = access.asked_model(ODD_MODEL)
+    assert shown == ODD_MODEL[:64] + "…"
+    assert access.asked_model("x" * 64) == "x" * 64
+    access.write(
+        SCOPE,
+        request_id=b"r",
+        model=shown,
+        status=404,
+        bytes_out=180,
+        duration_s=0.001,
+        ttfb_s=None,
+        overhead_s=None,
+    )
+    (line,) = stream.getvalue().split("\n")[:-1]
+    assert orjson.loads(line)["model"] == shown

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 import pytest
 from click.testing import CliRunner
@@ -36,3 +38,40 @@ def test_the_command_refuses_bad_fleet_options_before_starting(args: list[str], 
     result = CliRunner().invoke(main, [*args, "--upstream", "m=http://127.0.0.1:9"])
     assert result.exit_code == 2, result.output
     assert wanted in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "wanted"),
+    [
+        (
+            ["--port", "eight"],
+            {},
+            "--port: 'eight' is not a port number; give 1-65535, or 0 for any free port",
+        ),
+        ([], {"BLAZAR_PORT": "eight"}, "BLAZAR_PORT: 'eight' is not a port number; give 1-65535"),
+        (["--port", "70000"], {}, "--port: '70000' is not a port number; give 1-65535"),
+        (["--max-body-bytes", "lots"], {}, "--max-body-bytes: 'lots' is not a whole number; give 1 or more"),
+        ([], {"BLAZAR_MAX_IN_FLIGHT": "0"}, "BLAZAR_MAX_IN_FLIGHT: '0' is too small; give 1 or more"),
+    ],
+)
+def test_a_bad_integer_says_what_is_wrong_and_what_to_give(
+    args: list[str], env: dict[str, str], wanted: str
+) -> None:
+    """A bad integer option names where it came from (the flag or its variable), what is wrong and
+    what to give, not click's "integer range"; a usage error, exit 2, no traceback."""
+    result = CliRunner().invoke(main, [*args, "--upstream", "m=http://127.0.0.1:9"], env=env)
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit)
+    assert wanted in result.output
+    assert "integer range" not in result.output and "env var" not in result.output
+
+
+def test_a_bad_port_in_the_config_file_is_worded_the_same(tmp_path: Path) -> None:
+    """port = "eight" in [gateway]: the file, its table and key, and what to give."""
+    config = tmp_path / "blazar.toml"
+    config.write_text('[gateway]\nport = "eight"\n\n[models.m]\nupstream = "http://127.0.0.1:9"\n')
+    result = CliRunner().invoke(main, ["--config", str(config)])
+    assert result.exit_code == 1, result.output
+    assert (
+        "[gateway] port: 'eight' is not a port number; give 1-65535, or 0 for any free port" in result.output
+    )
