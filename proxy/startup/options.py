@@ -28,7 +28,7 @@ def click_type(flag: Flag, default: object) -> click.ParamType[Any] | None:
         high = None if flag.high is None else int(flag.high)
         return WholeNumber(int(flag.low), high, _NOUNS.get(flag.long, "a whole number"))
     if kind is float and flag.low is not None:
-        return click.FloatRange(flag.low, flag.high, min_open=flag.low_open)
+        return Number(flag.low, flag.high, low_open=flag.low_open)
     return None
 
 
@@ -72,6 +72,27 @@ class WholeNumber(click.IntRange):
                 wrong = "too small" if self.min is not None and int(value) < self.min else "too large"
                 raise BadValue(f"{value!r} is {wrong}; {self.wanted}", ctx, param) from None
             raise BadValue(f"{value!r} is not {self.noun}; {self.wanted}", ctx, param) from None
+        return number
+
+
+class Number(click.FloatRange):
+    """A number (the settings' are seconds) from ``low`` (to ``high``), refused as ``WholeNumber`` is."""
+
+    def __init__(self, low: float, high: float | None = None, low_open: bool = False) -> None:
+        super().__init__(low, high, min_open=low_open)
+        least = f"more than {low:g}" if low_open else f"{low:g} or more"
+        self.wanted = f"give {least}" if high is None else f"give {low:g}-{high:g}"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        try:
+            number: float = super().convert(value, param, ctx)
+        except click.BadParameter:
+            try:
+                given = float(str(value))
+            except ValueError:
+                raise BadValue(f"{value!r} is not a number; {self.wanted}", ctx, param) from None
+            wrong = "too small" if self.min is not None and given <= self.min else "too large"
+            raise BadValue(f"{value!r} is {wrong}; {self.wanted}", ctx, param) from None
         return number
 
 

@@ -66,6 +66,25 @@ def test_a_bad_integer_says_what_is_wrong_and_what_to_give(
     assert "integer range" not in result.output and "env var" not in result.output
 
 
+@pytest.mark.parametrize(
+    ("args", "env", "wanted"),
+    [
+        (["--queue-timeout", "soon"], {}, "--queue-timeout: 'soon' is not a number; give more than 0"),
+        ([], {"BLAZAR_READ_TIMEOUT": "-1"}, "BLAZAR_READ_TIMEOUT: '-1' is too small; give more than 0"),
+        (["--drain-timeout", "-2"], {}, "--drain-timeout: '-2' is too small; give 0 or more"),
+    ],
+)
+def test_a_bad_number_of_seconds_says_what_is_wrong_and_what_to_give(
+    args: list[str], env: dict[str, str], wanted: str
+) -> None:
+    """As for integers: the flag or variable, what is wrong, what to give; not click's "float range"."""
+    result = CliRunner().invoke(main, [*args, "--upstream", "m=http://127.0.0.1:9"], env=env)
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit)
+    assert wanted in result.output
+    assert "float range" not in result.output and "env var" not in result.output
+
+
 def test_a_bad_port_in_the_config_file_is_worded_the_same(tmp_path: Path) -> None:
     """port = "eight" in [gateway]: the file, its table and key, and what to give."""
     config = tmp_path / "blazar.toml"

@@ -53,7 +53,7 @@ def test_click_values_become_settings() -> None:
     ("args", "message"),
     [
         (["--port", "70000"], "'70000' is not a port number; give 1-65535, or 0 for any free port"),
-        (["--connect-timeout", "0"], "0.0 is not in the range x>0"),
+        (["--connect-timeout", "0"], "'0' is too small; give more than 0"),
         (["--max-header-bytes", "10"], "'10' is too small; give 1024 or more"),
         (["--engine-variant", "rocm"], "'rocm' is not one of 'auto', 'cpu', 'cuda12', 'cuda13', 'metal'"),
         (["--log-format", "xml"], "'xml' is not one of 'text', 'json'"),
