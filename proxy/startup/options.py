@@ -67,11 +67,9 @@ class WholeNumber(click.IntRange):
         try:
             number: int = super().convert(value, param, ctx)
         except click.BadParameter:
-            if self.noun == "a whole number" and _is_integer(value):
-                # A whole number, out of the range: say which way.
-                wrong = "too small" if self.min is not None and int(value) < self.min else "too large"
-                raise BadValue(f"{value!r} is {wrong}; {self.wanted}", ctx, param) from None
-            raise BadValue(f"{value!r} is not {self.noun}; {self.wanted}", ctx, param) from None
+            # A whole number out of the range is told which way (a port, only what to give).
+            given = int(value) if self.noun == "a whole number" and _is_integer(value) else None
+            raise BadValue(_refused(value, given, self.noun, self.wanted, self.min), ctx, param) from None
         return number
 
 
@@ -88,12 +86,20 @@ class Number(click.FloatRange):
             number: float = super().convert(value, param, ctx)
         except click.BadParameter:
             try:
-                given = float(str(value))
+                given: float | None = float(str(value))
             except ValueError:
-                raise BadValue(f"{value!r} is not a number; {self.wanted}", ctx, param) from None
-            wrong = "too small" if self.min is not None and given <= self.min else "too large"
-            raise BadValue(f"{value!r} is {wrong}; {self.wanted}", ctx, param) from None
+                given = None
+            raise BadValue(_refused(value, given, "a number", self.wanted, self.min), ctx, param) from None
         return number
+
+
+def _refused(value: object, given: float | None, noun: str, wanted: str, low: float | None) -> str:
+    """Why a range refused ``value`` (``given``: it as a number, None if it is not one), and what to give."""
+    if given is None:
+        return f"{value!r} is not {noun}; {wanted}"
+    # At the low end, in a range open there (x>0), the bound itself is too small.
+    wrong = "too small" if low is not None and given <= low else "too large"
+    return f"{value!r} is {wrong}; {wanted}"
 
 
 def _is_integer(value: object) -> bool:
