@@ -259,6 +259,20 @@ ODD_PREFIX = 'a "b" c\\d\n\x00\u2028é'
 ODD_MODEL = ODD_PREFIX + "z" * 80
 
 
+def _write_not_found(access: AccessLog, model: str) -> None:
+    """The line of a 404 for ``model``, as the relay writes it."""
+    access.write(
+        SCOPE,
+        request_id=b"r",
+        model=model,
+        status=404,
+        bytes_out=180,
+        duration_s=0.001,
+        ttfb_s=None,
+        overhead_s=None,
+    )
+
+
 def test_an_unknown_model_in_a_text_line_is_cut_and_escaped(stream: Stream) -> None:
     """A model name no route serves is cut to 64 characters and escaped nginx-style: the line keeps
     its fields (split on spaces) and its one line."""
@@ -266,16 +280,7 @@ def test_an_unknown_model_in_a_text_line_is_cut_and_escaped(stream: Stream) -> N
     shown = access.asked_model(ODD_MODEL)
     assert shown == r"a\x20\x22b\x22\x20c\x5Cd\x0A\x00\u2028é" + "z" * (64 - len(ODD_PREFIX)) + "…"
     assert access.asked_model("gpt-4o") == "gpt-4o"
-    access.write(
-        SCOPE,
-        request_id=b"r",
-        model=shown,
-        status=404,
-        bytes_out=180,
-        duration_s=0.001,
-        ttfb_s=None,
-        overhead_s=None,
-    )
+    _write_not_found(access, shown)
     (line,) = stream.getvalue().split("\n")[:-1]
     assert line.split(" ")[-2] == "model=" + shown
     assert len(line.split(" ")) == len(TEXT.splitlines()[0].split(" "))
@@ -287,15 +292,6 @@ def test_an_unknown_model_in_a_json_line_is_as_given_but_cut(stream: Stream) -> 
     shown = access.asked_model(ODD_MODEL)
     assert shown == ODD_MODEL[:64] + "…"
     assert access.asked_model("x" * 64) == "x" * 64
-    access.write(
-        SCOPE,
-        request_id=b"r",
-        model=shown,
-        status=404,
-        bytes_out=180,
-        duration_s=0.001,
-        ttfb_s=None,
-        overhead_s=None,
-    )
+    _write_not_found(access, shown)
     (line,) = stream.getvalue().split("\n")[:-1]
     assert orjson.loads(line)["model"] == shown
