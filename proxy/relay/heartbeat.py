@@ -12,7 +12,7 @@ from __future__ import annotations
 from time import perf_counter
 
 from proxy.asgi import Send
-from proxy.headers import SSE_HEADERS, is_event_stream
+from proxy.headers import SSE_HEADERS, is_event_stream_type
 from proxy.relay.failures import read_error_body, upstream_error_body
 from proxy.relay.out import AsgiWriter
 from proxy.relay.outcome import Outcome
@@ -50,7 +50,7 @@ async def continue_stream(
     conn: Connection, send: Send, status: int, outcome: Outcome, read_timeout_s: float
 ) -> None:
     """The upstream's head after the gateway's heartbeats: relay its events, or its error as one."""
-    if 200 <= status < 300 and is_event_stream(conn.headers):
+    if 200 <= status < 300 and is_event_stream_type(conn.content_type):
         # The head went out as the gateway's own: the events follow it (rare: no fast path).
         outcome.error = await relay_events(conn, AsgiWriter(send), outcome, read_timeout_s)
         return
