@@ -108,6 +108,10 @@ def _keep_alive_limit(value: bytes) -> float | None:
     return None
 
 
+# The header fields the connection notes while it reads a head.
+_NOTED = frozenset({b"content-type", b"content-length", b"transfer-encoding", b"keep-alive"})
+
+
 def _ambiguous(codings: list[bytes], lengths: set[bytes]) -> bool:
     """Whether a response's framing could be read two ways (RFC 9112 6.1, 6.3).
 
@@ -155,9 +159,8 @@ class Connection(asyncio.Protocol):
         self.keep_alive = False
         self.close_delimited = False
         self._head_done = False
-        # Bytes received before the head was whole, and the head's header lines alone.
+        # Bytes received before the head was whole.
         self._head_bytes = 0
-        self._header_bytes = 0
         self._stray = False
         self._framed = False
         # Transfer-Encoding and Content-Length as the upstream sent them, to check its framing.
@@ -251,28 +254,30 @@ class Connection(asyncio.Protocol):
             # 1xx: an interim response; the real one follows.
             self._informational = True
             return
-        headers = self.headers
-        for name, value in raw:
-            self._header_bytes += len(name) + len(value) + 4
-            name = name.lower()
-            if name == b"content-length":
-                self._framed = True
-                self._lengths.add(value.strip())
-                if self.content_length is None:
-                    self.content_length = value
-            elif name == b"content-type":
-                if self.content_type is None:
-                    self.content_type = value
-            elif name == b"transfer-encoding":
-                self._framed = True
-                self._codings.extend(c.strip().lower() for c in value.split(b","))
-            elif name == b"keep-alive":
-                self.idle_limit_s = _keep_alive_limit(value)
-            headers.append((name, value))
-        if self._header_bytes > MAX_HEAD_BYTES:
+        # Counted only when the bytes read so far (the head, maybe some body) pass the limit.
+        if self._head_bytes > MAX_HEAD_BYTES and sum(len(n) + len(v) + 4 for n, v in raw) > MAX_HEAD_BYTES:
             self._fail(BadResponse(f"upstream's response head is larger than {MAX_HEAD_BYTES} bytes"))
             self.close()
             return
+        headers = self.headers
+        # One membership test a header; the four the connection notes are rare.
+        for name, value in raw:
+            name = name.lower()
+            if name in _NOTED:
+                if name == b"content-type":
+                    if self.content_type is None:
+                        self.content_type = value
+                elif name == b"content-length":
+                    self._framed = True
+                    self._lengths.add(value.strip())
+                    if self.content_length is None:
+                        self.content_length = value
+                elif name == b"transfer-encoding":
+                    self._framed = True
+                    self._codings.extend(c.strip().lower() for c in value.split(b","))
+                else:
+                    self.idle_limit_s = _keep_alive_limit(value)
+            headers.append((name, value))
         if self._framed and _ambiguous(self._codings, self._lengths):
             # As nginx and HAProxy: a body whose end two readers could see in two places.
             self._fail(
