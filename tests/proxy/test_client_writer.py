@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
 import uvicorn
+from uvicorn.protocols.http.flow_control import FlowControl
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from proxy.protocol import ClientWriter, protocol_class
 from proxy.relay.out import AsgiWriter, writer_for
@@ -159,6 +162,57 @@ async def test_the_writer_refuses_a_second_head_a_bad_header_and_a_body_longer_t
         "Invalid HTTP header name or value.",
         "Response content longer than Content-Length",
     ]
+
+
+class _Transport:
+    """Enough of a transport for a cycle that is only asked to start a response."""
+
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+    def is_closing(self) -> bool:
+        return False
+
+    def pause_reading(self) -> None: ...
+
+    def resume_reading(self) -> None: ...
+
+
+def _cycle() -> RequestResponseCycle:
+    transport = _Transport()
+    return RequestResponseCycle(
+        scope={"method": "GET", "path": "/", "http_version": "1.1"},  # type: ignore[typeddict-item]
+        transport=transport,  # type: ignore[arg-type]
+        flow=FlowControl(transport),  # type: ignore[arg-type]
+        logger=logging.getLogger("test"),
+        access_logger=logging.getLogger("test"),
+        access_log=False,
+        default_headers=[],
+        message_event=asyncio.Event(),
+        expect_100_continue=False,
+        keep_alive=True,
+        on_response=lambda: None,
+    )
+
+
+async def test_the_writer_refuses_exactly_the_header_bytes_uvicorns_own_send_refuses() -> None:
+    """Each of the 256 bytes in a header's name and in its value: refused by the writer iff by uvicorn."""
+    for byte in range(256):
+        for header in ((b"x-" + bytes((byte,)) + b"y", b"v"), (b"x-h", b"a" + bytes((byte,)) + b"b")):
+            try:
+                await _cycle().send({"type": "http.response.start", "status": 200, "headers": [header]})
+                uvicorn_refuses = False
+            except RuntimeError:
+                uvicorn_refuses = True
+            try:
+                ClientWriter(_cycle()).start(200, [(b"x-ok", b"fine"), header])
+                writer_refuses = False
+            except RuntimeError:
+                writer_refuses = True
+            assert writer_refuses == uvicorn_refuses, (header, uvicorn_refuses)
 
 
 async def test_a_wrapped_send_gets_the_asgi_writer_that_makes_the_same_bytes() -> None:
