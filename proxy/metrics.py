@@ -103,10 +103,19 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.models: dict[str, ModelMetrics] = {}
+        # Relay requests answered before a model was known (an unreadable body,
+        # an unknown model), by route and status: model="" on the counter, so
+        # that a client's text never becomes a label.
+        self.unrouted: dict[tuple[str, int], int] = {}
         self.client_disconnects = 0
         # Requests refused because the gateway itself ran out of file descriptors.
         self.overloaded = 0
         self.registry.register(_RequestCollector(self))
+
+    def count_unrouted(self, route: str, status: int) -> None:
+        """A relay request answered before its model was known."""
+        key = (route, status)
+        self.unrouted[key] = self.unrouted.get(key, 0) + 1
 
     def for_model(self, model: str) -> ModelMetrics:
         return self.models.setdefault(model, ModelMetrics(model))
@@ -135,7 +144,7 @@ class _RequestCollector(Collector):
         models = list(self._metrics.models.values())
         requests = CounterMetricFamily(
             "blazar_requests",
-            "Requests answered, by model, route and status.",
+            "Requests answered, by model, route and status (model empty: answered before a model was known).",
             labels=["model", "route", "code"],
         )
         errors = CounterMetricFamily(
@@ -146,6 +155,8 @@ class _RequestCollector(Collector):
                 requests.add_metric([m.model, route, str(status)], value)
             for kind, value in sorted(m.upstream_errors.items()):
                 errors.add_metric([m.model, kind], value)
+        for (route, status), value in sorted(self._metrics.unrouted.items()):
+            requests.add_metric(["", route, str(status)], value)
         yield requests
         yield errors
         for name, doc, pick in (

@@ -98,6 +98,8 @@ class Outcome:
             duration_s = now - self.started
             if stats is not None:
                 stats.count(ROUTE_LABELS[scope["path"]], self.status)
+            elif metrics is not None:
+                metrics.count_unrouted(ROUTE_LABELS[scope["path"]], self.status)
             if access is not None and self.refusal.code == "model_not_found":
                 # A name no route serves: the client's own text, made safe for the line.
                 self.model = access.asked_model(self.model)

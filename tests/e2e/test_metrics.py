@@ -58,6 +58,30 @@ def test_metrics_is_a_plain_route_with_request_counts(
     assert "made-up-name" not in http.get(gateway.url + "/metrics").text
 
 
+def test_requests_refused_before_a_model_is_known_are_counted_without_one(
+    gateway: Running, http: httpx.Client
+) -> None:
+    """A body that is not JSON (400) and an unknown model (404): counted under model="", by route and code."""
+
+    def unrouted(text: str, route: str, code: str) -> float:
+        labels = ('model=""', f'route="{route}"', f'code="{code}"')
+        for line in text.splitlines():
+            if line.startswith("blazar_requests_total{") and all(label in line for label in labels):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    before = http.get(gateway.url + "/metrics").text
+    for _ in range(2):
+        reply = http.post(gateway.url + CHAT, content=b"{not json")
+        assert reply.status_code == 400
+    reply = http.post(gateway.url + "/v1/completions", json={"model": "nope", "prompt": "x"})
+    assert reply.status_code == 404
+    after = http.get(gateway.url + "/metrics").text
+    assert unrouted(after, "chat/completions", "400") == unrouted(before, "chat/completions", "400") + 2
+    assert unrouted(after, "completions", "404") == unrouted(before, "completions", "404") + 1
+    assert "nope" not in after
+
+
 def test_in_flight_queue_depth_and_disconnects(
     start_gateway: StartGateway, fake: FakeEngine, http: httpx.Client
 ) -> None:
