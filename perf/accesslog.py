@@ -35,11 +35,21 @@ from typing import TextIO
 import orjson
 
 from proxy import accesslog
-from proxy.accesslog import AccessLog
+from proxy.accesslog import AccessLog, Clock
 from proxy.asgi import Scope
 from proxy.forwarded import ProxyTrust
 
 WAYS = ("per-line", "queue", "buffered")
+
+
+def _read_clock_give_fixed_time() -> int:
+    """A clock's cost (``time_ns()``) with one fixed time, 2026-12-01T20:00:03.123Z."""
+    time.time_ns()
+    return 1_796_155_203_123_456_000
+
+
+# Every way's lines carry the same time, so that their bytes can be compared.
+_SAME_TIME = Clock(_read_clock_give_fixed_time)
 FORMATS = ("text", "json")
 
 SCOPE: Scope = {
@@ -54,10 +64,12 @@ SCOPE: Scope = {
 class PerLineAccessLog:
     """The access log as it shipped before issue 11: a ``logging`` record per line, formatted then."""
 
-    def __init__(self, logger: logging.Logger, fmt: str = "text") -> None:
+    def __init__(self, logger: logging.Logger, fmt: str = "text", clock: Clock | None = None) -> None:
         self.log = logger
         self.json = fmt == "json"
         self.client = ProxyTrust(()).client
+        # The time each line now carries (the same clock as the buffered way's, to compare the bytes).
+        self.clock = clock or Clock()
 
     def write(
         self,
@@ -77,6 +89,7 @@ class PerLineAccessLog:
         if self.json:
             line = orjson.dumps(
                 {
+                    "time": self.clock(),
                     "client": client,
                     "method": scope["method"],
                     "path": scope["path"],
@@ -93,7 +106,7 @@ class PerLineAccessLog:
             ttfb = f"{ttfb_s * 1000:.3f}" if ttfb_s is not None else "-"
             overhead = f"{overhead_s * 1000:.3f}" if overhead_s is not None else "-"
             line = (
-                f'{client} "{scope["method"]} {scope["path"]}" {status} {bytes_out} '
+                f'{client} [{self.clock()}] "{scope["method"]} {scope["path"]}" {status} {bytes_out} '
                 f"{duration_s * 1000:.3f}ms ttfb={ttfb}ms overhead={overhead}ms "
                 f"model={model or '-'} id={request_id.decode('latin-1')}"
             )
@@ -157,7 +170,7 @@ def _way(way: str, fmt: str, path: Path) -> Iterator[tuple[Writer, Callable[[], 
         logger.handlers[:] = [handler]
         logger.setLevel(logging.INFO)
         logger.propagate = False
-        buffered = AccessLog(fmt)
+        buffered = AccessLog(fmt, clock=_SAME_TIME)
         try:
             yield buffered.write, buffered.flush
         finally:
@@ -177,7 +190,7 @@ def _way(way: str, fmt: str, path: Path) -> Iterator[tuple[Writer, Callable[[], 
         listener.start()
     else:
         logger.handlers[:] = [handler]
-    per_line = PerLineAccessLog(logger, fmt)
+    per_line = PerLineAccessLog(logger, fmt, clock=_SAME_TIME)
     try:
         yield per_line.write, (listener.stop if listener is not None else lambda: None)
     finally:

@@ -1,5 +1,9 @@
 """The access log: one line per relayed request, as text or JSON.
 
+A line begins with the client and the time it was written, in UTC to the
+millisecond (text: ``127.0.0.1 [2026-12-01T20:15:03.123Z] "POST /v1/…" …``;
+JSON: ``"time"`` first).
+
 Written after the response has ended, never per chunk. Probes and /metrics
 are not logged. The client address is the peer's, or, when the peer is one
 of the configured proxies (--forwarded-allow-ips), the nearest untrusted
@@ -38,8 +42,9 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
+import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import orjson
 
@@ -62,14 +67,45 @@ _running_loop = asyncio._get_running_loop
 MODEL_LIMIT_CHARS = ECHO_LIMIT
 
 # The text line; %-formatting gives the same bytes as the f-string it replaced, faster.
-_TEXT = '%s "%s %s" %s %s %.3fms ttfb=%sms overhead=%sms model=%s id=%s'
+_TEXT = '%s [%s] "%s %s" %s %s %.3fms ttfb=%sms overhead=%sms model=%s id=%s'
+
+
+class Clock:
+    """The time a line is written, in UTC: ISO 8601 to the millisecond (``2026-12-01T20:15:03.123Z``).
+
+    The date and the second are formatted once a second, as nginx caches
+    its ``$time_local``; a line pays one ``time_ns()``, two divisions and a
+    look-up of its milliseconds (~0.3 µs).
+    """
+
+    __slots__ = ("_now_ns", "_second", "_text")
+
+    def __init__(self, now_ns: Callable[[], int] = time.time_ns) -> None:
+        self._now_ns = now_ns
+        self._second = -1
+        self._text = ""
+
+    def __call__(self) -> str:
+        ms = self._now_ns() // 1_000_000
+        second = ms // 1000
+        if second != self._second:
+            self._second = second
+            self._text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+        return self._text + _MILLIS[ms % 1000]
+
+
+# ".000Z" to ".999Z": a line's milliseconds, formatted once.
+_MILLIS = tuple(f".{ms:03d}Z" for ms in range(1000))
 
 
 class AccessLog:
-    def __init__(self, fmt: str = "text", trusted_proxies: Iterable[str] = ()) -> None:
+    def __init__(
+        self, fmt: str = "text", trusted_proxies: Iterable[str] = (), clock: Clock | None = None
+    ) -> None:
         if fmt not in ("text", "json"):
             raise ValueError(f"log format {fmt!r}: text or json")
         self.json = fmt == "json"
+        self.clock = clock or Clock()
         self.client = ProxyTrust(trusted_proxies).client
         self._lines: list[str] = []
         # The loop whose timer will write the waiting lines, and that timer.
@@ -98,6 +134,7 @@ class AccessLog:
             return
         if self.json:
             record = {
+                "time": self.clock(),
                 "client": self.client(scope),
                 "method": scope["method"],
                 "path": scope["path"],
@@ -115,6 +152,7 @@ class AccessLog:
         else:
             line = _TEXT % (
                 self.client(scope),
+                self.clock(),
                 scope["method"],
                 scope["path"],
                 status,

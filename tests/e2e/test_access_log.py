@@ -82,9 +82,9 @@ def test_text_log_and_forwarded_for_from_trusted_proxies(
         distrusting.url + CHAT, json=BODY, headers={"x-forwarded-for": "203.0.113.9", "x-request-id": "b"}
     )
     (trusted_line,) = wait_for_lines(trusting, "id=a", 1)
-    assert trusted_line.startswith('203.0.113.9 "POST /v1/chat/completions" 200 ')
+    assert trusted_line.startswith("203.0.113.9 [") and '] "POST /v1/chat/completions" 200 ' in trusted_line
     (plain_line,) = wait_for_lines(distrusting, "id=b", 1)
-    assert plain_line.startswith('127.0.0.1 "POST /v1/chat/completions" 200 ')
+    assert plain_line.startswith("127.0.0.1 [") and '] "POST /v1/chat/completions" 200 ' in plain_line
 
 
 def test_no_access_log(start_gateway: StartGateway, fake: FakeEngine, http: httpx.Client) -> None:
@@ -132,9 +132,10 @@ def test_streams_ended_by_the_drain_are_logged(start_gateway: StartGateway, fake
     assert drained == ["drained-0", "drained-1", "drained-2"]
 
 
-# A text line: client "METHOD PATH" status bytes duration ttfb= overhead= model= id= [upstream=].
+# A text line: client [time] "METHOD PATH" status bytes duration ttfb= overhead= model= id= [upstream=].
 TEXT_LINE = re.compile(
-    r'^\S+ "POST \S+" (?P<status>\d+) (?P<bytes>\d+) [\d.]+ms ttfb=(?P<ttfb>[\d.]+|-)ms '
+    r'^\S+ \[\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z\] "POST \S+" '
+    r"(?P<status>\d+) (?P<bytes>\d+) [\d.]+ms ttfb=(?P<ttfb>[\d.]+|-)ms "
     r"overhead=(?P<overhead>[\d.]+|-)ms model=(?P<model>\S+) id=(?P<id>\S+)$"
 )
 

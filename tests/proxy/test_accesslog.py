@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 from proxy import accesslog
-from proxy.accesslog import FLUSH_AFTER_S, MAX_LINES, AccessLog
+from proxy.accesslog import FLUSH_AFTER_S, MAX_LINES, AccessLog, Clock
 from proxy.asgi import Scope
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,16 +27,22 @@ SCOPE: Scope = {
 }
 ODD: Scope = {"method": "POST", "path": '/v1/café "x"', "client": None, "headers": []}
 
-# What the gateway printed before lines were buffered (main at 993e768), byte for byte.
+# 2026-12-01T20:00:03.123456Z, as time.time_ns() gives it.
+AT_NS = 1_796_155_203_123_456_000
+
+# What the gateway printed before lines were buffered (main at 993e768), byte
+# for byte, with the time each line now carries after its client.
 TEXT = (
-    '10.0.0.7 "POST /v1/chat/completions" 200 1234 12.346ms ttfb=0.456ms overhead=0.100ms model=m1 id=req-1\n'
-    '- "POST /v1/café "x"" 400 0 0.500ms ttfb=-ms overhead=-ms model=- id=éid\n'
+    '10.0.0.7 [2026-12-01T20:00:03.123Z] "POST /v1/chat/completions" 200 1234 12.346ms ttfb=0.456ms '
+    "overhead=0.100ms model=m1 id=req-1\n"
+    '- [2026-12-01T20:00:03.123Z] "POST /v1/café "x"" 400 0 0.500ms ttfb=-ms overhead=-ms model=- id=éid\n'
 )
 JSON = (
-    '{"client":"10.0.0.7","method":"POST","path":"/v1/chat/completions","request_id":"req-1",'
-    '"model":"m1","status":200,"bytes":1234,"duration_ms":12.346,"ttfb_ms":0.456,"overhead_ms":0.1}\n'
-    '{"client":"-","method":"POST","path":"/v1/café \\"x\\"","request_id":"éid","model":"",'
-    '"status":400,"bytes":0,"duration_ms":0.5,"ttfb_ms":null,"overhead_ms":null}\n'
+    '{"time":"2026-12-01T20:00:03.123Z","client":"10.0.0.7","method":"POST","path":"/v1/chat/completions",'
+    '"request_id":"req-1","model":"m1","status":200,"bytes":1234,"duration_ms":12.346,"ttfb_ms":0.456,'
+    '"overhead_ms":0.1}\n'
+    '{"time":"2026-12-01T20:00:03.123Z","client":"-","method":"POST","path":"/v1/café \\"x\\"",'
+    '"request_id":"éid","model":"","status":400,"bytes":0,"duration_ms":0.5,"ttfb_ms":null,"overhead_ms":null}\n'
 )
 
 
@@ -105,10 +111,33 @@ def write_one(access: AccessLog, request_id: bytes = b"r") -> None:
 
 @pytest.mark.parametrize(("fmt", "expected"), [("text", TEXT), ("json", JSON)])
 def test_lines_are_the_same_bytes_as_before(stream: Stream, fmt: str, expected: str) -> None:
-    """Text and JSON lines are byte for byte what the per-line logger wrote ('-' or null when unknown)."""
-    access = AccessLog(fmt)
+    """Text and JSON lines are byte for byte what the per-line logger wrote ('-' or null when unknown),
+    with the time."""
+    access = AccessLog(fmt, clock=Clock(lambda: AT_NS))
     write_both(access)  # no running loop: written at once
     assert stream.getvalue() == expected
+
+
+def test_the_time_is_utc_to_the_millisecond_and_follows_the_clock_across_seconds() -> None:
+    """The cached second is formatted again when the second changes; the milliseconds are cut, not rounded."""
+    now = [AT_NS]
+    clock = Clock(lambda: now[0])
+    assert clock() == "2026-12-01T20:00:03.123Z"
+    now[0] = AT_NS + 876_543_999  # 03.999999...
+    assert clock() == "2026-12-01T20:00:03.999Z"
+    now[0] = AT_NS + 877_000_000
+    assert clock() == "2026-12-01T20:00:04.000Z"
+    now[0] = AT_NS + 86_400 * 10**9 * 31  # a month on: the date too
+    assert clock() == "2027-01-01T20:00:03.123Z"
+
+
+def test_a_line_has_the_time_it_was_written(stream: Stream) -> None:
+    """With the real clock: each line's time is between the times before and after it was written."""
+    before = Clock()()
+    write_both(AccessLog("text"))
+    after = Clock()()
+    stamps = [line.split(" ")[1].strip("[]") for line in stream.getvalue().splitlines()]
+    assert len(stamps) == 2 and all(before <= stamp <= after for stamp in stamps), (before, stamps, after)
 
 
 @pytest.mark.parametrize(
@@ -121,7 +150,7 @@ def test_lines_are_the_same_bytes_as_before(stream: Stream, fmt: str, expected: 
 def test_a_moved_request_lists_every_server_tried(stream: Stream, fmt: str, tail: str) -> None:
     """A request that moved ends its line with the servers it tried, in order (nginx's $upstream_addr);
     the rest of the line is the same bytes as without."""
-    access = AccessLog(fmt)
+    access = AccessLog(fmt, clock=Clock(lambda: AT_NS))
     access.write(
         SCOPE,
         request_id=b"req-1",
