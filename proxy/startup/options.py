@@ -137,8 +137,9 @@ class IntOrOff(click.ParamType[int | None]):
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int | None:
         if value is None:
             return None
+        wanted = f"give {self.low} or more, or off"
         if isinstance(value, bool):
-            self.fail(f"{value!r} is neither a whole number nor off", param, ctx)
+            raise BadValue(f"{value!r} is neither a whole number nor off; {wanted}", ctx, param)
         if isinstance(value, int):
             number = value
         elif str(value).strip().lower() == "off":
@@ -147,9 +148,9 @@ class IntOrOff(click.ParamType[int | None]):
             try:
                 number = int(str(value).strip())
             except ValueError:
-                self.fail(f"{value!r} is neither a whole number nor off", param, ctx)
+                raise BadValue(f"{value!r} is neither a whole number nor off; {wanted}", ctx, param) from None
         if number < self.low:
-            self.fail(f"{number} is below {self.low}", param, ctx)
+            raise BadValue(f"{value!r} is too small; {wanted}", ctx, param)
         return number
 
 

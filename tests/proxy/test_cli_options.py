@@ -52,6 +52,16 @@ def test_the_command_refuses_bad_fleet_options_before_starting(args: list[str], 
         (["--port", "70000"], {}, "--port: '70000' is not a port number; give 1-65535"),
         (["--max-body-bytes", "lots"], {}, "--max-body-bytes: 'lots' is not a whole number; give 1 or more"),
         ([], {"BLAZAR_MAX_IN_FLIGHT": "0"}, "BLAZAR_MAX_IN_FLIGHT: '0' is too small; give 1 or more"),
+        (
+            ["--affinity-slack", "lots"],
+            {},
+            "--affinity-slack: 'lots' is neither a whole number nor off; give 0 or more, or off",
+        ),
+        (
+            [],
+            {"BLAZAR_AFFINITY_SLACK": "-1"},
+            "BLAZAR_AFFINITY_SLACK: '-1' is too small; give 0 or more, or off",
+        ),
     ],
 )
 def test_a_bad_integer_says_what_is_wrong_and_what_to_give(
