@@ -29,6 +29,8 @@ chunk after the first event): flags, where a bare key means true; head
 huge, one 70 KB header line; te-twice, ``Transfer-Encoding: chunked,
 chunked``; cl-te, Content-Length and Transfer-Encoding both); no-done (a
 stream that ends cleanly, its last chunk or its close, without ``[DONE]``);
+after-done (a stream whose ``[DONE]`` is followed by half an event, ``: after``
+with no blank line after it);
 not-sse (a stream request answered with a JSON body); reasoning=N (chat:
 N pieces of reasoning before the text, ``reasoning`` in the message or the
 deltas, as mlx sends it); tool-calls=N (chat: N tool calls after the text,
@@ -108,6 +110,8 @@ _MAX_PIPELINED_BYTES = 4 * 1024 * 1024
 
 _GARBAGE = b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03GARBAGE\xff\xfe\x00not http at all\r\n\r\n"
 _DONE_EVENT = b"data: [DONE]\n\n"
+# Half an event after [DONE] (after-done): a comment line with no blank line to end it.
+_AFTER_DONE = b": after"
 _CONTENT_SENTINEL = "@@fake-content@@"
 
 OUTCOME_COMPLETED = "completed"
@@ -140,6 +144,7 @@ class FakeOptions:
     chunk_bytes: int | None = None
     head: str | None = None
     no_done: bool = False
+    after_done: bool = False
     not_sse: bool = False
     reasoning: int = 0
     tool_calls: int = 0
@@ -159,6 +164,7 @@ class FakeOptions:
             or self.status is not None
             or self.head is not None
             or self.no_done
+            or self.after_done
             or self.not_sse
         )
 
@@ -222,6 +228,7 @@ _CONTROLS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "chunk-bytes": ("chunk_bytes", _parse_count),
     "head": ("head", _parse_bad_head),
     "no-done": ("no_done", _parse_flag),
+    "after-done": ("after_done", _parse_flag),
     "not-sse": ("not_sse", _parse_flag),
     "reasoning": ("reasoning", _parse_count),
     "tool-calls": ("tool_calls", _parse_count),
@@ -1422,7 +1429,11 @@ class _Connection(asyncio.Protocol):
             else:
                 self._close()
             return
-        transport.write(_frame(_DONE_EVENT) + b"0\r\n\r\n" if chunked else _DONE_EVENT)
+        after = _AFTER_DONE if opts.after_done else b""
+        if chunked:
+            transport.write(_frame(_DONE_EVENT) + (_frame(after) if after else b"") + b"0\r\n\r\n")
+        else:
+            transport.write(_DONE_EVENT + after)
 
     def _finish(self, rec: RequestRecord, outcome: str, status: int | None) -> None:
         if rec.outcome is None:

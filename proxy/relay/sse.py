@@ -78,6 +78,8 @@ async def relay_events(conn: Connection, out: Writer, outcome: Outcome, read_tim
         if (wait := out.write(event, False)) is not None:
             await wait
         return "upstream_truncated"
+    # Half an event after the end: the client gets it as sent, and it counts.
+    outcome.bytes_out += len(pending)
     if (wait := out.write(pending, False)) is not None:
         await wait
     return None

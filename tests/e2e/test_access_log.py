@@ -220,6 +220,26 @@ def test_the_gateways_error_events_after_a_stream_began_count_their_bytes(
         assert (line["status"], line["bytes"]) == (200, sizes[request_id]), (request_id, line)
 
 
+def test_half_an_event_after_done_is_relayed_and_counted(
+    start_gateway: StartGateway, fake: FakeEngine
+) -> None:
+    """Bytes after [DONE] that end no event go to the client at the stream's end, and count in its line."""
+    gateway = start_gateway({"fake": fake.url}, "--log-format", "json")
+    with (
+        httpx.Client(trust_env=False, timeout=10) as client,
+        client.stream(
+            "POST",
+            gateway.url + CHAT,
+            json={**BODY, "stream": True},
+            headers={"x-request-id": "after-done", "x-fake": "after-done"},
+        ) as response,
+    ):
+        body = response.read()
+    assert body.endswith(b"data: [DONE]\n\n: after"), body[-40:]
+    line = fields(gateway, "json", "after-done")
+    assert (line["status"], line["bytes"]) == (200, len(body)), line
+
+
 def test_an_unknown_model_is_logged_as_asked_and_safe_for_the_line(
     start_gateway: StartGateway, fake: FakeEngine, http: httpx.Client
 ) -> None:
