@@ -12,6 +12,10 @@
   otherwise stop at the head, dropping the body and holding the connection.
 - Requests the parser refuses (e.g. both Content-Length and
   Transfer-Encoding) get uvicorn's 400 and close, but in OpenAI's envelope.
+- Pipelined requests keep these limits and their order: a head that comes
+  after a request ended in the same read is counted from httptools' pieces
+  (the read's bytes were the earlier request's), and a head refused while
+  earlier responses still go out is answered after them, then the close.
 
 It also offers the relay an ASGI extension of its own,
 ``scope["extensions"]["blazar.writer"]``: given the ``send`` the app got, it
@@ -75,6 +79,10 @@ class GatewayProtocol(HttpToolsProtocol):
         # A head has begun (its first bytes are in) and is not yet whole.
         self._head_begun = False
         self._refusal: tuple[int, str, str] | None = None
+        # A pipelined head refused while an earlier response still goes out: sent once it has ended.
+        self._after_response: tuple[int, str, str] | None = None
+        # A request ended in this read: the bytes after it (the next head's) were not counted.
+        self._uncounted = False
         self._extensions: dict[str, Any] = {}
         # Pipelined requests still running behind uvicorn's newest cycle.
         self._earlier: list[RequestResponseCycle] = []
@@ -100,13 +108,22 @@ class GatewayProtocol(HttpToolsProtocol):
         self._earlier.clear()
 
     def data_received(self, data: bytes) -> None:
+        if self._after_response is not None:
+            # A head was refused; the connection closes after the responses before it.
+            # What comes meanwhile (reading resumes when their apps await receive) is dropped.
+            return
         if self._in_head:
             # Counted on raw bytes as they arrive: httptools builds a whole header
             # value (or URL) before any callback, so counting there is too late.
             self._head_bytes += len(data)
+        self._uncounted = False
         super().data_received(data)
-        if self.transport.is_closing():
+        if self.transport.is_closing() or self._after_response is not None:
             return
+        if self._uncounted and self._in_head and self._head_begun:
+            # A pipelined head began after a request that ended in this read:
+            # what httptools has given of it so far (the rest of this read's bytes).
+            self._head_bytes = self._head_size()
         # The timers are armed only for what is still incomplete after a read:
         # a request that arrives whole in one read (nearly all do) arms none.
         if not self._in_head:
@@ -115,7 +132,7 @@ class GatewayProtocol(HttpToolsProtocol):
             if self._body_timer is None and not self._queued():
                 self._body_timer = self.loop.call_later(self.body_timeout_s, self._body_too_slow)
         elif self._head_bytes > self.max_header_bytes:
-            self._reply_and_close(
+            self._refuse_head(
                 431, f"request headers are larger than {self.max_header_bytes} bytes", "headers_too_large"
             )
         elif self._head_begun and self._head_timer is None:
@@ -136,14 +153,12 @@ class GatewayProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._cancel_head_timer()
-        self._in_head = False
         self._head_begun = False
-        # A head that arrived whole in one read: check its size here (only
-        # when the raw bytes read so far, head and maybe body, pass the limit).
-        if (
-            self._head_bytes > self.max_header_bytes
-            and len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
-            > self.max_header_bytes
+        # A head that arrived whole in one read: check its size here (only when
+        # the raw bytes read so far, head and maybe body, pass the limit, or
+        # when it came after a request that ended in the same read).
+        if (self._head_bytes > self.max_header_bytes or self._uncounted) and (
+            self._head_size() > self.max_header_bytes
         ):
             self._refusal = (
                 431,
@@ -160,6 +175,7 @@ class GatewayProtocol(HttpToolsProtocol):
                 "upgrade_not_supported",
             )
             raise _Refused()
+        self._in_head = False
         earlier = self.cycle
         super().on_headers_complete()
         if earlier is not None and earlier is not self.cycle and not earlier.response_complete:
@@ -170,9 +186,11 @@ class GatewayProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         self._cancel_body_timer()
         super().on_message_complete()
-        # The next bytes on this connection begin the next request's head.
+        # The next bytes on this connection begin the next request's head; any
+        # left in this read were counted as this request's.
         self._in_head = True
         self._head_bytes = 0
+        self._uncounted = True
 
     def on_response_complete(self) -> None:
         # uvicorn's, with its keep-alive wait on a coarse timer.
@@ -180,6 +198,14 @@ class GatewayProtocol(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         self._unset_keepalive_if_required()
+        if self._after_response is not None:
+            # A pipelined head was refused behind the responses before it.
+            if self.pipeline:
+                cycle, app = self.pipeline.pop()
+                self._start_asgi_task(cycle, app)
+            else:
+                self._reply_and_close(*self._after_response)
+            return
         self.flow.resume_reading()
         if self.pipeline:
             cycle, app = self.pipeline.pop()
@@ -207,8 +233,27 @@ class GatewayProtocol(HttpToolsProtocol):
         return any(cycle is self.cycle for cycle, _ in self.pipeline)
 
     def send_400_response(self, msg: str) -> None:
+        if self._after_response is not None:
+            return  # the parser has failed already: its refusal waits for its turn
         status, message, code = self._refusal or (400, f"invalid HTTP request: {msg}", "invalid_request")
+        if self._in_head:
+            self._refuse_head(status, message, code)
+        else:
+            # A broken body: its request is the newest, and its cycle answers for it.
+            self._reply_and_close(status, message, code)
+
+    def _refuse_head(self, status: int, message: str, code: str) -> None:
+        """Refuse the head being read: now, or after the earlier responses of a pipeline, in order."""
+        if self.cycle is not None and not self.cycle.response_complete:
+            # Requests before this head still run: their responses go out first.
+            self._after_response = (status, message, code)
+            self.flow.pause_reading()
+            return
         self._reply_and_close(status, message, code)
+
+    def _head_size(self) -> int:
+        """The head's bytes as httptools has given them so far: the URL and the header lines."""
+        return len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
 
     def _arm_head_timer(self) -> None:
         self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_too_slow)

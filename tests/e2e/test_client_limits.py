@@ -137,6 +137,56 @@ def test_an_upgrade_request_is_refused_and_closed(strict: Running, fake: FakeEng
 
 
 @pytest.mark.fault("clients", "oversized heads and bodies")
+@pytest.mark.parametrize("whole", [True, False], ids=["whole-head", "half-a-head"])
+def test_an_oversized_head_pipelined_in_the_same_read_gets_431_after_the_running_response(
+    strict: Running, fake: FakeEngine, whole: bool
+) -> None:
+    """A second head past --max-header-bytes, sent in one write with the request before it, whole or
+    not yet ended: counted (its bytes are not the first request's), refused with 431 once the first
+    response has ended whole."""
+    stream = orjson.dumps({"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": True})
+    first = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"x-fake: stall=0.5\r\nContent-Length: %d\r\n\r\n" % len(stream) + stream
+    )
+    second = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 8000 + b"\r\nX-More: "
+    if whole:
+        second += b"1\r\nContent-Length: %d\r\n\r\n" % len(BODY) + BODY
+    with socket.create_connection(("127.0.0.1", strict.port), timeout=10) as sock:
+        sock.sendall(first + second)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    assert received.startswith(b"HTTP/1.1 200 OK"), received[:200]
+    stream_part, _, rest = received.partition(b"HTTP/1.1 431")
+    assert b"data: [DONE]" in stream_part and stream_part.endswith(b"0\r\n\r\n"), received[-300:]
+    assert b'"code":"headers_too_large"' in rest
+    assert len(fake.records()) == 1
+
+
+@pytest.mark.fault("clients", "smuggling, upgrades and hop-by-hop headers")
+def test_a_malformed_request_pipelined_behind_a_stream_gets_its_400_after_the_stream(
+    strict: Running, fake: FakeEngine
+) -> None:
+    """Bytes the parser refuses, sent right after a stream request: the stream ends whole first
+    (pipelined responses keep their order), then 400 and close."""
+    stream = orjson.dumps({"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": True})
+    first = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"x-fake: stall=0.3\r\nContent-Length: %d\r\n\r\n" % len(stream) + stream
+    )
+    with socket.create_connection(("127.0.0.1", strict.port), timeout=10) as sock:
+        sock.sendall(first + b"NOT HTTP AT ALL\r\n\r\n")
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    assert received.startswith(b"HTTP/1.1 200 OK"), received[:200]
+    stream_part, _, rest = received.partition(b"HTTP/1.1 400")
+    assert b"data: [DONE]" in stream_part and stream_part.endswith(b"0\r\n\r\n"), received[-300:]
+    assert b'"code":"invalid_request"' in rest
+
+
+@pytest.mark.fault("clients", "oversized heads and bodies")
 def test_oversized_headers_get_431(strict: Running, fake: FakeEngine) -> None:
     """Headers past --max-header-bytes get 431 and close, before any body is read."""
     response = exchange(
