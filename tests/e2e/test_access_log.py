@@ -112,16 +112,7 @@ def test_streams_ended_by_the_drain_are_logged(start_gateway: StartGateway, fake
     gateway = start_gateway({"fake": fake.url}, "--drain-timeout", "0.5")
 
     def stream(index: int) -> bytes:
-        with (
-            httpx.Client(trust_env=False, timeout=30) as client,
-            client.stream(
-                "POST",
-                gateway.url + CHAT,
-                json={**BODY, "stream": True},
-                headers={"x-fake": "chunks=100; chunk-delay=0.1", "x-request-id": f"drained-{index}"},
-            ) as response,
-        ):
-            return response.read()
+        return streamed(gateway, f"drained-{index}", "chunks=100; chunk-delay=0.1", timeout_s=30)
 
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         streams = [pool.submit(stream, index) for index in range(3)]
@@ -130,6 +121,20 @@ def test_streams_ended_by_the_drain_are_logged(start_gateway: StartGateway, fake
         assert all(b'"draining"' in future.result(timeout=20) for future in streams)
     drained = sorted(line.rsplit("id=", 1)[1] for line in lines(log, "id=drained-"))
     assert drained == ["drained-0", "drained-1", "drained-2"]
+
+
+def streamed(gateway: Running, request_id: str, misbehave: str, timeout_s: float = 10) -> bytes:
+    """One stream request with this id and ``x-fake``; the whole body the client got."""
+    with (
+        httpx.Client(trust_env=False, timeout=timeout_s) as client,
+        client.stream(
+            "POST",
+            gateway.url + CHAT,
+            json={**BODY, "stream": True},
+            headers={"x-request-id": request_id, "x-fake": misbehave},
+        ) as response,
+    ):
+        return response.read()
 
 
 # A text line: client [time] "METHOD PATH" status bytes duration ttfb= overhead= model= id= [upstream=].
@@ -204,17 +209,10 @@ def test_the_gateways_error_events_after_a_stream_began_count_their_bytes(
     gateway = start_gateway({"fake": fake.url}, "--log-format", fmt, "--sse-heartbeat", "0.05")
     cases = {"truncated": "no-done", "after-heartbeats": "prefill=0.3; status=500"}
     sizes = {}
-    with httpx.Client(trust_env=False, timeout=10) as client:
-        for request_id, misbehave in cases.items():
-            with client.stream(
-                "POST",
-                gateway.url + CHAT,
-                json={**BODY, "stream": True},
-                headers={"x-request-id": request_id, "x-fake": misbehave},
-            ) as response:
-                body = response.read()
-            assert b'"error"' in body, (request_id, body)
-            sizes[request_id] = len(body)
+    for request_id, misbehave in cases.items():
+        body = streamed(gateway, request_id, misbehave)
+        assert b'"error"' in body, (request_id, body)
+        sizes[request_id] = len(body)
     for request_id in cases:
         line = fields(gateway, fmt, request_id)
         assert (line["status"], line["bytes"]) == (200, sizes[request_id]), (request_id, line)
@@ -225,16 +223,7 @@ def test_half_an_event_after_done_is_relayed_and_counted(
 ) -> None:
     """Bytes after [DONE] that end no event go to the client at the stream's end, and count in its line."""
     gateway = start_gateway({"fake": fake.url}, "--log-format", "json")
-    with (
-        httpx.Client(trust_env=False, timeout=10) as client,
-        client.stream(
-            "POST",
-            gateway.url + CHAT,
-            json={**BODY, "stream": True},
-            headers={"x-request-id": "after-done", "x-fake": "after-done"},
-        ) as response,
-    ):
-        body = response.read()
+    body = streamed(gateway, "after-done", "after-done")
     assert body.endswith(b"data: [DONE]\n\n: after"), body[-40:]
     line = fields(gateway, "json", "after-done")
     assert (line["status"], line["bytes"]) == (200, len(body)), line

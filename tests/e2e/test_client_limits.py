@@ -38,6 +38,25 @@ def exchange(gateway: Running, *parts: bytes, pause_s: float = 0.0) -> bytes:
         return received
 
 
+def behind_a_stream(gateway: Running, stall_s: float, second: bytes, status: bytes) -> bytes:
+    """A stream request and ``second`` in one write, all read until the close: the stream must come
+    first and whole, then the response to ``second`` with ``status``, whose bytes are returned."""
+    stream = orjson.dumps({"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": True})
+    first = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"x-fake: stall=%g\r\nContent-Length: %d\r\n\r\n" % (stall_s, len(stream)) + stream
+    )
+    with socket.create_connection(("127.0.0.1", gateway.port), timeout=10) as sock:
+        sock.sendall(first + second)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    assert received.startswith(b"HTTP/1.1 200 OK"), received[:200]
+    stream_part, _, rest = received.partition(b"HTTP/1.1 " + status)
+    assert b"data: [DONE]" in stream_part and stream_part.endswith(b"0\r\n\r\n"), received[-300:]
+    return rest
+
+
 @pytest.mark.fault("clients", "slowloris: heads and bodies that trickle or never come")
 def test_slowloris_head_gets_408_and_close(strict: Running, fake: FakeEngine) -> None:
     """A head sent a few bytes at a time past the head deadline gets 408 in OpenAI's envelope."""
@@ -80,24 +99,11 @@ def test_a_pipelined_body_that_waits_its_turn_does_not_cut_the_running_response(
 ) -> None:
     """A second request queued behind a running stream, its body not all sent: the stream ends
     whole, and only then does the second get its 408 (its body deadline runs from its turn)."""
-    stream = orjson.dumps({"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": True})
-    first = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        b"x-fake: stall=1.5\r\nContent-Length: %d\r\n\r\n" % len(stream) + stream
-    )
     second = (
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         b"Content-Length: %d\r\n\r\n" % len(BODY) + BODY[:10]
     )
-    with socket.create_connection(("127.0.0.1", strict.port), timeout=10) as sock:
-        sock.sendall(first + second)
-        received = b""
-        while chunk := sock.recv(65536):
-            received += chunk
-    assert received.startswith(b"HTTP/1.1 200 OK")
-    stream_part, _, rest = received.partition(b"HTTP/1.1 408")
-    assert b"data: [DONE]" in stream_part, received
-    assert stream_part.endswith(b"0\r\n\r\n")
+    rest = behind_a_stream(strict, 1.5, second, b"408")
     assert b'"code":"request_timeout"' in rest
 
 
@@ -144,22 +150,10 @@ def test_an_oversized_head_pipelined_in_the_same_read_gets_431_after_the_running
     """A second head past --max-header-bytes, sent in one write with the request before it, whole or
     not yet ended: counted (its bytes are not the first request's), refused with 431 once the first
     response has ended whole."""
-    stream = orjson.dumps({"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": True})
-    first = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        b"x-fake: stall=0.5\r\nContent-Length: %d\r\n\r\n" % len(stream) + stream
-    )
     second = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 8000 + b"\r\nX-More: "
     if whole:
         second += b"1\r\nContent-Length: %d\r\n\r\n" % len(BODY) + BODY
-    with socket.create_connection(("127.0.0.1", strict.port), timeout=10) as sock:
-        sock.sendall(first + second)
-        received = b""
-        while chunk := sock.recv(65536):
-            received += chunk
-    assert received.startswith(b"HTTP/1.1 200 OK"), received[:200]
-    stream_part, _, rest = received.partition(b"HTTP/1.1 431")
-    assert b"data: [DONE]" in stream_part and stream_part.endswith(b"0\r\n\r\n"), received[-300:]
+    rest = behind_a_stream(strict, 0.5, second, b"431")
     assert b'"code":"headers_too_large"' in rest
     assert len(fake.records()) == 1
 
@@ -170,19 +164,7 @@ def test_a_malformed_request_pipelined_behind_a_stream_gets_its_400_after_the_st
 ) -> None:
     """Bytes the parser refuses, sent right after a stream request: the stream ends whole first
     (pipelined responses keep their order), then 400 and close."""
-    stream = orjson.dumps({"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": True})
-    first = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        b"x-fake: stall=0.3\r\nContent-Length: %d\r\n\r\n" % len(stream) + stream
-    )
-    with socket.create_connection(("127.0.0.1", strict.port), timeout=10) as sock:
-        sock.sendall(first + b"NOT HTTP AT ALL\r\n\r\n")
-        received = b""
-        while chunk := sock.recv(65536):
-            received += chunk
-    assert received.startswith(b"HTTP/1.1 200 OK"), received[:200]
-    stream_part, _, rest = received.partition(b"HTTP/1.1 400")
-    assert b"data: [DONE]" in stream_part and stream_part.endswith(b"0\r\n\r\n"), received[-300:]
+    rest = behind_a_stream(strict, 0.3, b"NOT HTTP AT ALL\r\n\r\n", b"400")
     assert b'"code":"invalid_request"' in rest
 
 
