@@ -132,7 +132,7 @@ class GatewayProtocol(HttpToolsProtocol):
             if self._body_timer is None and not self._queued():
                 self._body_timer = self.loop.call_later(self.body_timeout_s, self._body_too_slow)
         elif self._head_bytes > self.max_header_bytes:
-            self._refuse_head(
+            self._refuse_in_turn(
                 431, f"request headers are larger than {self.max_header_bytes} bytes", "headers_too_large"
             )
         elif self._head_begun and self._head_timer is None:
@@ -237,13 +237,18 @@ class GatewayProtocol(HttpToolsProtocol):
             return  # the parser has failed already: its refusal waits for its turn
         status, message, code = self._refusal or (400, f"invalid HTTP request: {msg}", "invalid_request")
         if self._in_head:
-            self._refuse_head(status, message, code)
+            self._refuse_in_turn(status, message, code)
+        elif self._queued():
+            # The broken body is a queued request's: it never starts, and gets this in its turn.
+            queued = self.cycle
+            self.pipeline = type(self.pipeline)(entry for entry in self.pipeline if entry[0] is not queued)
+            self._refuse_in_turn(status, message, code)
         else:
-            # A broken body: its request is the newest, and its cycle answers for it.
+            # The running request's own body broke: it is answered now, and the connection closed.
             self._reply_and_close(status, message, code)
 
-    def _refuse_head(self, status: int, message: str, code: str) -> None:
-        """Refuse the head being read: now, or after the earlier responses of a pipeline, in order."""
+    def _refuse_in_turn(self, status: int, message: str, code: str) -> None:
+        """Refuse the request being read: now, or after the responses of the requests before it."""
         if self.cycle is not None and not self.cycle.response_complete:
             # Requests before this head still run: their responses go out first.
             self._after_response = (status, message, code)

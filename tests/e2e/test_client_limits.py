@@ -168,6 +168,21 @@ def test_a_malformed_request_pipelined_behind_a_stream_gets_its_400_after_the_st
     assert b'"code":"invalid_request"' in rest
 
 
+@pytest.mark.fault("clients", "smuggling, upgrades and hop-by-hop headers")
+def test_a_broken_body_of_a_request_queued_behind_a_stream_gets_its_400_after_the_stream(
+    strict: Running, fake: FakeEngine
+) -> None:
+    """A pipelined request whose chunked body the parser refuses: it never starts; the stream before
+    it ends whole, then that request's 400 and close."""
+    second = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b'Transfer-Encoding: chunked\r\n\r\n5\r\n{"a":\r\nzz\r\n'
+    )
+    rest = behind_a_stream(strict, 0.3, second, b"400")
+    assert b'"code":"invalid_request"' in rest
+    assert len(fake.records()) == 1
+
+
 @pytest.mark.fault("clients", "oversized heads and bodies")
 def test_oversized_headers_get_431(strict: Running, fake: FakeEngine) -> None:
     """Headers past --max-header-bytes get 431 and close, before any body is read."""
