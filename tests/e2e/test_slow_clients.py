@@ -78,20 +78,26 @@ def test_pipelined_slowloris_head_still_gets_408(start_gateway: StartGateway, fa
         )
         started = time.monotonic()
         received = b""
+        seen: list[str] = []  # what happened when, for a failure's message
         while b"408" not in received and time.monotonic() - started < 8:
             try:
                 sock.sendall(b"a")
-            except (BrokenPipeError, ConnectionResetError):
+            except (BrokenPipeError, ConnectionResetError) as exc:
+                seen.append(f"{time.monotonic() - started:.2f} s: send: {exc!r}")
                 break
             sock.settimeout(0.5)
             with contextlib.suppress(TimeoutError):
-                received += sock.recv(65536)
+                chunk = sock.recv(65536)
+                seen.append(f"{time.monotonic() - started:.2f} s: {len(chunk)} bytes {chunk[:12]!r}")
+                received += chunk
         # The gateway may have answered and closed just as a byte was sent: read what it said.
         sock.settimeout(1.0)
-        with contextlib.suppress(TimeoutError, ConnectionResetError):
+        try:
             while b"408" not in received and (chunk := sock.recv(65536)):
                 received += chunk
-        assert b"HTTP/1.1 408" in received
+        except (TimeoutError, ConnectionResetError) as exc:
+            seen.append(f"{time.monotonic() - started:.2f} s: last read: {exc!r}")
+        assert b"HTTP/1.1 408" in received, seen
     finally:
         sock.close()
 
