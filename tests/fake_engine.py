@@ -30,7 +30,9 @@ huge, one 70 KB header line; te-twice, ``Transfer-Encoding: chunked,
 chunked``; cl-te, Content-Length and Transfer-Encoding both); no-done (a
 stream that ends cleanly, its last chunk or its close, without ``[DONE]``);
 after-done (a stream whose ``[DONE]`` is followed by half an event, ``: after``
-with no blank line after it);
+with no blank line after it); sse-length (a stream sent unchunked with the
+Content-Length of all its events and ``[DONE]``, kept alive: with die-after,
+cut short of that length);
 not-sse (a stream request answered with a JSON body); reasoning=N (chat:
 N pieces of reasoning before the text, ``reasoning`` in the message or the
 deltas, as mlx sends it); tool-calls=N (chat: N tool calls after the text,
@@ -145,6 +147,7 @@ class FakeOptions:
     head: str | None = None
     no_done: bool = False
     after_done: bool = False
+    sse_length: bool = False
     not_sse: bool = False
     reasoning: int = 0
     tool_calls: int = 0
@@ -165,6 +168,7 @@ class FakeOptions:
             or self.head is not None
             or self.no_done
             or self.after_done
+            or self.sse_length
             or self.not_sse
         )
 
@@ -229,6 +233,7 @@ _CONTROLS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "head": ("head", _parse_bad_head),
     "no-done": ("no_done", _parse_flag),
     "after-done": ("after_done", _parse_flag),
+    "sse-length": ("sse_length", _parse_flag),
     "not-sse": ("not_sse", _parse_flag),
     "reasoning": ("reasoning", _parse_count),
     "tool-calls": ("tool_calls", _parse_count),
@@ -1272,6 +1277,11 @@ class _Connection(asyncio.Protocol):
             if opts.status in (429, 503):
                 reply.header_lines.append("Retry-After: 7")
         head, chunked, close = self._head_for(req, reply)
+        if opts.sse_length and reply.events is not None:
+            # The whole stream's length up front, unchunked, and the connection kept.
+            chunked, close = False, not req.keep_alive or reply.close_after
+            length = sum(map(len, reply.events)) + len(_DONE_EVENT)
+            head = self._engine.head_bytes(reply, length, chunked, close)
         head_sent = False
         # mlx rejects bad fields before any generation work, so no prefill.
         if opts.prefill_s > 0 and not (reply.empty and reply.fault == "mlx-empty-reply"):

@@ -229,8 +229,11 @@ class Exchange:
         # The gateway's own time, computed once: for the header and the metrics.
         outcome.own_s = sent_at - started + perf_counter() - head_at
         headers.append(timing_header(outcome.own_s, head_at - sent_at))
-        if not conn.close_delimited and status not in (204, 304) and conn.content_length is not None:
-            headers.append((b"content-length", conn.content_length))
+        # An event stream goes out chunked whatever its framing upstream, so that one cut
+        # short can still end with an error event (a sized body could only be cut).
+        length = None if sse or conn.close_delimited or status in (204, 304) else conn.content_length
+        if length is not None:
+            headers.append((b"content-length", length))
         out = writer_for(scope, send)
         out.start(status, headers)
         if sse:

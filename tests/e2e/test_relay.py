@@ -333,6 +333,34 @@ def test_truncated_stream_ends_with_error_event(
     assert set(error) == {"message", "type", "param", "code"}
 
 
+@pytest.mark.fault("upstreams", "a body cut short or malformed mid-way")
+def test_a_stream_sent_with_a_content_length_and_cut_ends_with_an_error_event(
+    start_fake_engine: StartFakeEngine, start_gateway: StartGateway, http: httpx.Client
+) -> None:
+    """An event stream that an upstream frames with Content-Length reaches the client chunked: whole,
+    it is the same events and [DONE] on a connection kept alive; cut short of its length, the client
+    gets one error event as its last event, not a broken body."""
+    fake = start_fake_engine("--http11")
+    gateway = start_gateway({"fake": fake.url})
+    whole = http.post(
+        gateway.url + CHAT, json=chat(stream=True, max_tokens=4), headers={"x-fake": "sse-length"}
+    )
+    assert whole.status_code == 200 and "content-length" not in whole.headers
+    assert whole.headers["transfer-encoding"] == "chunked"
+    assert sse_events(whole.content)[-1] == b"data: [DONE]"
+    cut = http.post(
+        gateway.url + CHAT,
+        json=chat(stream=True, max_tokens=10),
+        headers={"x-fake": "sse-length; die-after=2"},
+    )
+    events = sse_events(cut.content)
+    assert len(events) == 3, cut.content
+    error = orjson.loads(events[-1].removeprefix(b"data: "))["error"]
+    assert error["code"] == "upstream_truncated", error
+    # The gateway's connection to the client survived both.
+    assert http.get(gateway.url + "/livez").status_code == 200
+
+
 def test_keep_alive_upstream_connections_are_pooled(
     start_fake_engine: StartFakeEngine, start_gateway: StartGateway, http: httpx.Client
 ) -> None:
