@@ -83,6 +83,8 @@ class GatewayProtocol(HttpToolsProtocol):
         self._after_response: tuple[int, str, str] | None = None
         # A request ended in this read: the bytes after it (the next head's) were not counted.
         self._uncounted = False
+        # The head being read began in such a read: its size is checked whole at its end.
+        self._head_uncounted = False
         self._extensions: dict[str, Any] = {}
         # Pipelined requests still running behind uvicorn's newest cycle.
         self._earlier: list[RequestResponseCycle] = []
@@ -121,9 +123,11 @@ class GatewayProtocol(HttpToolsProtocol):
         if self.transport.is_closing() or self._after_response is not None:
             return
         if self._uncounted and self._in_head and self._head_begun:
-            # A pipelined head began after a request that ended in this read:
-            # what httptools has given of it so far (the rest of this read's bytes).
-            self._head_bytes = self._head_size()
+            # A pipelined head began after a request that ended in this read: what
+            # httptools has given of it so far (it holds a header still arriving),
+            # at least its first byte; and its size is checked whole at its end.
+            self._head_bytes = max(self._head_size(), 1)
+            self._head_uncounted = True
         # The timers are armed only for what is still incomplete after a read:
         # a request that arrives whole in one read (nearly all do) arms none.
         if not self._in_head:
@@ -157,7 +161,7 @@ class GatewayProtocol(HttpToolsProtocol):
         # A head that arrived whole in one read: check its size here (only when
         # the raw bytes read so far, head and maybe body, pass the limit, or
         # when it came after a request that ended in the same read).
-        if (self._head_bytes > self.max_header_bytes or self._uncounted) and (
+        if (self._head_bytes > self.max_header_bytes or self._uncounted or self._head_uncounted) and (
             self._head_size() > self.max_header_bytes
         ):
             self._refusal = (
@@ -191,6 +195,7 @@ class GatewayProtocol(HttpToolsProtocol):
         self._in_head = True
         self._head_bytes = 0
         self._uncounted = True
+        self._head_uncounted = False
 
     def on_response_complete(self) -> None:
         # uvicorn's, with its keep-alive wait on a coarse timer.

@@ -158,6 +158,44 @@ def test_an_oversized_head_pipelined_in_the_same_read_gets_431_after_the_running
     assert len(fake.records()) == 1
 
 
+@pytest.mark.fault("clients", "oversized heads and bodies")
+def test_an_oversized_pipelined_head_split_across_reads_gets_431(strict: Running, fake: FakeEngine) -> None:
+    """A second head that begins in the read that ends the first request, its big header still
+    arriving (httptools holds it unseen), and ends in a later read: checked whole at its end, 431."""
+    first = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"x-fake: prefill=0.3\r\nContent-Length: %d\r\n\r\n" % len(BODY) + BODY
+    )
+    with socket.create_connection(("127.0.0.1", strict.port), timeout=10) as sock:
+        sock.sendall(first + b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20000)
+        time.sleep(0.1)
+        sock.sendall(b"\r\nContent-Length: %d\r\n\r\n" % len(BODY) + BODY)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    assert received.startswith(b"HTTP/1.1 200 OK"), received[:200]
+    assert b"HTTP/1.1 431" in received and b'"code":"headers_too_large"' in received, received[-300:]
+    assert len(fake.records()) == 1
+
+
+@pytest.mark.fault("clients", "slowloris: heads and bodies that trickle or never come")
+def test_a_pipelined_head_of_two_bytes_behind_a_request_is_still_timed(
+    strict: Running, fake: FakeEngine
+) -> None:
+    """'GE' after a request in the same read, then nothing: the head deadline still applies (408)."""
+    first = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"x-fake: prefill=0.8\r\nContent-Length: %d\r\n\r\n" % len(BODY) + BODY
+    )
+    with socket.create_connection(("127.0.0.1", strict.port), timeout=10) as sock:
+        sock.sendall(first + b"GE")
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    assert received.startswith(b"HTTP/1.1 200 OK"), received[:200]
+    assert b"HTTP/1.1 408" in received and b'"code":"request_timeout"' in received, received[-300:]
+
+
 @pytest.mark.fault("clients", "smuggling, upgrades and hop-by-hop headers")
 def test_a_malformed_request_pipelined_behind_a_stream_gets_its_400_after_the_stream(
     strict: Running, fake: FakeEngine
