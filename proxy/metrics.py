@@ -106,16 +106,11 @@ class Metrics:
         # Relay requests answered before a model was known (an unreadable body,
         # an unknown model), by route and status: model="" on the counter, so
         # that a client's text never becomes a label.
-        self.unrouted: dict[tuple[str, int], int] = {}
+        self.unrouted = ModelMetrics("")
         self.client_disconnects = 0
         # Requests refused because the gateway itself ran out of file descriptors.
         self.overloaded = 0
         self.registry.register(_RequestCollector(self))
-
-    def count_unrouted(self, route: str, status: int) -> None:
-        """A relay request answered before its model was known."""
-        key = (route, status)
-        self.unrouted[key] = self.unrouted.get(key, 0) + 1
 
     def for_model(self, model: str) -> ModelMetrics:
         return self.models.setdefault(model, ModelMetrics(model))
@@ -150,13 +145,11 @@ class _RequestCollector(Collector):
         errors = CounterMetricFamily(
             "blazar_upstream_errors", "Upstream failures, by model and kind.", labels=["model", "kind"]
         )
-        for m in models:
+        for m in (*models, self._metrics.unrouted):
             for (route, status), value in sorted(m.requests.items()):
                 requests.add_metric([m.model, route, str(status)], value)
             for kind, value in sorted(m.upstream_errors.items()):
                 errors.add_metric([m.model, kind], value)
-        for (route, status), value in sorted(self._metrics.unrouted.items()):
-            requests.add_metric(["", route, str(status)], value)
         yield requests
         yield errors
         for name, doc, pick in (

@@ -99,7 +99,7 @@ class Outcome:
             if stats is not None:
                 stats.count(ROUTE_LABELS[scope["path"]], self.status)
             elif metrics is not None:
-                metrics.count_unrouted(ROUTE_LABELS[scope["path"]], self.status)
+                metrics.unrouted.count(ROUTE_LABELS[scope["path"]], self.status)
             if access is not None and self.refusal.code == "model_not_found":
                 # A name no route serves: the client's own text, made safe for the line.
                 self.model = access.asked_model(self.model)
