@@ -30,13 +30,6 @@ _PLACEHOLDERS = frozenset({"python", "model", "served_name", "host", "port", "ha
 _CONFIG_SETTING = re.compile(r"[A-Za-z_][\w.-]*=")
 
 
-def _choice(table: dict[str, Any], key: str, choices: tuple[str, ...], source: str) -> str:
-    value = table.get(key, choices[0])
-    if value not in choices:
-        raise SpecError(f"{source}: guards.{key} must be one of {', '.join(choices)}, not {value!r}")
-    return str(value)
-
-
 class SpecError(ValueError):
     """An engine spec that is missing, malformed or inconsistent."""
 
@@ -56,12 +49,55 @@ class Readiness:
 _NONSTREAM = {"table": "nonstream"}
 
 
+# What a request field's value may be (see RequestField.kind).
+FIELD_KINDS = frozenset(
+    {"boolean", "integer", "number", "float", "string", "strings", "object", "array", "token_bias", "bias"}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestField:
+    """One request field the engine's server reads: what it takes, as its own source says.
+
+    A spec declares them in ``[fields]`` (every endpoint) and
+    ``[completion_fields]`` (the legacy completions endpoint, where they
+    differ), ``name = { type = ..., min = ..., max = ..., null = ..., loads = ... }``.
+    """
+
+    name: str
+    # boolean; integer; number (an integer or a float); float (a JSON number
+    # written with a fraction or an exponent: Python's float only, as mlx
+    # checks xtc_*); string; strings (a string or a list of strings); object;
+    # array; token_bias (an object of integer token ids to numbers); bias (an
+    # object of numbers).
+    kind: str
+    # Inclusive bounds of a number.
+    low: float | None = None
+    high: float | None = None
+    # The server takes null (its default). Otherwise a null is left out of the
+    # body on its way (OpenAI's meaning of null: the default).
+    takes_null: bool = False
+    # The value names something the server loads or fetches (a model, an
+    # adapter): refused unless the model's config allows the field.
+    loads: bool = False
+    # "" for every endpoint; "/completions" for the legacy one only.
+    endpoint: str = ""
+
+
+# The guards read from the spec's [nonstream] table, those from its field
+# tables, and the one a model's config sets; the rest are [guards].
+_NONSTREAM = {"table": "nonstream"}
+_FIELDS = {"table": "fields"}
+_PER_MODEL = {"table": ""}
+
+
 @dataclass(frozen=True, slots=True)
 class Guards:
     """What the gateway does to a request because the engine behind it breaks without it.
 
     Every guard, its default and its meaning are written here once. A spec
-    fills it from its ``[guards]`` table (request checks) and its
+    fills it from its ``[guards]`` table (request checks), its ``[fields]``
+    and ``[completion_fields]`` tables (the fields its server reads) and its
     ``[nonstream]`` table (how non-stream requests reach the engine); a route
     with no engine named gets these defaults. The request path reads it
     through ``proxy.payload.RequestGuards``, a protocol of the same names.
@@ -71,21 +107,18 @@ class Guards:
     # 1 holds for every route (OpenAI rejects 0 too; mlx's generation thread
     # dies for good on 0).
     min_max_tokens: int = 1
-    # A chat without messages, or a completion without prompt, is a 400
-    # (mlx_lm.server answers them with an empty reply).
+    # A chat without messages (or with a message that is not an object with
+    # a string role), or a completion without prompt, is a 400 (mlx_lm.server
+    # answers them with an empty reply).
     require_input: bool = False
-    # Check the sampling fields' types and ranges (mlx_lm.server closes the
-    # socket without a reply, llama_cpp.server answers 500; a client error
-    # deserves a 400), and drop the ones sent as null (OpenAI's "default";
-    # engines refuse null).
-    check_types: bool = False
-    # Limits of the engine's own (None / 20: OpenAI's; mlx: seeds from 0,
-    # top_logprobs up to 11).
-    seed_min: int | None = None
-    top_logprobs_max: int = 20
-    # The legacy completions API's logprobs: "count" (OpenAI's) or "flag" (a
-    # boolean, as in chat; mlx takes a flag there too).
-    completion_logprobs: str = "count"
+    # The fields the server reads, with their types and ranges: a value it
+    # cannot take is a 400 naming the field (mlx_lm.server closes the socket
+    # without a reply, llama_cpp.server answers 500). None for a server the
+    # gateway knows nothing of: its fields go as they are.
+    fields: tuple[RequestField, ...] = field(default=(), metadata=_FIELDS)
+    # Fields of ``loads`` that this model's config allows (a model's
+    # allow-fields, set per route; never from a spec).
+    allowed: frozenset[str] = field(default=frozenset(), metadata=_PER_MODEL)
     # An engine that never notices a non-stream client has gone (it writes
     # the reply only at the end): ask it for a stream and build the
     # non-stream reply from its events (proxy/assembly.py) ...
@@ -304,20 +337,52 @@ def _readiness(read: _Reader, table: dict[str, Any], health_path: str) -> Readin
     )
 
 
-# The guards whose value is one of a few words, and those words (the first is the default's).
-_GUARD_CHOICES = {"completion_logprobs": ("count", "flag")}
+def _field(read: _Reader, name: str, rule: Any, where: str, endpoint: str) -> RequestField:
+    """One ``name = { type = ..., min = ..., max = ..., null = ..., loads = ... }`` of a field table."""
+    if not isinstance(rule, dict):
+        raise SpecError(f"{read.source}: {where}{name} must be a table {{ type = ... }}")
+    unknown = set(rule) - {"type", "min", "max", "null", "loads"}
+    if unknown:
+        raise SpecError(f"{read.source}: {where}{name}: unknown key {sorted(unknown)[0]!r}")
+    kind = rule.get("type")
+    if kind not in FIELD_KINDS:
+        raise SpecError(f"{read.source}: {where}{name}.type must be one of {', '.join(sorted(FIELD_KINDS))}")
+    bounds = {key: rule[key] for key in ("min", "max") if key in rule}
+    if bounds and kind not in ("integer", "number", "float"):
+        raise SpecError(f"{read.source}: {where}{name}: min and max are for numbers, not {kind}")
+    for key, value in bounds.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise SpecError(f"{read.source}: {where}{name}.{key} must be a number")
+    return RequestField(
+        name=name,
+        kind=kind,
+        low=bounds.get("min"),
+        high=bounds.get("max"),
+        takes_null=read.flag(rule, "null", False, f"{where}{name}."),
+        loads=read.flag(rule, "loads", False, f"{where}{name}."),
+        endpoint=endpoint,
+    )
+
+
+def _fields(read: _Reader, data: dict[str, Any]) -> tuple[RequestField, ...]:
+    """``[fields]`` (every endpoint), then ``[completion_fields]`` (the legacy completions one)."""
+    found: list[RequestField] = []
+    for table, endpoint in (("fields", ""), ("completion_fields", "/completions")):
+        for name, rule in read.table(data, table).items():
+            found.append(_field(read, name, rule, f"{table}.", endpoint))
+    return tuple(found)
 
 
 def _guards(read: _Reader, data: dict[str, Any]) -> Guards:
-    """``[guards]`` and ``[nonstream]``: each field read by its default's type; absent keys keep defaults."""
+    """``[guards]``, ``[nonstream]`` and the field tables: each guard read by its default's type."""
     tables = {name: read.table(data, name) for name in ("guards", "nonstream")}
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = {"fields": _fields(read, data)}
     for item in fields(Guards):
         name = item.metadata.get("table", "guards")
+        if name not in tables:
+            continue  # the field tables (above), and what a model's config sets
         table, key, default, where = tables[name], item.name, item.default, f"{name}."
-        if key in _GUARD_CHOICES:
-            values[key] = _choice(table, key, _GUARD_CHOICES[key], read.source)
-        elif isinstance(default, bool):
+        if isinstance(default, bool):
             values[key] = read.flag(table, key, default, where)
         elif isinstance(default, tuple):
             names = table.get(key, [])
@@ -325,6 +390,8 @@ def _guards(read: _Reader, data: dict[str, Any]) -> Guards:
                 raise SpecError(f"{read.source}: {where}{key} must be a list of field names")
             values[key] = tuple(names)
         elif key in table:
-            # Counts and limits (seed_min's default None: no limit).
             values[key] = int(read.number(table, key, 0, where))
+    unknown = set(tables["guards"]) - {f.name for f in fields(Guards) if "table" not in f.metadata}
+    if unknown:
+        raise SpecError(f"{read.source}: guards.{sorted(unknown)[0]}: unknown guard")
     return Guards(**values)

@@ -1,14 +1,20 @@
 """Reading the request body: the one place the gateway looks inside it.
 
 The body is parsed once, for routing, and forwarded as the client's bytes.
-Besides ``model``, only the few fields that would break the engine behind us
-are checked here (mlx_lm.server's generation thread dies for good on
-``max_tokens: 0``; see shared/design.md).
+Besides ``model``, it is checked against what the engine behind the route
+takes: the fields its spec declares, with their types and ranges, and the
+ones that would make it load something (mlx_lm.server's generation thread
+dies for good on ``max_tokens: 0``, and closes the socket on a field it
+cannot take; see shared/design.md). Checking reads the body; the few changes
+the gateway makes to it are spliced in by ``proxy.splice``.
 """
 
 from __future__ import annotations
 
 import functools
+from array import array
+from collections.abc import Callable
+from itertools import accumulate
 from typing import Any, Protocol
 
 import orjson
@@ -16,6 +22,32 @@ import orjson
 from proxy.errors import HTTPError
 
 _TOKEN_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens")
+
+
+# The deepest nesting of arrays and objects a body may have, for every route.
+# Parsing takes 1024 levels (orjson's own limit), and mlx_lm.server's json
+# loads fails near 1000 (its empty reply); 128 is serde_json's default, and
+# far more than any request's tools schemas use.
+MAX_DEPTH = 128
+
+
+class RequestField(Protocol):
+    """What the request path reads of one field a route's engine declares (``engines.spec.RequestField``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def low(self) -> float | None: ...
+    @property
+    def high(self) -> float | None: ...
+    @property
+    def takes_null(self) -> bool: ...
+    @property
+    def loads(self) -> bool: ...
+    @property
+    def endpoint(self) -> str: ...
 
 
 class RequestGuards(Protocol):
@@ -27,7 +59,7 @@ class RequestGuards(Protocol):
     that the one fits the other).
     """
 
-    # Hashable, as a frozen dataclass is: the sampling checks are built once per guards and endpoint.
+    # Hashable, as a frozen dataclass is: the field checks are built once per guards and endpoint.
     def __hash__(self) -> int: ...
 
     @property
@@ -35,17 +67,44 @@ class RequestGuards(Protocol):
     @property
     def require_input(self) -> bool: ...
     @property
-    def check_types(self) -> bool: ...
+    def fields(self) -> tuple[RequestField, ...]: ...
     @property
-    def seed_min(self) -> int | None: ...
-    @property
-    def top_logprobs_max(self) -> int: ...
-    @property
-    def completion_logprobs(self) -> str: ...
+    def allowed(self) -> frozenset[str]: ...
     @property
     def via_stream(self) -> bool: ...
     @property
     def stream_cannot_carry(self) -> tuple[str, ...]: ...
+
+
+def _too_deep() -> HTTPError:
+    return HTTPError(
+        400,
+        f"request body nests arrays and objects more than {MAX_DEPTH} levels deep; "
+        f"the gateway takes at most {MAX_DEPTH}",
+        code="nested_too_deep",
+    )
+
+
+# For nesting_depth: brackets as steps up (1) and down (-1 as a signed byte); every other byte deleted.
+_STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
+_NOT_BRACKETS = bytes(set(range(256)) - set(b"[]{}"))
+
+
+def nesting_depth(body: bytes) -> int:
+    """How deep the arrays and objects of the JSON text ``body`` nest (brackets in strings not counted).
+
+    Exact for valid JSON, which is all it is asked about. Cheap where it
+    cannot matter: a body with at most MAX_DEPTH brackets in all is not
+    walked (its count is returned, a bound on its depth).
+    """
+    opened = body.count(b"[") + body.count(b"{")
+    if opened <= MAX_DEPTH:
+        return opened
+    # Escapes cannot hide a quote from the split: \\ and \" become two other bytes.
+    plain = body.replace(b"\\\\", b"__").replace(b'\\"', b"__")
+    outside_strings = b"".join(plain.split(b'"')[::2])
+    steps = array("b", outside_strings.translate(_STEPS, _NOT_BRACKETS))
+    return max(accumulate(steps), default=0)
 
 
 def parse_request(body: bytes) -> tuple[str, dict[str, Any]]:
@@ -55,7 +114,11 @@ def parse_request(body: bytes) -> tuple[str, dict[str, Any]]:
     try:
         doc: Any = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
+        if str(exc).startswith("depth limit exceeded"):
+            raise _too_deep() from None
         raise HTTPError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if nesting_depth(body) > MAX_DEPTH:
+        raise _too_deep()
     if not isinstance(doc, dict):
         raise HTTPError(400, "request body must be a JSON object", code="invalid_json")
     model = doc.get("model")
@@ -86,8 +149,8 @@ def ask_for_stream(doc: dict[str, Any], endpoint: bytes, guards: RequestGuards) 
 _GENERATION_ENDPOINTS = frozenset({b"/chat/completions", b"/completions"})
 
 
-def check_request(doc: dict[str, Any], endpoint: bytes, guards: RequestGuards) -> bool:
-    """Raise a 400 for what the route's engine must not receive; True if ``doc`` was changed."""
+def check_request(doc: dict[str, Any], endpoint: bytes, guards: RequestGuards) -> tuple[str, ...]:
+    """Raise a 400 for what the route's engine must not receive; the null fields to leave out."""
     for field in _TOKEN_LIMIT_FIELDS:
         value = doc.get(field)
         if value is not None and (
@@ -100,123 +163,130 @@ def check_request(doc: dict[str, Any], endpoint: bytes, guards: RequestGuards) -
                 code="invalid_value",
             )
     if guards.require_input:
-        if endpoint == b"/chat/completions":
-            messages = doc.get("messages")
-            if not isinstance(messages, list) or not messages:
+        _check_input(doc, endpoint)
+    if not guards.fields:
+        return ()
+    return check_fields(doc, endpoint, guards)
+
+
+def _check_input(doc: dict[str, Any], endpoint: bytes) -> None:
+    if endpoint == b"/chat/completions":
+        messages = doc.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise HTTPError(400, "messages must be a non-empty list", param="messages", code="invalid_value")
+        for index, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise HTTPError(
-                    400, "messages must be a non-empty list", param="messages", code="invalid_value"
+                    400,
+                    f"messages[{index}] must be an object with a string role",
+                    param=f"messages[{index}]",
+                    code="invalid_type",
                 )
-        elif endpoint == b"/completions" and not isinstance(doc.get("prompt"), (str, list)):
-            raise HTTPError(400, "you must provide a prompt", param="prompt", code="invalid_value")
-    if guards.check_types:
-        return check_types(doc, endpoint, guards)
-    return False
+    elif endpoint == b"/completions" and not isinstance(doc.get("prompt"), (str, list)):
+        raise HTTPError(400, "you must provide a prompt", param="prompt", code="invalid_value")
 
 
-# Field → (what it must be, a check on the value). Only fields that are present are looked at.
-_NUMBER = (int, float)
+# A field's check: what it must be (for the message) and the test of a value.
+_Check = tuple[str, Callable[[Any], bool], RequestField]
 
 
-def _number_at_least(low: float) -> tuple[str, Any]:
-    def ok(value: Any) -> bool:
-        return isinstance(value, _NUMBER) and not isinstance(value, bool) and value >= low
-
-    return f"a number of at least {low:g}", ok
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _number_between(low: float, high: float) -> tuple[str, Any]:
-    def ok(value: Any) -> bool:
-        return isinstance(value, _NUMBER) and not isinstance(value, bool) and low <= value <= high
-
-    return f"a number from {low:g} to {high:g}", ok
+def _is_integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _integer_at_least(low: int) -> tuple[str, Any]:
-    def ok(value: Any) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool) and value >= low
-
-    return f"an integer of at least {low}", ok
+def _is_token_id(key: str) -> bool:
+    digits = key[1:] if key[:1] == "-" else key
+    return digits.isascii() and digits.isdigit()
 
 
-def _boolean(value: Any) -> bool:
-    return isinstance(value, bool)
-
-
-def _stop(value: Any) -> bool:
-    return isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
-
-
-def _any_number(value: Any) -> bool:
-    return isinstance(value, _NUMBER) and not isinstance(value, bool)
-
-
-_FIELD_CHECKS: dict[str, tuple[str, Any]] = {
-    "temperature": _number_at_least(0),
-    "top_p": _number_between(0, 1),
-    "min_p": _number_between(0, 1),
-    "top_k": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
-    "n": _integer_at_least(1),
-    "seed": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
-    "presence_penalty": ("a number", _any_number),
-    "frequency_penalty": ("a number", _any_number),
-    "repetition_penalty": _number_at_least(0),
-    "repeat_penalty": _number_at_least(0),
-    "stream": ("true or false", _boolean),
-    "top_logprobs": _integer_at_least(0),
-    "stop": ("a string or a list of strings", _stop),
-    "logit_bias": ("an object of token ids to numbers", lambda v: isinstance(v, dict)),
+_KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "boolean": ("true or false", lambda v: isinstance(v, bool)),
+    "integer": ("an integer", _is_integer),
+    "number": ("a number", _is_number),
+    # Python's float: what a JSON number with a fraction or an exponent parses to.
+    "float": ("a number written with a decimal point (0.0, not 0)", lambda v: isinstance(v, float)),
+    "string": ("a string", lambda v: isinstance(v, str)),
+    "strings": (
+        "a string or a list of strings",
+        lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)),
+    ),
+    "object": ("an object", lambda v: isinstance(v, dict)),
+    "array": ("a list", lambda v: isinstance(v, list)),
+    "token_bias": (
+        "an object of token ids to numbers",
+        lambda v: isinstance(v, dict) and all(_is_token_id(k) and _is_number(b) for k, b in v.items()),
+    ),
+    "bias": (
+        "an object of numbers",
+        lambda v: isinstance(v, dict) and all(_is_number(b) for b in v.values()),
+    ),
 }
-# The chat API's logprobs is a flag; the legacy completions API's is a count.
-_LOGPROBS: dict[bytes, tuple[str, Any]] = {
-    b"/chat/completions": ("true or false", _boolean),
-    b"/completions": _integer_at_least(0),
-}
+
+
+def _check_of(rule: RequestField) -> _Check:
+    expected, ok = _KINDS[rule.kind]
+    low, high = rule.low, rule.high
+    if low is None and high is None:
+        return expected, ok, rule
+    if high is None:
+        expected = f"{expected} of at least {low:g}"
+    elif low is None:
+        expected = f"{expected} of at most {high:g}"
+    else:
+        expected = f"{expected} from {low:g} to {high:g}"
+
+    def in_range(value: Any) -> bool:
+        return ok(value) and (low is None or value >= low) and (high is None or value <= high)
+
+    return expected, in_range, rule
 
 
 @functools.lru_cache(maxsize=64)
-def _checks(guards: RequestGuards, endpoint: bytes) -> dict[str, tuple[str, Any]]:
-    checks = dict(_FIELD_CHECKS)
-    if endpoint in _LOGPROBS:
-        checks["logprobs"] = _LOGPROBS[endpoint]
-        if guards.completion_logprobs == "flag":
-            checks["logprobs"] = _LOGPROBS[b"/chat/completions"]
-    if guards.seed_min is not None:
-        checks["seed"] = _integer_at_least(guards.seed_min)
-    low = _integer_at_least(0)[1]
-    limit = guards.top_logprobs_max
-    checks["top_logprobs"] = (f"an integer from 0 to {limit}", lambda v: low(v) and v <= limit)
+def _checks(guards: RequestGuards, endpoint: bytes) -> dict[str, _Check]:
+    """The checks of an endpoint: every endpoint's fields, then those of this one only."""
+    name = endpoint.decode()
+    checks = {r.name: _check_of(r) for r in guards.fields if not r.endpoint}
+    checks.update((r.name, _check_of(r)) for r in guards.fields if r.endpoint == name)
     return checks
 
 
-def check_types(doc: dict[str, Any], endpoint: bytes, guards: RequestGuards) -> bool:
-    """A 400 naming the first sampling field of the wrong type or range; True if null fields were dropped."""
-    dropped = False
-    for field, (expected, ok) in _checks(guards, endpoint).items():
+def check_fields(doc: dict[str, Any], endpoint: bytes, guards: RequestGuards) -> tuple[str, ...]:
+    """A 400 naming the first declared field the engine cannot take; the null fields to leave out.
+
+    A field that makes the engine load something is refused unless the
+    model allows it. Only fields present are looked at: one loop over the
+    declared fields, a dict lookup each.
+    """
+    nulls: list[str] = []
+    for field, (expected, ok, rule) in _checks(guards, endpoint).items():
         if field not in doc:
             continue
         value = doc[field]
         if value is None:
-            del doc[field]
-            dropped = True
-        elif not ok(value):
+            if not rule.takes_null:
+                nulls.append(field)
+            continue
+        if rule.loads and field not in guards.allowed:
+            raise HTTPError(
+                400,
+                f"{field} makes the engine load what it names, which this model does not allow "
+                f"(the gateway's config can, with allow-fields = [{orjson.dumps(field).decode()}] "
+                "in the model's table)",
+                param=field,
+                code="field_not_allowed",
+            )
+        if not ok(value):
             raise HTTPError(
                 400,
                 f"{field} must be {expected}, not {orjson.dumps(value).decode()[:80]}",
                 param=field,
                 code="invalid_type",
             )
-    if endpoint == b"/chat/completions":
-        messages = doc.get("messages")
-        if isinstance(messages, list):
-            for index, message in enumerate(messages):
-                if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-                    raise HTTPError(
-                        400,
-                        f"messages[{index}] must be an object with a string role",
-                        param=f"messages[{index}]",
-                        code="invalid_type",
-                    )
-    return dropped
+    return tuple(nulls)
 
 
 def extract_model(body: bytes, endpoint: bytes, guards: RequestGuards) -> str:

@@ -5,8 +5,6 @@ from __future__ import annotations
 from time import perf_counter
 from typing import Any
 
-import orjson
-
 from proxy.accesslog import AccessLog
 from proxy.asgi import Receive, Scope, Send
 from proxy.assembly import ReplyAssembler
@@ -24,6 +22,7 @@ from proxy.relay.routes import ENDPOINTS, Peer, RouteEntry, Routes
 from proxy.relay.settings import RelaySettings
 from proxy.relay.ticket import Ticket
 from proxy.routing import RoutingTable, UpstreamAddress
+from proxy.splice import splice
 from proxy.upstream import ClientGone, ConnectFailed
 
 
@@ -74,17 +73,16 @@ class Relay:
                 body = await read_request(scope, receive, self._max_body_bytes)
                 # The client's upload time is not the gateway's.
                 outcome.started = outcome.arrived = perf_counter()
-                entry, doc, rewrite = self._parse(body, scope["path"], outcome)
+                entry, doc, drop, put = self._parse(body, scope["path"], outcome)
                 peer = ticket.take(entry, doc) or await ticket.admit(
                     entry, doc, outcome, receive, self._drain, self._load_wait_s
                 )
                 if entry.rename is not None:
                     # An alias: the upstream knows the model by its own name only.
-                    doc["model"] = entry.rename
-                    rewrite = True
-                if rewrite:
-                    # The one case besides aliases where the body is not the client's bytes.
-                    body = orjson.dumps(doc)
+                    put["model"] = entry.rename
+                if drop or put:
+                    # Those members changed; every other byte is the client's.
+                    body = splice(body, doc.keys(), drop, put)
             except HTTPError as exc:
                 outcome.refuse(exc)
             except ClientGone:
@@ -128,8 +126,10 @@ class Relay:
         if len(tried) > 1:
             outcome.upstreams = [p.addr for p in tried]
 
-    def _parse(self, body: bytes, path: str, outcome: Outcome) -> tuple[RouteEntry, dict[str, Any], bool]:
-        """The request's route, its document, and whether the body must be re-serialised; 400 or 404."""
+    def _parse(
+        self, body: bytes, path: str, outcome: Outcome
+    ) -> tuple[RouteEntry, dict[str, Any], tuple[str, ...], dict[str, Any]]:
+        """The request's route, its document, and the members to leave out and to set; 400 or 404."""
         model, doc = parse_request(body)
         entry = self._entries.get(model)
         if entry is None:
@@ -139,13 +139,15 @@ class Relay:
         outcome.model, outcome.stats = model, entry.stats
         endpoint = ENDPOINTS[path]
         guards = entry.guards
-        rewrite = check_request(doc, endpoint, guards)
+        # Nulls the engine cannot take: left out (OpenAI's null is the default).
+        drop = check_request(doc, endpoint, guards)
+        put: dict[str, Any] = {}
         outcome.stream = streamed = doc.get("stream") is True
         # An engine that cannot tell that a non-stream client left is asked for a stream.
         if guards.via_stream and not streamed and ask_for_stream(doc, endpoint, guards):
             outcome.built = ReplyAssembler(chat=endpoint == b"/chat/completions")
-            rewrite = True
-        return entry, doc, rewrite
+            put["stream"], put["stream_options"] = doc["stream"], doc["stream_options"]
+        return entry, doc, drop, put
 
 
 def _not_found(model: str) -> HTTPError:

@@ -98,7 +98,12 @@ class Catalog:
             if config.engine is not None:
                 # An engine on another host: nothing to install or start, but
                 # the same checks and non-stream handling as for a child.
-                route = dataclasses.replace(route, guards=specs.load(config.engine).guards)
+                route = dataclasses.replace(route, guards=guards_of(specs.load(config.engine).guards, config))
+            elif config.allow_fields:
+                raise ConfigError(
+                    f"{config.where('allow-fields')}: only for a model whose engine is named "
+                    "(the engine's spec says which fields load something)"
+                )
             return dataclasses.replace(route, max_in_flight=config.max_in_flight or self.max_in_flight)
         return self._plan_engine(config)
 
@@ -187,7 +192,7 @@ class Catalog:
             model=prepared.name,
             upstream=UpstreamAddress(first.config.host, first.config.port),
             gate=served,
-            guards=spec.guards,
+            guards=guards_of(spec.guards, config),
             # The engines generate this many at once; more would only queue inside them.
             max_in_flight=config.max_in_flight or self.max_in_flight or batch,
             aliases=config.aliases,
@@ -276,10 +281,16 @@ class Catalog:
         for config in changes.retuned:
             assert config.name is not None
             route = self.entries[config.name][1]
+            assert isinstance(route.guards, specs.Guards)  # the catalog's routes carry a spec's
             limit = config.max_in_flight or self.max_in_flight or self._batch[config.name]
             entries[config.name] = (
                 config,
-                dataclasses.replace(route, aliases=config.aliases, max_in_flight=limit),
+                dataclasses.replace(
+                    route,
+                    aliases=config.aliases,
+                    max_in_flight=limit,
+                    guards=guards_of(route.guards, config),
+                ),
             )
         try:
             table = RoutingTable(route for _, route in entries.values())
@@ -300,6 +311,19 @@ class Catalog:
                 removed=[r.model for r in old if r.gate is not None],
             )
         self.announce(f"reload: {changes.report()}")
+
+
+def guards_of(guards: specs.Guards, config: ModelConfig) -> specs.Guards:
+    """The engine's guards with the fields the model's config allows; a ``ConfigError`` for a field
+    that is not one that loads something."""
+    loads = sorted(f.name for f in guards.fields if f.loads)
+    for name in config.allow_fields:
+        if name not in loads:
+            raise ConfigError(
+                f"{config.where('allow-fields')}: {name!r} is not a field that makes this engine load "
+                f"something; those are: {', '.join(loads) or 'none'}"
+            )
+    return dataclasses.replace(guards, allowed=frozenset(config.allow_fields))
 
 
 def _check_upstream_engine(config: ModelConfig) -> None:

@@ -63,6 +63,9 @@ class ModelConfig:
     always_loaded: bool = False
     max_in_flight: int | None = None
     variant: str = "auto"
+    # Request fields that make the engine load what they name (mlx: draft_model,
+    # adapters), allowed for this model; refused otherwise.
+    allow_fields: tuple[str, ...] = ()
     # Where it was given, for error messages; not a setting (a reload ignores it).
     source: str = field(default="", compare=False)
 
@@ -152,6 +155,7 @@ _MODEL_KEYS: Mapping[str, tuple[str, Callable[[str, Any], Any]]] = {
     "always_loaded": ("always_loaded", _flag),
     "max_in_flight": ("max_in_flight", _count),
     "variant": ("variant", _variant),
+    "allow_fields": ("allow_fields", _strings),
 }
 
 

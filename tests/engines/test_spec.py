@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import tomllib
 from importlib import resources
 from pathlib import Path
@@ -11,7 +12,17 @@ from typing import Any
 import pytest
 
 import engines
-from engines.spec import VARIANTS, EngineSpec, Guards, Readiness, SpecError, available, load, parse
+from engines.spec import (
+    VARIANTS,
+    EngineSpec,
+    Guards,
+    Readiness,
+    RequestField,
+    SpecError,
+    available,
+    load,
+    parse,
+)
 
 SHIPPED = "mlx-0.32.0"
 
@@ -103,16 +114,60 @@ def test_half_the_cores_placeholder_is_at_least_one_thread(monkeypatch: pytest.M
 
 def test_guards_are_read_from_the_toml() -> None:
     """The guards table (min_max_tokens 1, require_input true) and the nonstream table fill one Guards."""
-    assert load(SHIPPED).guards == Guards(
+    guards = load(SHIPPED).guards
+    assert dataclasses.replace(guards, fields=()) == Guards(
         min_max_tokens=1,
         require_input=True,
-        check_types=True,
-        seed_min=0,
-        top_logprobs_max=11,
-        completion_logprobs="flag",
         via_stream=True,
         stream_cannot_carry=("logprobs", "top_logprobs"),
     )
+
+
+def test_fields_are_read_from_the_toml_as_mlx_s_source_declares_them() -> None:
+    """[fields] holds what mlx_lm/server.py 0.32.0 validates: xtc_* floats only, seeds from 0, the loaders."""
+    by_name = {f.name: f for f in load(SHIPPED).guards.fields}
+    assert by_name["xtc_probability"] == RequestField("xtc_probability", "float", 0, 1)
+    assert by_name["repetition_context_size"] == RequestField("repetition_context_size", "integer", 0)
+    assert by_name["top_logprobs"] == RequestField("top_logprobs", "integer", -1, 11)
+    assert by_name["seed"] == RequestField("seed", "integer", 0, takes_null=True)
+    assert {f.name for f in by_name.values() if f.loads} == {"draft_model", "adapters"}
+    assert all(f.endpoint == "" for f in by_name.values())
+
+
+def test_llamacpp_declares_its_legacy_completions_fields_apart() -> None:
+    """llama.cpp's legacy completions logprobs is a count ([completion_fields]); in chat a flag."""
+    fields = load(LLAMACPP).guards.fields
+    logprobs = [f for f in fields if f.name == "logprobs"]
+    assert [(f.kind, f.endpoint) for f in logprobs] == [("boolean", ""), ("integer", "/completions")]
+    assert not any(f.loads for f in fields)
+
+
+@pytest.mark.parametrize(
+    ("rule", "message"),
+    [
+        ({"type": "colour"}, "type must be one of"),
+        ({"type": "string", "min": 0}, "min and max are for numbers"),
+        ({"type": "integer", "max": "9"}, "max must be a number"),
+        ({"type": "integer", "nul": True}, "unknown key 'nul'"),
+        ({"type": "integer", "loads": "yes"}, "loads must be true or false"),
+        ("integer", "must be a table"),
+    ],
+)
+def test_a_malformed_field_rule_fails_when_the_spec_is_loaded(rule: Any, message: str) -> None:
+    """A field table entry of an unknown type, bounds on a non-number or an unknown key names the entry."""
+    data = shipped_table()
+    data["fields"]["temperature"] = rule
+    with pytest.raises(SpecError, match=message) as info:
+        parse(data, source="mlx-0.32.0.toml")
+    assert "fields.temperature" in str(info.value)
+
+
+def test_an_unknown_guard_fails_when_the_spec_is_loaded() -> None:
+    """A guard the gateway does not know (check_types, now [fields]) is an error, not ignored."""
+    data = shipped_table()
+    data["guards"]["check_types"] = True
+    with pytest.raises(SpecError, match=r"guards\.check_types: unknown guard"):
+        parse(data, source="mlx-0.32.0.toml")
 
 
 def test_readiness_and_server_values_are_read_from_the_toml() -> None:
@@ -128,15 +183,19 @@ def test_readiness_and_server_values_are_read_from_the_toml() -> None:
 def test_parse_defaults_guards_when_absent() -> None:
     """A spec without a guards or a nonstream table gets the permissive defaults."""
     data = shipped_table()
-    del data["guards"], data["nonstream"]
+    del data["guards"], data["nonstream"], data["fields"]
     assert parse(data, source=f"{SHIPPED}.toml").guards == Guards()
 
 
 def test_each_guard_is_read_from_its_own_table() -> None:
     """[nonstream] fills via_stream and stream_cannot_carry, [guards] the checks; neither reads the other."""
     data = shipped_table()
+    del data["fields"]
     guards, nonstream = data.pop("guards"), data.pop("nonstream")
     data["guards"], data["nonstream"] = nonstream, guards
+    with pytest.raises(SpecError, match=r"guards\.stream_cannot_carry: unknown guard"):
+        parse(data, source=f"{SHIPPED}.toml")
+    data["guards"] = {}
     assert parse(data, source=f"{SHIPPED}.toml").guards == Guards()
     del data["guards"]
     data["nonstream"] = nonstream
@@ -267,7 +326,7 @@ def test_llamacpp_spec_serves_gguf_through_an_alias() -> None:
     assert spec.packages_for("cpu") == ("llama-cpp-python[server]==0.3.36", "gguf==0.19.0")
     assert spec.builds_from_source == "llama-cpp-python"
     assert spec.config_settings_for("cpu") == ()
-    assert spec.guards == Guards(min_max_tokens=1, require_input=True, check_types=True)
+    assert dataclasses.replace(spec.guards, fields=()) == Guards(min_max_tokens=1, require_input=True)
 
 
 def test_llamacpp_argv_names_the_file_and_the_served_name() -> None:

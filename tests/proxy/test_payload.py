@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import orjson
 import pytest
 
-from engines.spec import Guards
+from engines.spec import Guards, load
 from proxy.errors import HTTPError
-from proxy.payload import RequestGuards, check_request, extract_model
+from proxy.payload import MAX_DEPTH, RequestGuards, check_request, extract_model, nesting_depth
 
 # A route with no engine named: the spec's defaults.
 NO_ENGINE = Guards()
@@ -128,7 +129,9 @@ def test_error_body_of_a_rejection_is_openai_shaped() -> None:
     }
 
 
-TYPED = Guards(check_types=True)
+# The engines' own guards, as shipped.
+MLX = load("mlx-0.32.0").guards
+LLAMACPP = load("llamacpp-0.3.36").guards
 
 
 @pytest.mark.parametrize(
@@ -139,75 +142,147 @@ TYPED = Guards(check_types=True)
         ("temperature", True),
         ("top_p", 1.5),
         ("top_k", 2.5),
-        ("n", 0),
+        ("top_k", -1),
         ("seed", "1"),
+        ("seed", -5),
         ("presence_penalty", "x"),
         ("stream", "yes"),
         ("logprobs", 1),
         ("stop", ["a", 2]),
         ("stop", 5),
+        ("top_logprobs", 12),
+        ("xtc_probability", 0),
+        ("xtc_threshold", 0),
+        ("xtc_probability", 1.5),
+        ("repetition_context_size", -1),
+        ("num_draft_tokens", "x"),
+        ("logit_bias", {"x": 1}),
+        ("logit_bias", {"5": "1"}),
+        ("chat_template_kwargs", 5),
+        ("stream_options", "x"),
     ],
 )
-def test_checked_fields_of_the_wrong_type_or_range_are_400s_naming_them(field: str, value: Any) -> None:
-    """With check_types, a sampling field of the wrong type or range is a 400 naming the field."""
+def test_mlx_fields_it_cannot_take_are_400s_naming_them(field: str, value: Any) -> None:
+    """A field mlx_lm.server would close the socket on (its validate_model_parameters) is a 400 naming it."""
     with pytest.raises(HTTPError) as info:
-        model_of(body_of(model="m", **{field: value}), b"/chat/completions", TYPED)
+        model_of(body_of(model="m", **{field: value}), b"/chat/completions", MLX)
     assert info.value.status == 400 and info.value.param == field and info.value.code == "invalid_type"
 
 
+def test_the_float_only_fields_of_mlx_say_how_to_write_them() -> None:
+    """xtc_probability 0 (an int to Python) is refused with a message that shows 0.0; 0.0 and 1e0 pass."""
+    with pytest.raises(HTTPError) as info:
+        model_of(body_of(model="m", xtc_probability=0), b"/chat/completions", MLX)
+    assert "0.0, not 0" in info.value.message
+    assert model_of(
+        b'{"model":"m","messages":[{"role":"user"}],"xtc_probability":1e0}', b"/chat/completions", MLX
+    )
+
+
 def test_well_typed_fields_pass_the_type_check() -> None:
-    """Ordinary values of every checked field pass, and absent or null fields are not looked at."""
+    """Ordinary values of every checked field pass, and absent or null fields are not refused."""
     body = body_of(
         model="m",
         temperature=0,
         top_p=0.9,
         top_k=40,
-        n=1,
         seed=7,
         presence_penalty=-0.5,
         stream=True,
         logprobs=False,
+        top_logprobs=-1,
         stop=["\n"],
         frequency_penalty=None,
+        xtc_probability=0.0,
+        logit_bias={"5": -100, "-1": 1.5},
+        draft_model=None,
+        adapters=None,
     )
-    assert model_of(body, b"/chat/completions", TYPED) == "m"
+    assert model_of(body, b"/chat/completions", MLX) == "m"
+    assert model_of(
+        body_of(model="m", temperature=0, logit_bias={"hello": 1}), b"/chat/completions", LLAMACPP
+    )
 
 
 def test_a_message_without_a_string_role_is_a_400() -> None:
     """A chat message that is not an object with a string role is named by its index."""
     body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}, "hi"]})
     with pytest.raises(HTTPError) as info:
-        model_of(body, b"/chat/completions", TYPED)
+        model_of(body, b"/chat/completions", MLX)
     assert info.value.param == "messages[1]"
 
 
 def test_types_are_not_checked_without_the_guard() -> None:
     """Static upstreams get the client's fields as they are: the type check is an engine guard."""
-    assert model_of(body_of(model="m", temperature="hot"), b"/chat/completions") == "m"
+    assert model_of(body_of(model="m", temperature="hot", draft_model="/etc"), b"/chat/completions") == "m"
 
 
 def test_legacy_completions_logprobs_is_a_count_unless_the_engine_takes_a_flag() -> None:
-    """`logprobs: 2` on /completions passes (OpenAI's count), but not for an engine that takes a flag."""
+    """`logprobs: 2` on /completions passes for llama.cpp (OpenAI's count), not for mlx (a flag)."""
     body = orjson.dumps({"model": "m", "prompt": "hi", "logprobs": 2})
-    assert model_of(body, b"/completions", TYPED) == "m"
+    assert model_of(body, b"/completions", LLAMACPP) == "m"
     with pytest.raises(HTTPError) as info:
-        model_of(body, b"/completions", Guards(check_types=True, completion_logprobs="flag"))
+        model_of(body, b"/completions", MLX)
     assert info.value.param == "logprobs"
+    with pytest.raises(HTTPError):
+        model_of(
+            orjson.dumps({"model": "m", "messages": [{"role": "user"}], "logprobs": 2}),
+            b"/chat/completions",
+            LLAMACPP,
+        )
 
 
-def test_null_sampling_fields_are_dropped_and_reported() -> None:
-    """A field sent as null (OpenAI's default) is removed, and check_request says the body changed."""
-    doc = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": None, "stop": None}
-    assert check_request(doc, b"/chat/completions", TYPED) is True
-    assert "temperature" not in doc and "stop" not in doc
-    assert check_request({"model": "m", "messages": []}, b"/chat/completions", TYPED) is False
+def test_null_fields_the_engine_cannot_take_are_named_to_be_left_out() -> None:
+    """A null (OpenAI's default) in a field the engine refuses null for is named; others are kept."""
+    doc = {
+        "model": "m",
+        "messages": [{"role": "user"}],
+        "temperature": None,
+        "stop": None,
+        "max_tokens": None,
+    }
+    assert check_request(doc, b"/chat/completions", MLX) == ("max_tokens", "temperature")
+    assert doc["temperature"] is None  # the check does not change the document
+    assert check_request({"model": "m", "messages": [{"role": "user"}]}, b"/chat/completions", MLX) == ()
 
 
-def test_engine_limits_on_seed_and_top_logprobs() -> None:
-    """An engine's own limits (mlx: seed from 0, top_logprobs to 11) are 400s naming the field."""
-    mlx = Guards(check_types=True, seed_min=0, top_logprobs_max=11)
-    for field, value in (("seed", -5), ("top_logprobs", 15)):
-        with pytest.raises(HTTPError) as info:
-            model_of(body_of(model="m", **{field: value}), b"/chat/completions", mlx)
-        assert info.value.param == field
-    assert model_of(body_of(model="m", seed=-5, top_logprobs=15), b"/chat/completions", TYPED) == "m"
+@pytest.mark.parametrize("field", ["draft_model", "adapters"])
+def test_fields_that_make_mlx_load_something_are_refused_unless_the_model_allows_them(field: str) -> None:
+    """draft_model and adapters name what mlx_lm.server loads: a 400 naming the field, unless allowed."""
+    body = body_of(model="m", **{field: "/etc"})
+    with pytest.raises(HTTPError) as info:
+        model_of(body, b"/chat/completions", MLX)
+    assert (info.value.status, info.value.param, info.value.code) == (400, field, "field_not_allowed")
+    assert "allow-fields" in info.value.message
+    allowed = dataclasses.replace(MLX, allowed=frozenset({field}))
+    assert model_of(body, b"/chat/completions", allowed) == "m"
+    with pytest.raises(HTTPError) as typed:
+        model_of(body_of(model="m", **{field: 5}), b"/chat/completions", allowed)
+    assert typed.value.code == "invalid_type"
+
+
+def nested(depth: int) -> bytes:
+    """A chat body whose first message's content nests ``depth`` lists (the body itself is 3 levels more)."""
+    return b'{"model":"m","messages":[{"role":"user","content":' + b"[" * depth + b"]" * depth + b"}]}"
+
+
+@pytest.mark.parametrize("depth", [MAX_DEPTH - 3, 1])
+def test_bodies_up_to_the_depth_limit_pass(depth: int) -> None:
+    """A body nested up to MAX_DEPTH levels passes, whatever its brackets inside strings."""
+    assert model_of(nested(depth)) == "m"
+    assert nesting_depth(nested(depth)) <= MAX_DEPTH
+
+
+@pytest.mark.parametrize("depth", [MAX_DEPTH - 2, 300, 1000, 1030])
+def test_bodies_nested_past_the_depth_limit_are_a_400_whatever_the_parser_takes(depth: int) -> None:
+    """Past MAX_DEPTH, below or above orjson's own 1024, the 400 is the same: nested_too_deep."""
+    err = rejection(nested(depth))
+    assert err.code == "nested_too_deep" and str(MAX_DEPTH) in err.message
+
+
+def test_brackets_and_escaped_quotes_in_strings_do_not_count_as_depth() -> None:
+    """Depth counts only the structure: brackets inside strings, behind escaped quotes, are text."""
+    text = '\\"' + "[" * 500 + '"' + "{" * 300
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": text}], "x": [[["\\"]]]})
+    assert nesting_depth(body) == 4
+    assert model_of(body) == "m"
