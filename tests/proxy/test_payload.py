@@ -286,3 +286,18 @@ def test_brackets_and_escaped_quotes_in_strings_do_not_count_as_depth() -> None:
     body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": text}], "x": [[["\\"]]]})
     assert nesting_depth(body) == 4
     assert model_of(body) == "m"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model":"m","messages":[{"role":"user"}],"draft_m\\u006fdel":"/etc"}',
+        b'{"model":"m","messages":[{"role":"user"}],"adapters":null,"adapters":"/etc"}',
+        b'{"model":"m","messages":[{"role":"user"}],"adapters":""}',
+    ],
+)
+def test_a_loading_field_is_refused_however_it_is_spelled(body: bytes) -> None:
+    """An escaped key, a repeated key whose last value names a path, or an empty path are all refused."""
+    with pytest.raises(HTTPError) as info:
+        model_of(body, b"/chat/completions", MLX)
+    assert info.value.code == "field_not_allowed"
