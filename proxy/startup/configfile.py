@@ -17,6 +17,7 @@ table is one model::
     aliases = ["gpt-4o-mini"]
     replicas = 2
     engine-args = ["--max-tokens", "1024"]
+    allow-fields = ["adapters"]  # request fields that load something, allowed
     ttl = 600                    # seconds idle before unloading; 0: never
     always-loaded = false
 

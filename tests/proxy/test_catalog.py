@@ -81,7 +81,13 @@ def test_a_change_to_the_children_restarts_them(setting: dict[str, object]) -> N
 
 @pytest.mark.parametrize(
     "setting",
-    [{"aliases": ("gpt",)}, {"ttl_s": 60.0}, {"always_loaded": True}, {"max_in_flight": 3}],
+    [
+        {"aliases": ("gpt",)},
+        {"ttl_s": 60.0},
+        {"always_loaded": True},
+        {"max_in_flight": 3},
+        {"allow_fields": ("adapters",)},
+    ],
     ids=lambda s: next(iter(s)),
 )
 def test_a_change_beside_the_children_keeps_them(setting: dict[str, object]) -> None:
@@ -180,6 +186,29 @@ def test_an_upstream_that_names_its_engine_gets_that_engine_s_guards() -> None:
     route = Catalog(home=None, registry=None).prepare(upstream("r", engine=MLX))
     assert isinstance(route, Route) and route.gate is None
     assert route.guards == spec.guards and route.guards.via_stream
+
+
+def test_allow_fields_opens_the_named_loading_fields_of_that_model_only() -> None:
+    """allow-fields sets the route's allowed fields; the spec's guards stay as they were for others."""
+    catalog = Catalog(home=None, registry=None)
+    route = catalog.prepare(upstream("r", engine=MLX, allow_fields=("draft_model",)))
+    assert isinstance(route, Route) and route.guards.allowed == frozenset({"draft_model"})
+    assert specs.load(MLX).guards.allowed == frozenset()
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"engine": MLX, "allow_fields": ("temperature",)}, "'temperature' is not a field that makes"),
+        ({"engine": "llamacpp-0.3.36", "allow_fields": ("adapters",)}, "those are: none"),
+        ({"allow_fields": ("adapters",)}, "only for a model whose engine is named"),
+    ],
+)
+def test_allow_fields_names_only_fields_that_load_something(settings: dict[str, Any], message: str) -> None:
+    """A field that loads nothing, an engine with none, or no engine at all: a ConfigError naming the key."""
+    with pytest.raises(ConfigError, match=message) as info:
+        Catalog(home=None, registry=None).prepare(upstream("r", **settings))
+    assert "[models.r] allow-fields" in str(info.value)
 
 
 def test_build_refuses_a_name_two_models_would_serve() -> None:

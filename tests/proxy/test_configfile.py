@@ -403,3 +403,14 @@ def test_replicas_beside_a_list_of_upstreams_is_still_refused(tmp_path: Path) ->
     """replicas is for engine children; a set of servers is a list of URLs, which the error shows."""
     message = error_of(tmp_path, '[models.m]\nupstream = ["http://a:1", "http://b:2"]\nreplicas = 2\n')
     assert "[models.m] replicas" in message and 'upstream = ["http://a:8000"' in message
+
+
+def test_allow_fields_is_a_list_of_field_names(tmp_path: Path) -> None:
+    """allow-fields (or allow_fields) reads into the model's allow_fields; a number is refused by key."""
+    config = load_text(
+        tmp_path, '[models.q]\nengine = "mlx-0.32.0"\nallow-fields = ["adapters", "draft_model"]\n'
+    )
+    assert config.models[0].allow_fields == ("adapters", "draft_model")
+    assert "allow-fields: expected a list of non-empty strings" in error_of(
+        tmp_path, '[models.q]\nengine = "mlx-0.32.0"\nallow-fields = 5\n'
+    )
