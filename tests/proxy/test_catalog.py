@@ -297,7 +297,8 @@ def test_check_refuses_a_hub_model_under_another_name(
 
 @pytest.mark.anyio
 async def test_a_reload_that_only_retunes_asks_the_registry_and_keeps_the_model(tmp_path: Path) -> None:
-    """A TTL and alias change: the same ServedModel, its lifetime changed by asking, the route updated."""
+    """A TTL, alias and allow-fields change: the same ServedModel, its lifetime changed by asking,
+    the route updated."""
     lines: list[str] = []
     registry = Registry(announce=lines.append)
     catalog = Catalog(home=None, registry=registry, announce=lines.append)
@@ -307,7 +308,7 @@ async def test_a_reload_that_only_retunes_asks_the_registry_and_keeps_the_model(
     assert isinstance(served, ServedModel)
     registry.add(served)
     relay = Relay(RoutingTable([route]), Settings())
-    retuned = engine("m", ttl_s=30.0, aliases=("gpt",))
+    retuned = engine("m", ttl_s=30.0, aliases=("gpt",), allow_fields=("adapters",))
     await catalog.reload(file(retuned), keep=(), relay=relay)
     assert lines[-1] == "reload: updated m (children kept)"
     config, now = catalog.entries["m"]
@@ -315,6 +316,7 @@ async def test_a_reload_that_only_retunes_asks_the_registry_and_keeps_the_model(
     assert served.lifetime == Lifetime(ttl_s=30.0)
     assert registry.models["m"] is served and served.lifecycle is ModelState.UNLOADED
     assert relay.table.get("gpt") is now
+    assert now.guards.allowed == frozenset({"adapters"})  # allow-fields applies in place
 
 
 @pytest.mark.anyio
