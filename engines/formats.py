@@ -46,6 +46,27 @@ def detect_format(path: str | Path) -> Format:
     raise FormatError(f"{model} does not exist")
 
 
+def vocab_size(path: str | Path) -> int | None:
+    """The vocabulary size an MLX model directory's config.json declares; None where it is unknown.
+
+    A token id a request names (logit_bias) must be below it: mlx_lm.server
+    0.32.0 writes the bias at that index unchecked, and past the end of the
+    logits its process dies. GGUF files and hub repos are not read (None).
+    """
+    config = Path(path).expanduser() / "config.json"
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    for table in (data, data.get("text_config")):
+        size = table.get("vocab_size") if isinstance(table, dict) else None
+        if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+            return size
+    return None
+
+
 def is_hub_repo_id(value: str) -> bool:
     """Whether ``value`` is shaped like a hub repo id, ``org/name``, rather than like a path.
 

@@ -68,8 +68,9 @@ class RequestField:
     # boolean; integer; number (an integer or a float); float (a JSON number
     # written with a fraction or an exponent: Python's float only, as mlx
     # checks xtc_*); string; strings (a string or a list of strings); object;
-    # array; token_bias (an object of integer token ids to numbers); bias (an
-    # object of numbers).
+    # array; token_bias (an object of token ids, integers from 0 and below
+    # the model's vocab_size where it is known, to numbers); bias (an object
+    # of numbers).
     kind: str
     # Inclusive bounds of a number.
     low: float | None = None
@@ -119,6 +120,10 @@ class Guards:
     # Fields of ``loads`` that this model's config allows (a model's
     # allow-fields, set per route; never from a spec).
     allowed: frozenset[str] = field(default=frozenset(), metadata=_PER_MODEL)
+    # The model's vocabulary size where it is known (an MLX directory's
+    # config.json): token ids a request names (token_bias fields) must be
+    # below it. Set per route, never from a spec.
+    vocab_size: int | None = field(default=None, metadata=_PER_MODEL)
     # An engine that never notices a non-stream client has gone (it writes
     # the reply only at the end): ask it for a stream and build the
     # non-stream reply from its events (proxy/assembly.py) ...

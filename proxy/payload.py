@@ -71,6 +71,8 @@ class RequestGuards(Protocol):
     @property
     def allowed(self) -> frozenset[str]: ...
     @property
+    def vocab_size(self) -> int | None: ...
+    @property
     def via_stream(self) -> bool: ...
     @property
     def stream_cannot_carry(self) -> tuple[str, ...]: ...
@@ -199,8 +201,7 @@ def _is_integer(value: Any) -> bool:
 
 
 def _is_token_id(key: str) -> bool:
-    digits = key[1:] if key[:1] == "-" else key
-    return digits.isascii() and digits.isdigit()
+    return key.isascii() and key.isdigit()
 
 
 _KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
@@ -216,10 +217,6 @@ _KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     ),
     "object": ("an object", lambda v: isinstance(v, dict)),
     "array": ("a list", lambda v: isinstance(v, list)),
-    "token_bias": (
-        "an object of token ids to numbers",
-        lambda v: isinstance(v, dict) and all(_is_token_id(k) and _is_number(b) for k, b in v.items()),
-    ),
     "bias": (
         "an object of numbers",
         lambda v: isinstance(v, dict) and all(_is_number(b) for b in v.values()),
@@ -227,8 +224,28 @@ _KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
 }
 
 
-def _check_of(rule: RequestField) -> _Check:
-    expected, ok = _KINDS[rule.kind]
+# Without a vocabulary, ids up to 18 digits: within a 64-bit integer, far past any vocabulary.
+_MAX_TOKEN_ID = 10**18 - 1
+
+
+def _token_bias(vocab_size: int | None) -> tuple[str, Callable[[Any], bool]]:
+    """Token ids (decimal integers from 0, below the model's vocabulary where known) to numbers."""
+    limit = _MAX_TOKEN_ID if vocab_size is None else vocab_size - 1
+    digits = len(str(limit))
+
+    def ok(value: Any) -> bool:
+        return isinstance(value, dict) and all(
+            _is_token_id(k) and len(k) <= digits and int(k) <= limit and _is_number(b)
+            for k, b in value.items()
+        )
+
+    if vocab_size is None:
+        return "an object of token ids (integers from 0) to numbers", ok
+    return f"an object of token ids (integers from 0 to {limit}, the model's) to numbers", ok
+
+
+def _check_of(rule: RequestField, vocab_size: int | None) -> _Check:
+    expected, ok = _token_bias(vocab_size) if rule.kind == "token_bias" else _KINDS[rule.kind]
     low, high = rule.low, rule.high
     if low is None and high is None:
         return expected, ok, rule
@@ -248,9 +265,9 @@ def _check_of(rule: RequestField) -> _Check:
 @functools.lru_cache(maxsize=64)
 def _checks(guards: RequestGuards, endpoint: bytes) -> dict[str, _Check]:
     """The checks of an endpoint: every endpoint's fields, then those of this one only."""
-    name = endpoint.decode()
-    checks = {r.name: _check_of(r) for r in guards.fields if not r.endpoint}
-    checks.update((r.name, _check_of(r)) for r in guards.fields if r.endpoint == name)
+    name, vocab = endpoint.decode(), guards.vocab_size
+    checks = {r.name: _check_of(r, vocab) for r in guards.fields if not r.endpoint}
+    checks.update((r.name, _check_of(r, vocab)) for r in guards.fields if r.endpoint == name)
     return checks
 
 

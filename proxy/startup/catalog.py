@@ -29,7 +29,7 @@ from engines import install as installing
 from engines import spec as specs
 from engines.child import Child
 from engines.environment import ServedNameError
-from engines.formats import FormatError, check_model, describe, pick_engine
+from engines.formats import FormatError, check_model, describe, pick_engine, vocab_size
 from engines.home import Home
 from engines.plan import PlanError, PlannedChild, check_engine_args, free_port, plan
 from engines.registry import Registry
@@ -53,6 +53,8 @@ class _Prepared:
     name: str
     spec: EngineSpec
     planned: tuple[PlannedChild, ...]
+    # The model's vocabulary size where its files say (an MLX directory), for the token-id check.
+    vocab_size: int | None = None
 
 
 class Catalog:
@@ -156,7 +158,9 @@ class Catalog:
             name = child.name if config.replicas == 1 else f"{child.name}-{index}"
             child = dataclasses.replace(child, name=name, log_path=child.log_path.with_name(f"{name}.log"))
             planned.append(dataclasses.replace(one, config=child))
-        return _Prepared(config, planned[0].config.served_model, spec, tuple(planned))
+        return _Prepared(
+            config, planned[0].config.served_model, spec, tuple(planned), vocab_size=vocab_size(model)
+        )
 
     def _port(self, free_port: Callable[..., int]) -> int:
         port = free_port(exclude=self._ports)
@@ -192,7 +196,7 @@ class Catalog:
             model=prepared.name,
             upstream=UpstreamAddress(first.config.host, first.config.port),
             gate=served,
-            guards=guards_of(spec.guards, config),
+            guards=guards_of(dataclasses.replace(spec.guards, vocab_size=prepared.vocab_size), config),
             # The engines generate this many at once; more would only queue inside them.
             max_in_flight=config.max_in_flight or self.max_in_flight or batch,
             aliases=config.aliases,

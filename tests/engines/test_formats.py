@@ -16,6 +16,7 @@ from engines.formats import (
     is_hub_repo_id,
     newest_engine,
     pick_engine,
+    vocab_size,
 )
 from engines.spec import available, load
 
@@ -245,3 +246,16 @@ def test_models_in_the_engines_format_pass(tmp_path: Path) -> None:
     assert check_model(str(mlx_dir(tmp_path)), load("mlx-0.32.0")) == "mlx"
     assert check_model(str(gguf_file(tmp_path)), load("llamacpp-0.3.36")) == "gguf"
     assert check_model(str(gguf_file(tmp_path)), None) == "gguf"
+
+
+def test_vocab_size_is_read_from_an_mlx_directory_s_config(tmp_path: Path) -> None:
+    """config.json's vocab_size (or text_config's) is the model's; anything else is unknown (None)."""
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2", "vocab_size": 259}')
+    assert vocab_size(tmp_path) == 259
+    (tmp_path / "config.json").write_text('{"text_config": {"vocab_size": 32000}}')
+    assert vocab_size(tmp_path) == 32000
+    for text in ('{"vocab_size": "259"}', "[259]", "not json", '{"vocab_size": true}'):
+        (tmp_path / "config.json").write_text(text)
+        assert vocab_size(tmp_path) is None, text
+    assert vocab_size(tmp_path / "absent") is None
+    assert vocab_size("org/repo") is None

@@ -194,7 +194,7 @@ def test_well_typed_fields_pass_the_type_check() -> None:
         stop=["\n"],
         frequency_penalty=None,
         xtc_probability=0.0,
-        logit_bias={"5": -100, "-1": 1.5},
+        logit_bias={"5": -100, "17": 1.5},
         draft_model=None,
         adapters=None,
     )
@@ -301,3 +301,17 @@ def test_a_loading_field_is_refused_however_it_is_spelled(body: bytes) -> None:
     with pytest.raises(HTTPError) as info:
         model_of(body, b"/chat/completions", MLX)
     assert info.value.code == "field_not_allowed"
+
+
+def test_token_ids_are_non_negative_and_below_the_model_s_vocabulary_where_known() -> None:
+    """logit_bias ids: -1 or a 5000-digit id are refused; past vocab_size too once the route knows it."""
+    for bias in ({"-1": 1}, {"9" * 5000: 1}, {"1.5": 1}):
+        with pytest.raises(HTTPError) as info:
+            model_of(body_of(model="m", logit_bias=bias), b"/chat/completions", MLX)
+        assert info.value.param == "logit_bias"
+    assert model_of(body_of(model="m", logit_bias={"99999999": 1}), b"/chat/completions", MLX) == "m"
+    tiny = dataclasses.replace(MLX, vocab_size=259)
+    assert model_of(body_of(model="m", logit_bias={"258": 1, "0": -1}), b"/chat/completions", tiny) == "m"
+    with pytest.raises(HTTPError) as info:
+        model_of(body_of(model="m", logit_bias={"259": 1}), b"/chat/completions", tiny)
+    assert "0 to 258" in info.value.message
