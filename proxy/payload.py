@@ -102,9 +102,10 @@ def nesting_depth(body: bytes) -> int:
     opened = body.count(b"[") + body.count(b"{")
     if opened <= MAX_DEPTH:
         return opened
-    # Escapes cannot hide a quote from the split: \\ and \" become two other bytes.
-    plain = body.replace(b"\\\\", b"__").replace(b'\\"', b"__")
-    outside_strings = b"".join(plain.split(b'"')[::2])
+    if b"\\" in body:
+        # Escapes cannot hide a quote from the split: \\ and \" become two other bytes.
+        body = body.replace(b"\\\\", b"__").replace(b'\\"', b"__")
+    outside_strings = b"".join(body.split(b'"')[::2])
     steps = array("b", outside_strings.translate(_STEPS, _NOT_BRACKETS))
     return max(accumulate(steps), default=0)
 
