@@ -29,6 +29,7 @@ from proxy import __version__
 from proxy.accesslog import AccessLog
 from proxy.app import Gateway, build_app
 from proxy.auth import ApiKeys, read_key_file
+from proxy.browser import AllowedHosts
 from proxy.cors import Cors
 from proxy.metrics import EngineSample, Metrics
 from proxy.protocol import protocol_class
@@ -108,6 +109,7 @@ def main(ctx: click.Context, /, **given: Any) -> None:
         return
     settings = settings_from(given)
     configs = _model_configs(settings)
+    _check_allowed_hosts(ctx, settings)
     from_command_line = len(configs)
     file = settings.config_file
     configs.extend(file.models if file else ())
@@ -299,6 +301,7 @@ def serve(settings: Settings, *, registry: Registry | None = None, reloader: Rel
         api_keys=ApiKeys(settings.api_keys),
         metrics=metrics,
         cors=Cors(settings.cors_origins),
+        hosts=AllowedHosts(settings.allowed_hosts, bound=settings.host, port=settings.port),
         access_log=AccessLog(settings.log_format, settings.forwarded_allow_ips)
         if settings.access_log
         else None,
@@ -325,6 +328,14 @@ def serve(settings: Settings, *, registry: Registry | None = None, reloader: Rel
         on_listening=on_listening,
     )
     _run(server, settings)
+
+
+def _check_allowed_hosts(ctx: click.Context, settings: Settings) -> None:
+    """Say what is wrong with --allowed-hosts before anything is installed."""
+    try:
+        AllowedHosts(settings.allowed_hosts)
+    except ValueError as exc:
+        raise _Failed(f"{_given_as(ctx, 'allowed_hosts')}: {exc}") from None
 
 
 def _uvicorn_config(settings: Settings, app: Gateway) -> uvicorn.Config:
