@@ -327,3 +327,7 @@ def flags() -> list[tuple[str, Flag]]:
     """Each settable field's name and flag, in ``--help``'s order."""
     return [(f.name, f.metadata["flag"]) for f in dataclasses.fields(Settings) if "flag" in f.metadata]
 
+
+def variables() -> frozenset[str]:
+    """Every setting's ``BLAZAR_*`` variable: the gateway's own (API keys among them), no engine child's."""
+    return frozenset(flag.envvar for _, flag in flags())
