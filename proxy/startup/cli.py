@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import difflib
 import errno
+import ipaddress
 import logging
 import socket
 import sys
@@ -314,7 +315,9 @@ def serve(settings: Settings, *, registry: Registry | None = None, reloader: Rel
     announcing: set[asyncio.Task[None]] = set()
 
     def on_listening(bound: list[tuple[str, int]]) -> None:
-        keyed = bool(settings.api_keys)
+        keyed = settings.strip_credentials
+        if not keyed:
+            _warn_open(bound)
         task = asyncio.ensure_future(_announce_ready(bound, app.relay.table, registry, keyed=keyed))
         announcing.add(task)
         task.add_done_callback(announcing.discard)
@@ -336,6 +339,19 @@ def _check_allowed_hosts(ctx: click.Context, settings: Settings) -> None:
         AllowedHosts(settings.allowed_hosts)
     except ValueError as exc:
         raise _Failed(f"{_given_as(ctx, 'allowed_hosts')}: {exc}") from None
+
+
+def _warn_open(bound: list[tuple[str, int]]) -> None:
+    """Say so when a gateway without an API key listens beyond this machine."""
+    public = [(host, port) for host, port in bound if not ipaddress.ip_address(host).is_loopback]
+    if not public:
+        return
+    where = ", ".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in public)
+    _echo(
+        f"warning: listening on {where} without an API key: anyone who can reach this address can run "
+        "generations, load and unload models and read /metrics. Require a key with --api-key KEY "
+        "(or BLAZAR_API_KEY, or --api-key-file), or listen on this machine only with --host 127.0.0.1"
+    )
 
 
 def _uvicorn_config(settings: Settings, app: Gateway) -> uvicorn.Config:
