@@ -121,10 +121,14 @@ class BrowserChecks:
     def refusal(self, scope: Scope) -> HTTPError | None:
         """Why the request is refused, or None when it may go on."""
         host = origin = site = None
+        several_origins = False
         for name, value in scope["headers"]:
             if name == b"host":
-                host = value
+                # Of several (the protocol's to refuse), a foreign one decides.
+                if host is None or not self.hosts.allows(value):
+                    host = value
             elif name == b"origin":
+                several_origins = origin is not None
                 origin = value
             elif name == b"sec-fetch-site":
                 site = value
@@ -138,7 +142,8 @@ class BrowserChecks:
                 code="host_not_allowed",
             )
         if origin is not None:
-            if self.cors.allows(origin) or self._same_origin(origin, host):
+            # A browser sends one Origin; several are not a page's request to serve.
+            if not several_origins and (self.cors.allows(origin) or self._same_origin(origin, host)):
                 return None
             return HTTPError(
                 403,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import httpx
 import orjson
 import pytest
@@ -209,3 +211,21 @@ def test_a_cross_site_request_without_origin_is_refused(
     assert code_of(refused) == "origin_not_allowed"
     for site in ("none", "same-origin", "same-site"):
         assert request(http, gateway, "GET", "/metrics", **{"sec-fetch-site": site}).status_code == 200
+
+
+def test_a_request_with_two_origins_is_refused(gateway: Running, fake: FakeEngine) -> None:
+    """A foreign Origin followed by the gateway's own is refused: no browser sends two."""
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost:%d\r\n"
+        b"Origin: https://evil.example.net\r\nOrigin: http://localhost:%d\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+        % (gateway.port, gateway.port, len(BODY))
+    )
+    with socket.create_connection(("127.0.0.1", gateway.port), timeout=10) as sock:
+        sock.sendall(head + BODY)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 403"), answer[:200]
+    assert b"origin_not_allowed" in answer
+    assert fake.records() == []

@@ -79,3 +79,16 @@ def test_the_checks_in_order() -> None:
     refused = checks.refusal(scope(host="localhost:8000", sec_fetch_site="cross-site"))
     assert refused is not None and refused.status == 403
     assert checks.refusal(scope(host="localhost:8000", sec_fetch_site="same-site")) is None
+
+
+def test_a_foreign_one_of_several_hosts_or_any_second_origin_is_refused() -> None:
+    """Of two Host values a foreign one decides, in either order; two Origins are never a page's request."""
+    checks = BrowserChecks(AllowedHosts([]), Cors(["https://app.example"]))
+    for first, second in (("localhost", "evil.example"), ("evil.example", "localhost")):
+        headers = [(b"host", first.encode()), (b"host", second.encode())]
+        refused = checks.refusal({"headers": headers})
+        assert refused is not None and refused.code == "host_not_allowed"
+    for origins in (("https://evil", "http://localhost"), ("https://app.example", "https://app.example")):
+        headers = [(b"host", b"localhost"), *((b"origin", o.encode()) for o in origins)]
+        refused = checks.refusal({"headers": headers})
+        assert refused is not None and refused.code == "origin_not_allowed", origins
