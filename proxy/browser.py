@@ -27,12 +27,15 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import re
 from collections.abc import Iterable
 
 from proxy.asgi import Scope
 from proxy.cors import Cors
 from proxy.errors import HTTPError, echo
 
+# A DNS name as Host carries it (IDNA, lower case): labels of letters, digits, - and _.
+_NAME = re.compile(rb"[a-z0-9_-]+(\.[a-z0-9_-]+)*")
 # Names of this machine whatever the bind (RFC 6761: browsers resolve *.localhost to loopback).
 _LOOPBACK_NAMES = (b"localhost", b"127.0.0.1", b"[::1]")
 
@@ -77,7 +80,7 @@ def _configured(text: str) -> bytes:
         except UnicodeError:
             raw = b""
     name = host_name(raw)
-    if name is None or b"/" in name:
+    if name is None or not (_NAME.fullmatch(name) or _is_address(name)):
         raise ValueError(f"{text!r} is not a host name (give a name or an address, without a scheme)")
     return name
 

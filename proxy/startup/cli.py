@@ -41,7 +41,7 @@ from proxy.startup.configfile import ConfigError, FileConfig, ModelConfig
 from proxy.startup.options import gateway_options, given_as, settings_from
 from proxy.startup.reload import Reloader
 from proxy.startup.server import GatewayServer
-from proxy.startup.settings import Settings
+from proxy.startup.settings import Settings, flags
 
 log = logging.getLogger("blazar.cli")
 
@@ -536,6 +536,9 @@ def _engine_samples(table: RoutingTable) -> list[EngineSample]:
 
 # -- the configuration file ------------------------------------------------------
 
+# Options that take a comma-separated list in one value: the file may give a TOML list.
+_COMMA_LISTS = frozenset(name for name, flag in flags() if flag.commas)
+
 # Options that name what to serve: in the file they are [models.NAME] tables.
 _NOT_IN_GATEWAY_TABLE = frozenset(
     {"config_file", "upstreams", "engine", "model", "served_name", "engine_variant"}
@@ -570,6 +573,11 @@ def _gateway_option(ctx: click.Context, key: str, value: object) -> tuple[str, o
             raise ValueError("not a gateway setting; models go in [models.NAME] tables")
         if param.multiple and not isinstance(value, list):
             value = [value]
+        elif param.name in _COMMA_LISTS and isinstance(value, list):
+            # A TOML list for a comma-separated option (forwarded-allow-ips = ["a", "b"]).
+            if not all(isinstance(item, str) for item in value):
+                raise ValueError("give a list of strings, or one string of comma-separated items")
+            value = ",".join(value)
         try:
             param.type_cast_value(ctx, value)
         except click.BadParameter as exc:

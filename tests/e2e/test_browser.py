@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import httpx
 import orjson
@@ -126,6 +127,20 @@ def test_allowed_hosts_adds_names_and_star_allows_any(
     assert code_of(refused) == "host_not_allowed"
     anyone = start_gateway({"fake": fake.url}, "--allowed-hosts", "*")
     assert request(http, anyone, "GET", "/v1/models", host="blazar").status_code == 200
+
+
+def test_allowed_hosts_from_the_config_file_as_a_list_or_a_string(
+    start_gateway: StartGateway, fake: FakeEngine, http: httpx.Client, tmp_path: Path
+) -> None:
+    """The file's [gateway] allowed-hosts takes a TOML list or a comma-separated string."""
+    for value in ('["llm.example.com", "blazar"]', '"llm.example.com,blazar"'):
+        path = tmp_path / "gateway.toml"
+        path.write_text(f'[gateway]\nallowed-hosts = {value}\n[models.fake]\nupstream = "{fake.url}"\n')
+        gateway = start_gateway({}, "--config", str(path))
+        for host in ("llm.example.com", "blazar:8000"):
+            assert request(http, gateway, "GET", "/v1/models", host=host).status_code == 200, (value, host)
+        assert request(http, gateway, "GET", "/v1/models", host="other.example").status_code == 403
+        gateway.stop()
 
 
 def test_a_bad_allowed_host_is_an_error_at_start(start_gateway: StartGateway, fake: FakeEngine) -> None:
