@@ -81,7 +81,10 @@ def _configured(text: str) -> bytes:
             raw = b""
     name = host_name(raw)
     if name is None or not (_NAME.fullmatch(name) or _is_address(name)):
-        raise ValueError(f"{text!r} is not a host name (give a name or an address, without a scheme)")
+        raise ValueError(
+            f"{text!r} is not a host name: give names or addresses without a scheme or path "
+            "(llm.example.com, 10.0.0.7), or * alone for any"
+        )
     return name
 
 
