@@ -26,8 +26,9 @@ from proxy import __version__
 from proxy.accesslog import AccessLog
 from proxy.asgi import Message, Receive, Scope, Send, send_json
 from proxy.auth import PUBLIC_PATHS, ApiKeys
+from proxy.browser import AllowedHosts, BrowserChecks
 from proxy.cors import Cors
-from proxy.errors import echo, error_body
+from proxy.errors import HTTPError, echo, error_body
 from proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from proxy.metrics import Metrics
 from proxy.relay import ENDPOINTS, Relay, RelaySettings, RequestIds, server_timing
@@ -70,24 +71,42 @@ class Gateway:
         keys: ApiKeys | None = None,
         state: GatewayState | None = None,
         cors: Cors | None = None,
+        hosts: AllowedHosts | None = None,
     ) -> None:
         self.relay = relay
         self.admin = admin
         self.keys = keys or ApiKeys(())
         self.state = state or GatewayState()
         self.cors = cors or Cors(())
+        self.browser = BrowserChecks(hosts or AllowedHosts(()), self.cors)
         # Asked once: each is a Python __bool__ the request would otherwise call.
         self._with_keys = bool(self.keys)
         self._with_cors = bool(self.cors)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self._with_cors and scope["type"] == "http":
-            origin = self.cors.origin_of(scope)
-            if self.cors.is_preflight(scope):
-                await self._preflight(scope, send, origin)
+        if scope["type"] == "http":
+            # Before anything else, the probes and the preflights included: DNS rebinding, foreign origins.
+            refusal = self.browser.refusal(scope)
+            if refusal is not None:
+                await self._refuse(scope, send, refusal)
                 return
-            send = self.cors.marking(send, origin)
+            if self._with_cors:
+                origin = self.cors.origin_of(scope)
+                if self.cors.is_preflight(scope):
+                    await self._preflight(scope, send, origin)
+                    return
+                send = self.cors.marking(send, origin)
         await self._dispatch(scope, receive, send)
+
+    async def _refuse(self, scope: Scope, send: Send, refusal: HTTPError) -> None:
+        started = perf_counter()
+        headers = [
+            # The answer depends on the Origin: no cache may give it to another.
+            (b"vary", b"Origin"),
+            (b"x-request-id", self.relay.request_id_of(scope)),
+            server_timing(started),
+        ]
+        await send_json(send, refusal.status, refusal.body(), headers)
 
     async def _preflight(self, scope: Scope, send: Send, origin: bytes | None) -> None:
         if origin is None:
@@ -176,6 +195,7 @@ def build_app(
     metrics: Metrics | None = None,
     access_log: AccessLog | None = None,
     cors: Cors | None = None,
+    hosts: AllowedHosts | None = None,
 ) -> Gateway:
     """Build the gateway for a routing table and the relay's settings, resolved before.
 
@@ -209,7 +229,7 @@ def build_app(
         exception_handlers={HTTPException: _http_exception, Exception: _unexpected},
         lifespan=lifespan,
     )
-    return Gateway(relay, admin, api_keys, state, cors)
+    return Gateway(relay, admin, api_keys, state, cors, hosts)
 
 
 class _AdminRoutes:

@@ -38,6 +38,7 @@ CATALOGUE: dict[str, tuple[str, ...]] = {
         "a client that leaves mid-request",
         "a client that stops reading, or reads slowly",
         "idle keep-alive connections",
+        "a web page: DNS rebinding and cross-origin requests",
     ),
     "upstreams": (
         "connection refused",

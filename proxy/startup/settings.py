@@ -285,6 +285,15 @@ class Settings:
         metavar="ORIGIN",
         multiple=True,
     )
+    allowed_hosts: tuple[str, ...] = _setting(
+        (),
+        "--allowed-hosts",
+        "Comma-separated names this gateway is reached by, beyond localhost (and *.localhost), any IP "
+        "address and --host: a request whose Host names another gets 403 (DNS rebinding). "
+        "* allows any (behind a proxy that checks Host itself).",
+        metavar="NAMES",
+        commas=True,
+    )
     access_log: bool = _setting(
         True,
         "--access-log/--no-access-log",
@@ -317,3 +326,8 @@ class Settings:
 def flags() -> list[tuple[str, Flag]]:
     """Each settable field's name and flag, in ``--help``'s order."""
     return [(f.name, f.metadata["flag"]) for f in dataclasses.fields(Settings) if "flag" in f.metadata]
+
+
+def variables() -> frozenset[str]:
+    """Every setting's ``BLAZAR_*`` variable: the gateway's own (API keys among them), no engine child's."""
+    return frozenset(flag.envvar for _, flag in flags())

@@ -24,7 +24,7 @@ def open_request(gateway: Running, fake_header: str, **fields: object) -> socket
     payload = orjson.dumps(chat(**fields))
     sock = socket.create_connection(("127.0.0.1", gateway.port), timeout=10)
     sock.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         b"x-fake: %s\r\nContent-Length: %d\r\n\r\n" % (fake_header.encode(), len(payload)) + payload
     )
     return sock

@@ -288,7 +288,7 @@ def test_client_leaving_a_during_prefill_closes_b_and_the_engine(
     a, _ = chain
     body = orjson.dumps({"model": "fake", "messages": MESSAGES, "stream": True})
     head = (
-        f"POST {CHAT} HTTP/1.1\r\nhost: a\r\ncontent-type: application/json\r\n"
+        f"POST {CHAT} HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n"
         f"content-length: {len(body)}\r\nx-fake: prefill=30\r\nx-request-id: leaves-in-prefill\r\n\r\n"
     )
     with socket.create_connection(("127.0.0.1", a.port), timeout=10) as sock:

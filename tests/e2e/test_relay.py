@@ -70,7 +70,7 @@ def test_hop_by_hop_headers_do_not_cross(gateway: Running, fake: FakeEngine) -> 
     """Connection, the fields it names, Keep-Alive, TE and Proxy-* stay on the client's hop."""
     body = orjson.dumps(chat())
     request = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway.example\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
         b"Connection: keep-alive, X-Secret-Hop\r\nX-Secret-Hop: 1\r\nKeep-Alive: timeout=5\r\n"
         b"TE: trailers\r\nProxy-Authorization: Basic eA==\r\nUpgrade: h2c\r\n"
         b"Authorization: Bearer k\r\nX-End-To-End: yes\r\n"
