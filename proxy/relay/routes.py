@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 from proxy.admission import Admission
 from proxy.affinity import Affinity
-from proxy.health import Checked, HealthChecks, PeerHealth
+from proxy.health import Checked, HealthChecks, PeerHealth, Probe
 from proxy.metrics import Metrics, ModelMetrics, ReplicaSample
 from proxy.payload import RequestGuards
 from proxy.pool import Pool
@@ -203,7 +203,13 @@ class Routes:
                 # An engine child is watched by its manager, not by the active checks
                 # (proxy/health.py): ejected, it comes back by time or by a new start.
                 active = checked and replica.gate is None
-                health = PeerHealth(f"{route.model} {name}", active=active, on_eject=forget)
+                probe = Probe(
+                    replica.upstream,
+                    route.model,
+                    self._settings.first_byte_timeout_s,
+                    self._settings.connect_timeout_s,
+                )
+                health = PeerHealth(f"{route.model} {name}", active=active, on_eject=forget, probe=probe)
             peers.append(Peer(pool, replica.upstream.host_header, targets, replica.gate, name, health))
         return RouteEntry(
             tuple(peers),
