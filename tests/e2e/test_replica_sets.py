@@ -249,6 +249,8 @@ def test_every_replica_out_is_503_with_retry_after(
             assert response.headers["retry-after"]
             error = response.json()["error"]
             assert error["message"] and error["code"] in ("no_healthy_replica", "upstream_unavailable")
+        # /readyz follows at the next timed check of the upstreams.
+        wait_until(lambda: client.get("/readyz").status_code == 503, "/readyz says the set is out")
         ready = client.get("/readyz")
         assert ready.status_code == 503 and ready.json()["models"] == {"m": "unreachable"}
 
