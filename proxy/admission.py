@@ -44,6 +44,16 @@ class Admission:
             return True
         return False
 
+    def set_limit(self, limit: int | None) -> None:
+        """A reload's new limit, applied to these same slots and queue: the requests in flight
+        still count, and waiters take, in order, the slots a higher limit frees."""
+        self.limit = limit
+        while self._waiters and (limit is None or self.in_flight < limit):
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                self.in_flight += 1
+                waiter.set_result(None)
+
     def wait_for_load(self, model: str) -> None:
         """Count one more request waiting for the model to load, or raise 429 when too many do."""
         # The request that starts the load always may wait for it (even with

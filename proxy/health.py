@@ -384,7 +384,8 @@ class HealthChecks:
         for key, replicas in self._sets.items():
             if key not in self._tasks:
                 self._tasks[key] = asyncio.get_running_loop().create_task(
-                    _check_set(replicas, self.interval_s), name=f"health {getattr(key, 'model', key)}"
+                    _check_set(replicas, self.interval_s),
+                    name=f"health {replicas[0].health.name if replicas else key}",
                 )
 
     async def stop(self) -> None:

@@ -103,3 +103,25 @@ async def test_no_limit_means_no_queue() -> None:
     for _ in range(1000):
         admission.leave()
     assert admission.in_flight == 0
+
+
+async def test_a_new_limit_applies_to_the_same_slots_and_queue() -> None:
+    """A reload's limit: the requests in flight still count; a higher one lets the queue in, in order."""
+    admission = Admission(1, max_queued=5, queue_timeout_s=5)
+    assert admission.try_enter()
+    order: list[int] = []
+
+    async def wait(i: int) -> None:
+        await admission.enter("m")
+        order.append(i)
+
+    waiters = [asyncio.create_task(wait(i)) for i in range(3)]
+    await asyncio.sleep(0.01)
+    admission.set_limit(1)  # unchanged: nobody moves, a newcomer still queues
+    assert admission.in_flight == 1 and admission.queued == 3 and not admission.try_enter()
+    admission.set_limit(3)
+    await asyncio.sleep(0.01)
+    assert order == [0, 1] and admission.in_flight == 3 and admission.queued == 1
+    admission.set_limit(None)  # no limit: the rest go at once
+    await asyncio.gather(*waiters)
+    assert order == [0, 1, 2] and admission.in_flight == 4 and admission.queued == 0

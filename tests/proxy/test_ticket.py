@@ -186,3 +186,20 @@ async def test_moving_a_request_takes_an_untried_peer_and_moves_its_count() -> N
     assert ticket.move(entry, {}, tried) is None
     ticket.release()
     assert [p.in_flight for p in entry.peers] == [0, 0, 0]
+
+
+def test_a_route_changed_only_in_aliases_or_limit_keeps_its_entry() -> None:
+    """A reload that changes a model's aliases or limit keeps its admission (with the new limit), its
+    peers and its counters; one that changes its upstream gets a new entry."""
+    address = UpstreamAddress("127.0.0.1", 9000)
+    route = Route(model="m", upstream=address, guards=Guards(), max_in_flight=1)
+    routes = Routes(Settings(max_queued=4, queue_timeout_s=5, connect_timeout_s=1.0), None)
+    before = routes.update(RoutingTable([route]))["m"]
+    assert before.admission.try_enter()
+    retuned = Route(model="m", upstream=address, guards=Guards(), max_in_flight=2, aliases=("alias",))
+    after = routes.update(RoutingTable([retuned]))
+    assert after["m"] is before and after["alias"].admission is before.admission
+    assert after["alias"].rename == "m"
+    assert before.admission.limit == 2 and before.admission.in_flight == 1
+    moved = Route(model="m", upstream=UpstreamAddress("127.0.0.1", 9001), guards=Guards(), max_in_flight=2)
+    assert routes.update(RoutingTable([moved]))["m"].admission is not before.admission
