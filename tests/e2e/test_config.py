@@ -567,17 +567,21 @@ def test_reload_changing_only_an_alias_keeps_the_models_queue(
     gateway = start_gateway({}, "--config", str(path))
     stream = streams.submit(stream_body, gateway.url, "a", "chunks=30; chunk-delay=0.1")
     fake.wait_for_record(lambda r: r["stream"] is True)
+
+    def queued_are(count: int) -> Callable[[], bool]:
+        return lambda: _gauge(gateway, http, "blazar_queue_depth", "a") == count
+
     queued = []
     for index in range(2):
         queued.append(streams.submit(_ask_marked, gateway.url, "a", f"queued {index}"))
-        wait_until(lambda: _gauge(gateway, http, "blazar_queue_depth", "a") == index + 1, "queued")
+        wait_until(queued_are(index + 1), f"{index + 1} queued")
 
     write_config(path, model_table("a", fake, "alias") + "max-in-flight = 1\n")
     assert "reload: " in hang_up(gateway)
     assert _gauge(gateway, http, "blazar_requests_in_flight", "a") == 1
     assert _gauge(gateway, http, "blazar_queue_depth", "a") == 2
     after = streams.submit(_ask_marked, gateway.url, "alias", "after the reload")
-    wait_until(lambda: _gauge(gateway, http, "blazar_queue_depth", "a") == 3, "the third queued")
+    wait_until(queued_are(3), "the third queued")
     assert [r["stream"] for r in fake.records()] == [True]  # nothing overtook the stream
 
     assert [f.result(timeout=30) for f in (*queued, after)] == [200, 200, 200]
@@ -585,6 +589,34 @@ def test_reload_changing_only_an_alias_keeps_the_models_queue(
     assert sse_events(raw)[-1] == b"data: [DONE]"
     order = [orjson.loads(r["body"])["messages"][0]["content"] for r in fake.records()[1:]]
     assert order == ["queued 0", "queued 1", "after the reload"]
+
+
+def test_sighup_with_a_config_path_that_blocks_leaves_livez_answering(
+    start_gateway: StartGateway, start_fake_engine: StartFakeEngine, http: httpx.Client, tmp_path: Path
+) -> None:
+    """The file replaced by a FIFO nobody writes: SIGHUP's read waits off the event loop, so /livez
+    and requests still answer; once the FIFO is written, the reload applies what it says."""
+    fake = start_fake_engine()
+    path = tmp_path / "blazar.toml"
+    write_config(path, model_table("a", fake))
+    gateway = start_gateway({}, "--config", str(path))
+    fifo = tmp_path / "blazar.fifo"
+    os.mkfifo(fifo)
+    os.replace(fifo, path)
+    gateway.proc.send_signal(signal.SIGHUP)
+    wait_until(lambda: "reload: reading" in gateway.log(), "the reload starts reading")
+    for _ in range(5):
+        assert http.get(gateway.url + "/livez", timeout=3).status_code == 200
+        time.sleep(0.1)
+    assert ask(gateway, http, "a").status_code == 200
+    assert reload_outcomes(gateway) == []  # still reading
+
+    # The reader waits in open(): this open for writing meets it at once.
+    with path.open("w", encoding="utf-8") as writer:
+        writer.write(model_table("a", fake) + model_table("b", fake))
+    wait_until(lambda: bool(reload_outcomes(gateway)), "the reload ends")
+    assert reload_outcomes(gateway)[-1].split("reload: ", 1)[1] == "started b"
+    assert ask(gateway, http, "b").status_code == 200
 
 
 def test_sighup_without_changes_changes_nothing(
