@@ -246,6 +246,14 @@ class PeerHealth:
         self.reason = f"its own test request still fails: {problem}"
         self._timer = asyncio.get_running_loop().call_later(REJOIN_S, self._try_again)
 
+    def back_in_s(self) -> float | None:
+        """When an ejected replica is next tried (a probe, or rejoining), in seconds from now; None
+        when that is a check's to say (the next within the check interval) or it is in rotation."""
+        timer = self._timer
+        if self.up or timer is None:
+            return None
+        return max(0.0, timer.when() - asyncio.get_running_loop().time())
+
     def passed(self) -> None:
         """A check passed: back in rotation, unless its probe ejected it (its generations may
         fail while its health route passes)."""
