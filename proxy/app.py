@@ -29,16 +29,13 @@ from proxy.auth import PUBLIC_PATHS, ApiKeys
 from proxy.browser import AllowedHosts, BrowserChecks
 from proxy.cors import Cors
 from proxy.errors import HTTPError, echo, error_body
+from proxy.health import DEFAULT_INTERVAL_S
 from proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from proxy.metrics import Metrics
+from proxy.readiness import NOT_CHECKED, Readiness
 from proxy.relay import ENDPOINTS, Relay, RelaySettings, RequestIds, server_timing
 from proxy.routing import Route as RouteConfig
-from proxy.routing import RoutingTable, UpstreamAddress
-
-_PROBE_TIMEOUT_S = 1.0
-# The /readyz answer of a static upstream is awaited this long at most, so that
-# the gateway's own /readyz stays inside a 1 s probe timeout (Kubernetes').
-_PROBE_READ_S = 0.3
+from proxy.routing import RoutingTable
 
 
 @dataclass
@@ -206,7 +203,9 @@ def build_app(
     """
     state = GatewayState()
     relay = Relay(table, settings, metrics, access_log)
-    routes = _AdminRoutes(relay, state, cors, metrics)
+    # The static upstreams' readiness, checked at most as often as a replica set's servers are.
+    readiness = Readiness(lambda: relay.table, settings.health_interval_s or DEFAULT_INTERVAL_S)
+    routes = _AdminRoutes(relay, state, cors, metrics, readiness)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -217,6 +216,7 @@ def build_app(
             yield
         finally:
             try:
+                await readiness.stop()
                 await relay.checks.stop()
                 if on_shutdown is not None:
                     await on_shutdown()
@@ -235,8 +235,16 @@ def build_app(
 class _AdminRoutes:
     """What the gateway answers itself: the model list, load and unload, the probes, metrics, version."""
 
-    def __init__(self, relay: Relay, state: GatewayState, cors: Cors | None, metrics: Metrics | None) -> None:
+    def __init__(
+        self,
+        relay: Relay,
+        state: GatewayState,
+        cors: Cors | None,
+        metrics: Metrics | None,
+        readiness: Readiness,
+    ) -> None:
         self.relay = relay
+        self.readiness = readiness
         self.state = state
         self.cors = cors
         self.metrics = metrics
@@ -340,19 +348,18 @@ class _AdminRoutes:
     async def readyz(self, request: Request) -> Response:
         if self.state.draining:
             return _json(503, b'{"status":"draining","reason":"the gateway is shutting down"}')
-        return await _readiness(self.relay.table)
+        return await _readiness(self.relay.table, self.readiness)
 
 
-async def _readiness(table: RoutingTable) -> Response:
+async def _readiness(table: RoutingTable, readiness: Readiness) -> Response:
     """200 when at least one model can be served now.
 
     An engine model counts when a child of it is ready, or when it is
     unloaded (its first request starts it); a static upstream when it
-    accepts a TCP connection (the one check every OpenAI server passes).
+    accepted a TCP connection at its last check (``proxy.readiness``: at
+    most one round of checks per interval, however many calls come).
     """
-    static = list(dict.fromkeys(b.upstream for r in table if r.gate is None for b in r.all_replicas))
-    results = await asyncio.gather(*(_reachable(a) for a in static))
-    reachable = dict(zip(static, results, strict=True))
+    reachable = await readiness.problems()
     models: dict[str, str] = {}
     reasons: set[str] = set()
     for route in table:
@@ -363,7 +370,7 @@ async def _readiness(table: RoutingTable) -> Response:
                 reasons.add(f"{route.model}: engine child is not ready")
         else:
             # A replica set is ready while one of its servers is.
-            problems = [reachable[b.upstream] for b in route.all_replicas]
+            problems = [reachable.get(b.upstream, NOT_CHECKED) for b in route.all_replicas]
             ready = None in problems
             models[route.model] = "ready" if ready else "unreachable"
             if not ready:
@@ -383,42 +390,6 @@ async def _readiness(table: RoutingTable) -> Response:
             headers={"retry-after": "2"},
         )
     return _json(200, orjson.dumps({"status": "ready", "models": models}))
-
-
-async def _reachable(address: UpstreamAddress) -> str | None:
-    """None if the upstream can take requests, else why not.
-
-    It must accept a TCP connection (the one check every OpenAI server
-    passes). If it then answers ``GET /readyz`` with 503, it says itself that
-    it cannot: another gateway that is draining, behind this one. Any other
-    answer, or none within ``_PROBE_READ_S``, counts as ready, since most
-    servers have no /readyz (only a prompt 503 counts).
-    """
-    host = address.host_header.decode()
-    try:
-        async with asyncio.timeout(_PROBE_TIMEOUT_S):
-            reader, writer = await asyncio.open_connection(address.host, address.port)
-    except TimeoutError:
-        return f"{host}: no answer within {_PROBE_TIMEOUT_S:g} s"
-    except OSError as exc:
-        return f"{host}: {exc.strerror or exc}"
-    try:
-        writer.write(
-            b"GET %s/readyz HTTP/1.1\r\nhost: %s\r\nconnection: close\r\n\r\n"
-            % (address.prefix.encode(), address.host_header)
-        )
-        async with asyncio.timeout(_PROBE_READ_S):
-            status_line = await reader.readline()
-    except (TimeoutError, OSError):
-        return None
-    finally:
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
-    parts = status_line.split()
-    if len(parts) >= 2 and parts[1] == b"503":
-        return f"{host}: its /readyz answers 503 (it is draining or has nothing ready)"
-    return None
 
 
 def _json(status: int, body: bytes, headers: Mapping[str, str] | None = None) -> Response:

@@ -72,6 +72,7 @@ CATALOGUE: dict[str, tuple[str, ...]] = {
     "fleet": (
         "a server of a set that dies and comes back",
         "a server of a set that answers 5xx",
+        "requests whose own content fails on every server",
         "a set with every server out",
     ),
     "balancers": (

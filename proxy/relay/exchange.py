@@ -90,12 +90,13 @@ class Exchange:
                 else:
                     await conn.read_head(self._head_timeout_s)
             except UpstreamError as exc:
-                if health is not None:
-                    health.answered(exc.status)
+                if health is not None and exc.status >= 500:
+                    # Suspect only: the request's own content may be the cause (its probe decides).
+                    health.answered(exc.status, peer.targets[scope["path"]])
                 await self._head_failed(conn, send, outcome, exc)
                 return None
-            if health is not None:
-                health.answered(conn.status)
+            if health is not None and conn.status >= 500:
+                health.answered(conn.status, peer.targets[scope["path"]])
             await self._respond(conn, scope, send, outcome)
         except ClientGone:
             outcome.client_gone = True

@@ -95,7 +95,8 @@ class Relay:
                 else:
                     await self._run_on_set(scope, receive, send, ticket, entry, doc, body, outcome)
         finally:
-            ticket.release()
+            # outcome.started: when its slot was taken (after any wait for it, or for a load).
+            ticket.release(outcome.started)
         if outcome.refusal is not None:
             outcome.bytes_out = await refuse(send, outcome.refusal, outcome.request_id, outcome.started)
         outcome.record(scope, self._metrics, self._access)

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 from proxy.admission import Admission
 from proxy.affinity import Affinity
-from proxy.health import Checked, HealthChecks, PeerHealth
+from proxy.health import Checked, HealthChecks, PeerHealth, Probe
 from proxy.metrics import Metrics, ModelMetrics, ReplicaSample
 from proxy.payload import RequestGuards
 from proxy.pool import Pool
@@ -104,6 +104,12 @@ class RouteEntry(NamedTuple):
     affinity: Affinity | None = None
 
 
+def engine_side(route: Route) -> tuple[object, ...]:
+    """What a route's entry is built from, but for its aliases and its limit: an entry whose route
+    changed only in those is kept (its admission gets the new limit)."""
+    return (route.model, route.upstream, route.gate, route.guards, route.replicas)
+
+
 def least_busy(peers: tuple[Peer, ...], skip: Collection[Peer] = ()) -> Peer | None:
     """The available peer with the fewest requests in flight; ties go to the one that served fewest."""
     best: Peer | None = None
@@ -149,14 +155,26 @@ class Routes:
     def update(self, table: RoutingTable) -> dict[str, RouteEntry]:
         """Serve ``table`` from now on; return the new entries by name.
 
-        A route that is unchanged keeps its entry: its admission queue, its
-        requests in flight and its pooled connections carry on untouched.
+        A route that is unchanged, or changed only in its aliases or its
+        limit, keeps its entry: its admission queue, its requests in flight,
+        its counters and its pooled connections carry on (a new limit applies
+        to the same admission).
         Requests already past the lookup finish on the entry they found.
         """
         built: dict[Route, RouteEntry] = {}
         by_name: dict[str, RouteEntry] = {}
+        # A route whose engine side is the same (its aliases or limit changed) keeps its entry too.
+        running = {engine_side(r): e for r, e in self._built.items()}
         for route in table:
-            entry = self._built.get(route) or self._entry(route)
+            entry = self._built.get(route)
+            if entry is None:
+                entry = running.get(engine_side(route))
+                if entry is not None:
+                    # The same slots and queue, under the new limit: nothing in flight or
+                    # queued is forgotten or overtaken.
+                    entry.admission.set_limit(route.max_in_flight)
+                else:
+                    entry = self._entry(route)
             built[route] = entry
             by_name[route.model] = entry
             for alias in route.aliases:
@@ -167,10 +185,11 @@ class Routes:
                 # Requests still on it finish; their connections are closed on release.
                 self.pools.pop(address).close()
         self.table, self._built, self.by_name = table, built, by_name
-        # Keyed by route: a reload that rebuilds a model's route checks its new peers.
+        # Keyed by the entry's peers: a reload that rebuilds a model's route checks its new peers,
+        # one that keeps them keeps their checks.
         self.checks.watch(
             (
-                route,
+                e.peers,
                 tuple(
                     Checked(r.upstream, p.health, r.gate)
                     for r, p in zip(route.all_replicas, e.peers, strict=True)
@@ -203,7 +222,13 @@ class Routes:
                 # An engine child is watched by its manager, not by the active checks
                 # (proxy/health.py): ejected, it comes back by time or by a new start.
                 active = checked and replica.gate is None
-                health = PeerHealth(f"{route.model} {name}", active=active, on_eject=forget)
+                probe = Probe(
+                    replica.upstream,
+                    route.model,
+                    self._settings.first_byte_timeout_s,
+                    self._settings.connect_timeout_s,
+                )
+                health = PeerHealth(f"{route.model} {name}", active=active, on_eject=forget, probe=probe)
             peers.append(Peer(pool, replica.upstream.host_header, targets, replica.gate, name, health))
         return RouteEntry(
             tuple(peers),

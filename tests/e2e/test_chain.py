@@ -243,7 +243,9 @@ def test_draining_b_reaches_the_client_as_503_draining_with_retry_after(
     hold(http, b, holding)
     b.proc.send_signal(signal.SIGTERM)
     wait_until(lambda: http.get(b.url + "/readyz").status_code == 503, 10, "B drains")
-    # A's own readiness follows B's, so a balancer in front of A stops sending it requests.
+    # A's own readiness follows B's (at A's next timed check), so a balancer in front of A stops
+    # sending it requests.
+    wait_until(lambda: http.get(a.url + "/readyz").status_code == 503, 10, "A sees B drain")
     ready = http.get(a.url + "/readyz")
     assert ready.status_code == 503, ready.text
     assert "/readyz answers 503" in ready.json()["reason"]
