@@ -50,7 +50,8 @@ class Relay:
         self.request_id_of = RequestIds()
         self._drain = Drain()
         self._exchange = Exchange(settings, self._drain)
-        self._max_body_bytes = settings.max_body_bytes
+        # A body larger than the whole budget could never be served: 413, not a 503 to retry forever.
+        self._max_body_bytes = min(settings.max_body_bytes, settings.body_budget_bytes)
         self.body_budget = BodyBudget(settings.body_budget_bytes)
         self._load_wait_s = settings.load_wait_s
 

@@ -172,7 +172,8 @@ def over_budget(limit_bytes: int) -> HTTPError:
 def too_large(limit: int) -> HTTPError:
     return HTTPError(
         413,
-        f"request body is larger than the limit of {limit} bytes (the gateway's --max-body-bytes)",
+        f"request body is larger than the limit of {limit} bytes "
+        "(the gateway's --max-body-bytes, or its --body-budget-bytes if smaller)",
         code="request_too_large",
         headers=((b"connection", b"close"),),
     )
