@@ -52,7 +52,7 @@ class Relay:
         self._exchange = Exchange(settings, self._drain)
         # A body larger than the whole budget could never be served: 413, not a 503 to retry forever.
         self._max_body_bytes = min(settings.max_body_bytes, settings.body_budget_bytes)
-        self.body_budget = BodyBudget(settings.body_budget_bytes)
+        self._body_budget = BodyBudget(settings.body_budget_bytes)
         self._load_wait_s = settings.load_wait_s
 
     @property
@@ -71,7 +71,7 @@ class Relay:
         """One request: read, parse, admit, exchange, record."""
         outcome = Outcome(self.request_id_of(scope))
         ticket = Ticket()
-        body = RequestBody(self.body_budget)
+        body = RequestBody(self._body_budget)
         try:
             try:
                 await read_request(scope, receive, self._max_body_bytes, body)
