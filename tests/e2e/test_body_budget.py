@@ -130,3 +130,14 @@ def test_a_body_in_flight_costs_about_its_own_size(fake: FakeEngine, start_gatew
         assert [f.result().status_code for f in sent] == [200] * count
     grown = peak - base
     assert grown < 2 * count * size / MIB, f"{grown:.0f} MiB for {count} bodies of {size // MIB} MiB"
+
+
+def test_a_body_larger_than_the_whole_budget_gets_413_not_a_503_to_retry(
+    fake: FakeEngine, start_gateway: StartGateway
+) -> None:
+    """With a budget below --max-body-bytes, a body that could never fit is too large (413), not retried."""
+    gateway = start_gateway({"fake": fake.url}, "--body-budget-bytes", str(MIB))
+    response = post(gateway, body_of(2 * MIB))
+    assert response.status_code == 413, response.text
+    assert "--body-budget-bytes" in response.json()["error"]["message"]
+    assert post(gateway, body_of(MIB // 2)).status_code == 200
