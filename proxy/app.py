@@ -340,7 +340,7 @@ class _AdminRoutes:
 
     async def metrics_route(self, request: Request) -> Response:
         assert self.metrics is not None
-        return Response(self.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+        return Response(await self.metrics.render_off_loop(), media_type=METRICS_CONTENT_TYPE)
 
     async def livez(self, request: Request) -> Response:
         return _json(200, b'{"status":"ok"}')

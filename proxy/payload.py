@@ -48,7 +48,7 @@ class RequestGuards(Protocol):
     def stream_cannot_carry(self) -> tuple[str, ...]: ...
 
 
-def parse_request(body: bytes) -> tuple[str, dict[str, Any]]:
+def parse_request(body: bytes | bytearray) -> tuple[str, dict[str, Any]]:
     """The ``model`` field and the parsed body, or a 400."""
     if not body:
         raise HTTPError(400, "request body is empty; expected a JSON object", code="invalid_json")

@@ -307,7 +307,7 @@ class Connection(asyncio.Protocol):
 
     # -- used by the relay --------------------------------------------------
 
-    def send(self, head: bytes, body: bytes) -> None:
+    def send(self, head: bytes, body: bytes | bytearray) -> None:
         """Write one request; the connection must be NEW or IDLE."""
         assert self._transport is not None
         self._reset()

@@ -58,11 +58,17 @@ CATALOGUE: dict[str, tuple[str, ...]] = {
         "a child stopped: its group killed and reaped",
         "requests that would break the engine",
         "a replica that fails",
+        "a child's log on a full disk",
+        "a built-in model's conversion interrupted",
+        "a child stopped while the gateway stops",
     ),
     "overload": (
         "the limit and the queue: 429 and 503 with Retry-After",
         "slots released on every path, cancelled waiters too",
         "out of file descriptors",
+        "idle upstream connections, closed on a timer",
+        "request bodies past the gateway's budget",
+        "a large /metrics scrape while streams run",
     ),
     "drain": (
         "SIGTERM with requests in flight",

@@ -31,6 +31,7 @@ from proxy.relay.failures import KEPT_ON_ERRORS, read_error_body, send_upstream_
 from proxy.relay.heartbeat import await_head_with_heartbeats, continue_stream
 from proxy.relay.out import writer_for
 from proxy.relay.outcome import Outcome
+from proxy.relay.request import RequestBody
 from proxy.relay.routes import Peer
 from proxy.relay.settings import RelaySettings
 from proxy.relay.sse import relay_events
@@ -58,25 +59,28 @@ class Exchange:
         receive: Receive,
         send: Send,
         peer: Peer,
-        body: bytes,
+        body: RequestBody,
         outcome: Outcome,
         *,
         may_move: bool = False,
     ) -> ConnectFailed | None:
         """Send ``body`` to ``peer`` and relay its answer; ``outcome`` says how it went.
 
+        Once the upstream has answered (it has read the request), the body is
+        dropped: a long generation does not hold it, nor its budget.
+
         With ``may_move`` (a peer of several), a connection that could not be
         opened is returned unanswered: nothing was sent, so the caller may
         send the request to another peer. Otherwise None: the client is answered.
         """
-        head = self._request_head(scope, peer, len(body), outcome.request_id)
+        head = self._request_head(scope, peer, len(body.data), outcome.request_id)
         conn = await self._open(send, peer, outcome, may_move)
         if not isinstance(conn, Connection):
             return conn
         drain, pool, health = self._drain, peer.pool, peer.health
         # No retry once the request is written: the upstream may have acted
         # on it. Dead idle connections are weeded out by acquire() instead.
-        conn.send(head, body)
+        conn.send(head, body.data)
         outcome.sent_at = perf_counter()
         guards, arm_stall_watch = arm_guards(conn, outcome, scope, self._total_timeout_s, self._send_stall_s)
         watch = ClientWatch(receive, conn, arm_stall_watch)
@@ -90,11 +94,13 @@ class Exchange:
                 else:
                     await conn.read_head(self._head_timeout_s)
             except UpstreamError as exc:
+                body.drop()
                 if health is not None and exc.status >= 500:
                     # Suspect only: the request's own content may be the cause (its probe decides).
                     health.answered(exc.status, peer.targets[scope["path"]])
                 await self._head_failed(conn, send, outcome, exc)
                 return None
+            body.drop()
             if health is not None and conn.status >= 500:
                 health.answered(conn.status, peer.targets[scope["path"]])
             await self._respond(conn, scope, send, outcome)

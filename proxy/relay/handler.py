@@ -19,7 +19,7 @@ from proxy.relay.exchange import Exchange
 from proxy.relay.failures import refuse
 from proxy.relay.ids import RequestIds
 from proxy.relay.outcome import Outcome
-from proxy.relay.request import read_request
+from proxy.relay.request import BodyBudget, RequestBody, read_request
 from proxy.relay.routes import ENDPOINTS, Peer, RouteEntry, Routes
 from proxy.relay.settings import RelaySettings
 from proxy.relay.ticket import Ticket
@@ -50,7 +50,9 @@ class Relay:
         self.request_id_of = RequestIds()
         self._drain = Drain()
         self._exchange = Exchange(settings, self._drain)
-        self._max_body_bytes = settings.max_body_bytes
+        # A body larger than the whole budget could never be served: 413, not a 503 to retry forever.
+        self._max_body_bytes = min(settings.max_body_bytes, settings.body_budget_bytes)
+        self._body_budget = BodyBudget(settings.body_budget_bytes)
         self._load_wait_s = settings.load_wait_s
 
     @property
@@ -69,12 +71,13 @@ class Relay:
         """One request: read, parse, admit, exchange, record."""
         outcome = Outcome(self.request_id_of(scope))
         ticket = Ticket()
+        body = RequestBody(self._body_budget)
         try:
             try:
-                body = await read_request(scope, receive, self._max_body_bytes)
+                await read_request(scope, receive, self._max_body_bytes, body)
                 # The client's upload time is not the gateway's.
                 outcome.started = outcome.arrived = perf_counter()
-                entry, doc, rewrite = self._parse(body, scope["path"], outcome)
+                entry, doc, rewrite = self._parse(body.data, scope["path"], outcome)
                 peer = ticket.take(entry, doc) or await ticket.admit(
                     entry, doc, outcome, receive, self._drain, self._load_wait_s
                 )
@@ -84,17 +87,20 @@ class Relay:
                     rewrite = True
                 if rewrite:
                     # The one case besides aliases where the body is not the client's bytes.
-                    body = orjson.dumps(doc)
+                    body.replace(orjson.dumps(doc))
             except HTTPError as exc:
                 outcome.refuse(exc)
             except ClientGone:
                 outcome.gone_early = True
             else:
                 if len(entry.peers) == 1:
+                    # The document's strings are the body a second time: only the bytes go on.
+                    del doc
                     await self._exchange.run(scope, receive, send, peer, body, outcome)
                 else:
                     await self._run_on_set(scope, receive, send, ticket, entry, doc, body, outcome)
         finally:
+            body.drop()
             # outcome.started: when its slot was taken (after any wait for it, or for a load).
             ticket.release(outcome.started)
         if outcome.refusal is not None:
@@ -109,7 +115,7 @@ class Relay:
         ticket: Ticket,
         entry: RouteEntry,
         doc: dict[str, Any],
-        body: bytes,
+        body: RequestBody,
         outcome: Outcome,
     ) -> None:
         """The exchange with one of several replicas: one that could not be connected to is
@@ -129,7 +135,9 @@ class Relay:
         if len(tried) > 1:
             outcome.upstreams = [p.addr for p in tried]
 
-    def _parse(self, body: bytes, path: str, outcome: Outcome) -> tuple[RouteEntry, dict[str, Any], bool]:
+    def _parse(
+        self, body: bytes | bytearray, path: str, outcome: Outcome
+    ) -> tuple[RouteEntry, dict[str, Any], bool]:
         """The request's route, its document, and whether the body must be re-serialised; 400 or 404."""
         model, doc = parse_request(body)
         entry = self._entries.get(model)

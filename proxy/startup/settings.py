@@ -132,6 +132,13 @@ class Settings:
         "Largest request body accepted; larger ones get 413.",
         low=1,
     )
+    body_budget_bytes: int = _setting(
+        256 * 1024 * 1024,
+        "--body-budget-bytes",
+        "Request-body bytes all requests may hold at once (a body is held while it is read and "
+        "until its upstream answers); a body past it gets 503 with Retry-After.",
+        low=1,
+    )
     connect_timeout_s: float = _setting(
         5.0,
         "--connect-timeout",

@@ -300,15 +300,13 @@ def _wait_for_log(gateway: EngineGateway, text: str, timeout_s: float = 30) -> N
         time.sleep(0.005)
 
 
-@pytest.mark.fault("drain", "a second and a third signal")
-def test_third_signal_kills_the_child_and_exits_130(engine_installed: None, logs_dir: Path) -> None:
-    """Three signals in a row: the gateway exits 130 at once and SIGKILLs its child itself.
+def _three_signals(gateway: EngineGateway) -> None:
+    """SIGTERM, SIGINT, SIGINT, each once the gateway has told of the one before, with a stream in flight.
 
-    Each signal is sent once the gateway has told of the one before: two SIGINTs that
-    arrive before Python runs its handler are one signal to it (a busy machine made a
-    20 ms spacing flaky). A stream in flight holds the drain open after the first.
+    Two SIGINTs that arrive before Python runs its handler are one signal to it
+    (a busy machine made a 20 ms spacing flaky). The stream holds the drain
+    open after the first.
     """
-    gateway = start_engine_gateway(logs_dir)
     body = {"model": DEMO, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4000}
     body["stream"] = True
     streamed = threading.Event()
@@ -331,10 +329,30 @@ def test_third_signal_kills_the_child_and_exits_130(engine_installed: None, logs
     gateway.proc.send_signal(signal.SIGINT)
     assert gateway.proc.wait(10) == 130
     client.join(10)
+
+
+@pytest.mark.fault("drain", "a second and a third signal")
+def test_third_signal_kills_the_child_and_exits_130(engine_installed: None, logs_dir: Path) -> None:
+    """Three signals in a row: the gateway exits 130 at once and SIGKILLs its child itself."""
+    gateway = start_engine_gateway(logs_dir)
+    _three_signals(gateway)
     deadline = time.monotonic() + 2.0
     while _pid_alive(gateway.child_pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _pid_alive(gateway.child_pid)
+
+
+@pytest.mark.fault("engines", "a child stopped while the gateway stops")
+def test_a_child_the_gateway_kills_as_it_stops_is_not_said_to_start_again(
+    engine_installed: None, logs_dir: Path
+) -> None:
+    """A child killed by the gateway's own last-resort stop is not logged as a crash that restarts."""
+    gateway = start_engine_gateway(logs_dir)
+    _three_signals(gateway)
+    log = gateway.log()
+    assert "second signal" in log  # the stop went the way the test means
+    assert "starting again" not in log, log
+    assert "exited with code -9" not in log, log
 
 
 @pytest.mark.fault("engines", "a child that crashes, hangs or turns unhealthy")
