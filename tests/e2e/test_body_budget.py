@@ -80,7 +80,7 @@ def test_a_client_that_leaves_mid_body_gives_its_budget_back(budget_gateway: Run
     """A body half sent holds its charge (others get 503) until its client hangs up; then it is given back."""
     sock = socket.create_connection(("127.0.0.1", budget_gateway.port))
     try:
-        head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         if framing == "content-length":
             # Charged in full as the head arrives; a sixth of it is sent.
             sock.sendall(head + b"Content-Length: %d\r\n\r\n" % (6 * MIB) + b"{" + b" " * MIB)
