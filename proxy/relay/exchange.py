@@ -197,6 +197,15 @@ class Exchange:
         headers = filter_response_headers(conn.headers)
         sse = is_event_stream_type(conn.content_type)
         if outcome.built is not None and status == 200 and sse:
+            if conn.content_encoding is not None:
+                conn.close()
+                message = (
+                    "upstream sent its event stream with Content-Encoding "
+                    f"{echo(conn.content_encoding.decode('latin-1'))}, which the gateway "
+                    "does not decode to build the reply"
+                )
+                await self._bad_response(send, outcome, head_at, message)
+                return
             await respond_built(conn, send, outcome, head_at, self._read_timeout_s)
             return
         if outcome.stream and 200 <= status < 300 and not sse:
@@ -236,9 +245,12 @@ class Exchange:
             headers.append((b"content-length", length))
         out = writer_for(scope, send)
         out.start(status, headers)
-        if sse:
+        if sse and conn.content_encoding is None:
             outcome.error = await relay_events(conn, out, outcome, self._read_timeout_s)
         else:
+            # A coded event stream (gzip...) is relayed as it came, its Content-Encoding
+            # with it: its events cannot be read, so no [DONE] is vouched for and no
+            # error event added; it goes out chunked, cut short if its upstream breaks.
             outcome.error = await relay_body(conn, out, outcome, self._read_timeout_s)
 
     async def _bad_response(self, send: Send, outcome: Outcome, head_at: float, message: str) -> None:
