@@ -149,10 +149,11 @@ class Exchange:
         headers = forward_request_headers(scope["headers"], self._request_drop)
         headers.append((b"x-request-id", request_id))
         headers.append((b"x-forwarded-for", self._trust.x_forwarded_for(scope)))
-        target = peer.targets[scope["path"]]
-        if scope["query_string"]:
-            target += b"?" + scope["query_string"]
-        return request_head(b"POST", target, peer.host_header, headers, length)
+        # The target is the endpoint's, without the client's query: the OpenAI endpoints
+        # take none, and mlx_lm.server answers 404 to a path with one (openai.AzureOpenAI
+        # adds ?api-version= to every request). Unlike nginx's proxy_pass, which is
+        # transparent to paths, the gateway serves fixed endpoints and writes the target.
+        return request_head(b"POST", peer.targets[scope["path"]], peer.host_header, headers, length)
 
     async def refuse(self, send: Send, outcome: Outcome, exc: UpstreamError) -> None:
         """Answer for an exchange that could not begin on any peer."""
