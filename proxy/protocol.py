@@ -36,8 +36,11 @@ client's transport (None for a wrapped ``send``). The head goes out with
 the first body bytes in one write, and each later piece in one call with no
 message dict, no coroutine and no await unless the client's buffer is full.
 It keeps uvicorn's response state (the cycle's own fields), so a response
-may mix it with ASGI ``send``, and it keeps uvicorn's flow control and its
-disconnect handling: once the client has gone, writes are dropped.
+may mix it with ASGI ``send``, and it keeps uvicorn's flow control. Once the
+client's connection is closed or closing, its writes raise ``ClientGone``
+(uvicorn's ``send`` drops them; the relay would count bytes nobody got). A
+response written through ``send`` after such a close finds
+``scope["extensions"]["blazar.gone"]`` set instead.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from uvicorn.protocols.http.httptools_impl import (
 
 from proxy.errors import echo, error_body
 from proxy.timers import for_loop
+from proxy.upstream import ClientGone
 
 # A body's bytes as one HTTP chunk, after what goes before it (a held head,
 # or nothing); as the last one, with the end of the body.
@@ -136,7 +140,12 @@ class GatewayProtocol(HttpToolsProtocol):
             if not cycle.response_complete:
                 cycle.disconnected = True
                 cycle.message_event.set()
+                cycle.scope["extensions"]["blazar.gone"] = True  # type: ignore[assignment]
         self._earlier.clear()
+        if self.cycle is not None and not self.cycle.response_complete:
+            # For a response written through ASGI send, which drops what comes after
+            # silently: the relay's writer asks, so that its record says what was sent.
+            self.cycle.scope["extensions"]["blazar.gone"] = True  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
         if self._after_response is not None:
@@ -424,6 +433,9 @@ class ClientWriter:
     the body bytes in the same write. ``write`` returns None when the bytes are
     handed to the transport, or an awaitable to wait on while the client's
     buffer is above its high-water mark (the relay awaits it: backpressure).
+    Once the client's connection is closed or closing, ``write`` and ``flush``
+    raise ``ClientGone`` (uvicorn's ``send`` drops the bytes silently): the
+    bytes the relay counts are the bytes handed to the client's transport.
     """
 
     __slots__ = ("_cycle", "_head", "_send")
@@ -487,14 +499,20 @@ class ClientWriter:
         self._head = None
         cycle = self._cycle
         if cycle.disconnected or cycle.transport.is_closing():
-            return None
+            raise ClientGone("the client's connection closed before the response began", nothing_sent=True)
         cycle.transport.write(head)
         return cycle.flow.drain() if cycle.flow.write_paused else None
 
     def write(self, body: bytes, more: bool) -> Awaitable[None] | None:
         """Send body bytes (the last of the response when not ``more``), after a held head."""
         cycle = self._cycle
-        if cycle.disconnected or cycle.response_complete or cycle.transport.is_closing():
+        if cycle.disconnected or cycle.transport.is_closing():
+            if cycle.response_complete:
+                return None
+            # The client's connection is closed or closing (a half-close closes it):
+            # nothing more reaches it, and the relay must stop and say so.
+            raise ClientGone("the client's connection closed", nothing_sent=self._head is not None)
+        if cycle.response_complete:
             return None
         head = self._head
         if head is None:

@@ -86,7 +86,15 @@ class Draining(UpstreamError):
 
 
 class ClientGone(Exception):
-    """The client went away; the upstream connection was closed for it."""
+    """The client went away; the upstream connection was closed for it.
+
+    ``nothing_sent``: raised by a writer that had handed the client no byte
+    of the response (not even its head), so the client got nothing.
+    """
+
+    def __init__(self, message: str = "the client has gone", *, nothing_sent: bool = False) -> None:
+        super().__init__(message)
+        self.nothing_sent = nothing_sent
 
 
 class ConnState(enum.Enum):

@@ -97,8 +97,11 @@ class Exchange:
             if health is not None:
                 health.answered(conn.status)
             await self._respond(conn, scope, send, outcome)
-        except ClientGone:
+        except ClientGone as exc:
             outcome.client_gone = True
+            if exc.nothing_sent:
+                # Its connection closed (a half-close closes it) before any byte went out.
+                outcome.status = 499
         except asyncio.CancelledError:
             if not outcome.stalled:
                 raise

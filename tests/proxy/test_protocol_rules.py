@@ -12,6 +12,7 @@ import pytest
 
 from proxy.protocol import ClientWriter
 from proxy.relay.out import AsgiWriter
+from proxy.upstream import ClientGone
 from tests.proxy.test_client_writer import Scenario, body_of, serving
 
 pytestmark = pytest.mark.anyio
@@ -127,3 +128,42 @@ async def test_an_http10_request_without_host_and_a_chunked_one_in_capitals_are_
         raw = b"POST /j HTTP/1.1\r\nhost: x\r\nconnection: close\r\ntransfer-encoding: CHUNKED\r\n\r\n"
         _, body = body_of(await until_close(port, raw + b"1\r\nx\r\n0\r\n\r\n"))
         assert body == b"hello"
+
+
+async def test_a_write_after_the_client_has_gone_raises_client_gone_and_says_whether_anything_went() -> None:
+    """The writer raises ClientGone once the client's connection is closed (uvicorn's send would drop
+    the bytes silently): nothing_sent while the head is still held, not once it went out."""
+
+    async def late(out: ClientWriter) -> None:
+        out.start(200, [(b"content-type", b"text/event-stream")])
+        await asyncio.sleep(0.3)  # the client half-closes meanwhile: uvicorn closes the connection
+        try:
+            out.write(b"data: 1\n\n", True)
+        except ClientGone as exc:
+            seen.append(exc.nothing_sent)
+
+    async def flushed(out: ClientWriter) -> None:
+        out.start(200, [(b"content-type", b"text/event-stream")])
+        out.flush()
+        await asyncio.sleep(0.3)
+        try:
+            out.write(b"data: 1\n\n", True)
+        except ClientGone as exc:
+            seen.append(exc.nothing_sent)
+
+    seen: list[object] = []
+    async with serving({"/late": late, "/flushed": flushed}, seen) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /late HTTP/1.1\r\nhost: x\r\n\r\n")
+        writer.write_eof()
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed at the half-close
+        writer.close()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /flushed HTTP/1.1\r\nhost: x\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 200"), head
+        writer.write_eof()  # after the head went out
+        await asyncio.wait_for(reader.read(), 5)
+        writer.close()
+        await asyncio.sleep(0.5)
+    assert [s for s in seen if isinstance(s, bool)] == [True, False], seen
