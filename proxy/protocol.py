@@ -76,8 +76,7 @@ _VALUE_BYTES = bytes(b for b in range(256) if not HEADER_VALUE_RE.match(bytes((b
 _FRAMING = frozenset({b"content-length", b"transfer-encoding", b"connection"})
 
 
-# The request versions served; llhttp parses 0.9, 1.0, 1.1 and 2.0, and refuses other digits.
-_SERVED_VERSIONS = ("1.1", "1.0")
+# A request line of a version other than 1.0 and 1.1 (llhttp parses 0.9, 1.0, 1.1 and 2.0).
 _VERSION_REFUSAL = (
     505,
     "this HTTP version is not served here: send the request as HTTP/1.1 (or HTTP/1.0)",
