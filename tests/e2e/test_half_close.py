@@ -18,7 +18,9 @@ from tests.e2e.conftest import FakeEngine, Running, StartGateway
 CHAT = b"/v1/chat/completions"
 
 
-def half_close(gateway: Running, request_id: str, version: bytes = b"1.1", **fields: object) -> bytes:
+def half_close(
+    gateway: Running, request_id: str, version: bytes = b"1.1", fault: bytes = b"", **fields: object
+) -> bytes:
     """Send a chat request, shut down the sending side, and read what comes until the close."""
     body = orjson.dumps(
         {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, **fields}
@@ -28,8 +30,8 @@ def half_close(gateway: Running, request_id: str, version: bytes = b"1.1", **fie
             b"POST %s HTTP/%s\r\nHost: x\r\nContent-Type: application/json\r\nx-request-id: %s\r\n"
             # The engine answers after 30 ms: after the gateway has seen the half-close, before
             # the disconnect watch (50 ms) would.
-            b"x-fake: prefill=0.03\r\nContent-Length: %d\r\n\r\n"
-            % (CHAT, version, request_id.encode(), len(body))
+            b"x-fake: prefill=0.03%s\r\nContent-Length: %d\r\n\r\n"
+            % (CHAT, version, request_id.encode(), fault, len(body))
             + body
         )
         sock.shutdown(socket.SHUT_WR)
@@ -80,5 +82,16 @@ def test_an_http10_client_that_half_closes_is_logged_with_what_it_received(
     """The same through ASGI send (an HTTP/1.0 client's close-delimited stream): 499 and 0 bytes."""
     received = half_close(json_log, "half-close-http10", version=b"1.0", stream=True)
     record = logged(json_log, "half-close-http10")
+    assert received == b""
+    assert (record["status"], record["bytes"]) == (499, 0), record
+
+
+@pytest.mark.fault("clients", "a client that leaves mid-request")
+def test_a_client_that_half_closes_before_an_upstream_error_is_logged_with_what_it_received(
+    json_log: Running, fake: FakeEngine
+) -> None:
+    """An upstream's error answered through ASGI send after the half-close: 499 and 0 bytes, not 503."""
+    received = half_close(json_log, "half-close-error", fault=b"; status=503")
+    record = logged(json_log, "half-close-error")
     assert received == b""
     assert (record["status"], record["bytes"]) == (499, 0), record
