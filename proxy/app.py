@@ -33,7 +33,7 @@ from proxy.health import DEFAULT_INTERVAL_S
 from proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from proxy.metrics import Metrics
 from proxy.readiness import NOT_CHECKED, Readiness
-from proxy.relay import ENDPOINTS, Relay, RelaySettings, RequestIds, server_timing
+from proxy.relay import ENDPOINTS, Relay, RelaySettings, RequestIds, deployment_path, server_timing
 from proxy.routing import Route as RouteConfig
 from proxy.routing import RoutingTable
 
@@ -126,7 +126,7 @@ class Gateway:
             await self.admin(scope, receive, send)
         elif self._with_keys and scope["path"] not in PUBLIC_PATHS and not self.keys.allows(scope):
             await self._unauthorized(scope, send)
-        elif scope["path"] in ENDPOINTS:
+        elif scope["path"] in ENDPOINTS or _deployment(scope):
             state = self.state
             if state.draining:
                 await self._draining(scope, send)
@@ -163,6 +163,15 @@ class Gateway:
             server_timing(started),
         ]
         await send_json(send, 401, body, headers)
+
+
+def _deployment(scope: Scope) -> bool:
+    """Whether the path is an Azure OpenAI deployment's; if so, the relay's path is put in its place."""
+    path = deployment_path(scope["path"])
+    if path is None:
+        return False
+    scope["path"] = path
+    return True
 
 
 def _stamped(scope: Scope, send: Send, request_id_of: RequestIds) -> Send:

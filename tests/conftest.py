@@ -32,6 +32,7 @@ CATALOGUE: dict[str, tuple[str, ...]] = {
         "slowloris: heads and bodies that trickle or never come",
         "oversized heads and bodies",
         "smuggling, upgrades and hop-by-hop headers",
+        "HTTP versions, Host and framing a client may not use",
         "bodies that are not JSON, or are sent as forms",
         "spoofed forwarding and cookies",
         "huge input echoed in an error",

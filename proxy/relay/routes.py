@@ -30,6 +30,26 @@ ENDPOINTS: Mapping[str, bytes] = {
     "/embeddings": b"/embeddings",
 }
 
+# Azure OpenAI's paths (openai.AzureOpenAI writes /deployments/MODEL before the
+# endpoint, after its azure_endpoint's /openai or its base_url's /v1).
+_DEPLOYMENTS = ("/openai/deployments/", "/v1/deployments/")
+
+
+def deployment_path(path: str) -> str | None:
+    """The relay path an Azure OpenAI deployment path stands for, else None.
+
+    ``/openai/deployments/NAME/chat/completions`` is ``/v1/chat/completions``:
+    the body's ``model`` picks the route, as on every path (openai.AzureOpenAI
+    writes the same name in both).
+    """
+    for prefix in _DEPLOYMENTS:
+        if path.startswith(prefix):
+            _, slash, endpoint = path[len(prefix) :].partition("/")
+            relayed = "/v1/" + endpoint
+            return relayed if slash and relayed in ENDPOINTS else None
+    return None
+
+
 # Client path → the `route` label of the request metrics.
 ROUTE_LABELS: Mapping[str, str] = {
     path: endpoint.decode().lstrip("/") for path, endpoint in ENDPOINTS.items()

@@ -195,6 +195,42 @@ def test_parity_direct_and_through_gateway(mlx_gateway: EngineGateway) -> None:
             assert ask(direct, prompt) == ask(proxied, prompt), prompt
 
 
+def test_the_azure_openai_client_gets_answers_from_mlx_through_the_gateway(
+    mlx_gateway: EngineGateway,
+) -> None:
+    """openai.AzureOpenAI adds ?api-version= (mlx_lm.server answers 404 to it): through the gateway,
+    the child generates a reply and a stream."""
+    azure = openai.AzureOpenAI(
+        azure_endpoint=mlx_gateway.url,
+        api_version="2024-10-21",
+        api_key="unused",
+        max_retries=0,
+        http_client=openai.DefaultHttpxClient(trust_env=False, timeout=60),
+    )
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
+    with azure:
+        reply = azure.chat.completions.create(model=DEMO, messages=messages, max_tokens=6)
+        assert reply.usage is not None and reply.usage.completion_tokens == 6
+        chunks = list(azure.chat.completions.create(model=DEMO, messages=messages, max_tokens=6, stream=True))
+        assert sum(1 for ch in chunks if ch.choices and ch.choices[0].delta.content) >= 2
+    # The query alone, on the gateway's own path (a client's default_query).
+    with openai.OpenAI(
+        base_url=f"{mlx_gateway.url}/v1",
+        api_key="unused",
+        default_query={"api-version": "2024-10-21"},
+        max_retries=0,
+        http_client=openai.DefaultHttpxClient(trust_env=False, timeout=60),
+    ) as plain:
+        reply = plain.chat.completions.create(model=DEMO, messages=messages, max_tokens=3)
+        assert reply.usage is not None and reply.usage.completion_tokens == 3
+    with httpx.Client(trust_env=False, timeout=30) as http:
+        direct = http.post(
+            f"http://127.0.0.1:{mlx_gateway.child_port}/v1/chat/completions?api-version=2024-10-21",
+            json={"model": DEMO, "messages": messages, "max_tokens": 2},
+        )
+    assert direct.status_code == 404  # why the query must stay at the gateway
+
+
 @pytest.mark.fault("engines", "requests that would break the engine")
 def test_engine_guards_answer_400_before_the_engine(mlx_gateway: EngineGateway) -> None:
     """max_tokens 0 and a chat without messages get 400 at the gateway; the child stays healthy."""
