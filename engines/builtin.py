@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import shutil
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import IO, Final
 
 from engines import demo_model, gguf_model, gguf_to_mlx, wheel
 from engines import spec as specs
@@ -110,17 +112,44 @@ def served_name(name: str, installation: Installation) -> str:
 
 
 def ensure_builtin(name: str, installation: Installation, home: Home, progress: Progress) -> Path:
-    """The built-in model ``name`` in this engine's format (a GGUF file or an MLX directory), made once."""
+    """The built-in model ``name`` in this engine's format (a GGUF file or an MLX directory), made once.
+
+    Under the models' lock, which every build holds (its script too, for as
+    long as it runs): what an interrupted build left behind is removed first,
+    and no build under way is mistaken for one.
+    """
     if name not in BUILTINS:
         raise BuiltinError(f"there is no built-in model {PREFIX}{name}")
     kind = model_format(installation)
-    if name != "smollm2":
-        return _demo(name, kind, installation, home, progress)
-    with _locked(home):
+    with _locked(home) as lock:
+        sweep(home.models)
+        if name != "smollm2":
+            return _demo(name, kind, installation, home, progress, lock)
         gguf = _smollm2_gguf(home, progress)
         if kind == "gguf":
             return gguf
-        return _smollm2_mlx(gguf, installation, home, progress)
+        return _smollm2_mlx(gguf, installation, home, progress, lock)
+
+
+# What a build writes before its result is renamed into place: a half-made
+# model once the build is interrupted (gguf_to_mlx, demo_model, gguf_model, wheel).
+_LEFTOVERS = (".*.build-*", ".*.stale-*", ".*.fetch-*")
+
+
+def sweep(models: Path) -> list[Path]:
+    """Remove the half-made models interrupted builds left in ``models``; what was removed.
+
+    Only under the lock (``_locked``): no build is under way then.
+    """
+    removed = []
+    for pattern in _LEFTOVERS:
+        for leftover in models.glob(pattern):
+            if leftover.is_dir() and not leftover.is_symlink():
+                shutil.rmtree(leftover, ignore_errors=True)
+            else:
+                leftover.unlink(missing_ok=True)
+            removed.append(leftover)
+    return removed
 
 
 def _smollm2_gguf(home: Home, progress: Progress) -> Path:
@@ -156,20 +185,23 @@ def _smollm2_gguf(home: Home, progress: Progress) -> Path:
     return target
 
 
-def _smollm2_mlx(gguf: Path, installation: Installation, home: Home, progress: Progress) -> Path:
+def _smollm2_mlx(
+    gguf: Path, installation: Installation, home: Home, progress: Progress, lock: IO[str]
+) -> Path:
     out = home.models / SMOLLM2_MLX
     if gguf_to_mlx.is_current(out, SMOLLM2_SHA256):
         return out
     progress(f"converting {gguf.name} to an MLX directory, with {installation.name}'s Python")
     started = time.monotonic()
-    _run_script(
-        installation, [str(Path(gguf_to_mlx.__file__).resolve()), "--gguf", str(gguf), "--out", str(out)], out
-    )
+    script = str(Path(gguf_to_mlx.__file__).resolve())
+    _run_script(installation, [script, "--gguf", str(gguf), "--out", str(out)], out, lock)
     progress(f"converted in {time.monotonic() - started:.1f} s: {out}")
     return out
 
 
-def _demo(name: str, kind: str, installation: Installation, home: Home, progress: Progress) -> Path:
+def _demo(
+    name: str, kind: str, installation: Installation, home: Home, progress: Progress, lock: IO[str]
+) -> Path:
     if kind == "mlx":
         script, target = demo_model.__file__, home.models / demo_model.demo_model_dir_name(name)
         if demo_model.is_current(target, name, 0):
@@ -178,38 +210,70 @@ def _demo(name: str, kind: str, installation: Installation, home: Home, progress
         script, target = gguf_model.__file__, home.models / gguf_model.demo_model_file_name(name)
     existed = target.exists()
     started = time.monotonic()
-    _run_script(installation, [str(Path(script).resolve()), "--out", str(target), "--preset", name], target)
+    _run_script(
+        installation, [str(Path(script).resolve()), "--out", str(target), "--preset", name], target, lock
+    )
     if not existed:
         progress(f"made the built-in {name} model (random weights) in {time.monotonic() - started:.1f} s")
     return target
 
 
-def _run_script(installation: Installation, args: list[str], target: Path) -> None:
-    """Run a model script with the engine's Python; its output is shown only when it fails."""
-    result = subprocess.run(
+# How long an interrupted model script may take to remove its half-made build.
+_CLEANUP_S = 30.0
+
+
+def _run_script(installation: Installation, args: list[str], target: Path, lock: IO[str]) -> None:
+    """Run a model script with the engine's Python; its output is shown only when it fails.
+
+    The script runs in its own session, holding the models' lock with us. An
+    interrupt (Ctrl-C, a signal to the gateway alone) is passed on to it as
+    SIGINT, and it is given time to remove its half-made build: waiting
+    0.25 s and then SIGKILL (``subprocess.run``'s way) left the build behind
+    whenever the script was inside a long call (writing the weights).
+    """
+    proc = subprocess.Popen(
         [str(installation.python), *args],
         stdin=subprocess.DEVNULL,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
         errors="replace",
-        check=False,
+        start_new_session=True,
+        pass_fds=(lock.fileno(),),
     )
-    if result.returncode != 0:
-        lines = [line for line in result.stderr.splitlines() if line.strip()]
+    try:
+        _, stderr = proc.communicate()
+    except BaseException:
+        _interrupt(proc)
+        raise
+    if proc.returncode != 0:
+        lines = [line for line in stderr.splitlines() if line.strip()]
         why = f": {lines[-1].strip()}" if lines else ""
-        raise BuiltinError(f"making the built-in model {target} failed (exit code {result.returncode}){why}")
+        raise BuiltinError(f"making the built-in model {target} failed (exit code {proc.returncode}){why}")
+
+
+def _interrupt(proc: subprocess.Popen[str]) -> None:
+    """Stop a model script as Ctrl-C would, and wait while it cleans up (then kill it)."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(_CLEANUP_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()  # what it left is swept at the next start
 
 
 @contextlib.contextmanager
-def _locked(home: Home) -> Iterator[None]:
-    """One process at a time fetches and converts (two gateways starting together)."""
+def _locked(home: Home) -> Iterator[IO[str]]:
+    """One process at a time fetches, converts and makes models (two gateways starting together).
+
+    The lock is let go by closing the file, not unlocked: a model script that
+    inherited the descriptor keeps holding it while it runs, even past us.
+    """
     home.models.mkdir(parents=True, exist_ok=True)
     with (home.models / ".builtin.lock").open("w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+        yield handle
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -118,6 +118,8 @@ class Child:
         # Whether the last attempt failed in a way another start would repeat
         # (a generation that fails the same way every time, the deadline).
         self.hopeless = False
+        # Set by ``kill_now``: the gateway itself ends the process, so its exit is no crash.
+        self._killed = False
         self._owner: asyncio.Task[None] | None = None
 
     def __repr__(self) -> str:
@@ -199,7 +201,12 @@ class Child:
         await asyncio.shield(self._owner)
 
     def kill_now(self) -> None:
-        """SIGKILL the child's process group at once, from any context (a last-resort exit)."""
+        """SIGKILL the child's process group at once, from any context (a last-resort exit).
+
+        The owner takes the exit that follows for what it is, the gateway's
+        own stop: the child is not started again, nor said to be.
+        """
+        self._killed = True
         if self.pid is not None:
             signal_group(self.pid, signal.SIGKILL)
 
@@ -237,6 +244,9 @@ class Child:
         backoff_s = self.config.backoff_initial_s
         want_running = False
         while True:
+            if self._killed:
+                await self._move(ChildState.SHUTDOWN)
+                return
             if not want_running:
                 command = await self._commands.get()
                 if command is _Command.SHUTDOWN:
@@ -252,6 +262,8 @@ class Child:
                 control.cancel()
             if ended.command is _Command.SHUTDOWN:
                 return
+            if self._killed:
+                continue  # its exit was the gateway's own doing: no restart to announce
             if ended.command is _Command.STOP:
                 want_running = False
                 continue

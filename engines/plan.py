@@ -94,14 +94,21 @@ def plan(
     port: int | None = None,
     environ: dict[str, str] | None = None,
     extra_args: Sequence[str] = (),
+    withheld_env: Collection[str] = (),
 ) -> PlannedChild:
     """Resolve one child: run directory, argv, environment, port, log file.
 
     ``extra_args`` (per-model engine flags from a config file) follow the
     spec's argv; they may not set what the gateway fills in itself (the
-    model, its name, the host and the port).
+    model, its name, the host and the port). ``withheld_env`` names the
+    variables of the gateway's own (its settings, the API keys among them)
+    that the child must not inherit.
     """
     check_engine_args(spec, extra_args)
+    if withheld_env:
+        base = os.environ if environ is None else environ
+        upper = {name.upper() for name in withheld_env}
+        environ = {k: v for k, v in base.items() if k.upper() not in upper}
     if spec.model_field == "alias":
         return _plan_alias(
             spec, installation, home, model, served_name, host, port, environ, tuple(extra_args)

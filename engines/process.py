@@ -14,6 +14,8 @@ import asyncio
 import collections
 import contextlib
 import ctypes
+import errno
+import io
 import logging
 import os
 import re
@@ -85,6 +87,8 @@ class Output:
         # Lines ever added to the tail, and how many there were when the last process started.
         self._lines = 0
         self._lines_before = 0
+        # Lines the log file could not take (a full disk), over all processes.
+        self.dropped_lines = 0
 
     def latest(self) -> list[str]:
         """The tail's lines written by the last process started (all it still holds of them)."""
@@ -92,14 +96,18 @@ class Output:
         return list(self.tail)[-count:] if count > 0 else []
 
     async def drain(self, proc: asyncio.subprocess.Process) -> None:
-        """Copy the process's output to the log file and the tail until it closes."""
+        """Copy the process's output to the log file and the tail until it closes.
+
+        The pipe is read to its end whatever the log file does: a line that
+        cannot be written (a full disk) is dropped and counted, never left
+        in the pipe, where the child would block on its next write.
+        """
         assert proc.stdout is not None
-        with self.log_path.open("ab") as logfile:
+        with LogFile(self.log_path) as logfile:
             logfile.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} start pid {proc.pid}\n".encode())
             pending = b""
             while chunk := await proc.stdout.read(65536):
                 logfile.write(chunk)
-                logfile.flush()
                 *lines, pending = (pending + chunk).split(b"\n")
                 for line in lines:
                     self._keep(line)
@@ -108,6 +116,7 @@ class Output:
                     pending = b""
             if pending:
                 self._keep(pending)
+        self.dropped_lines += logfile.dropped_lines
 
     def _keep(self, line: bytes) -> None:
         self.tail.append(line[:_TAIL_LINE_CHARS].decode("utf-8", "replace"))
@@ -116,6 +125,73 @@ class Output:
     def process_started(self) -> None:
         """What comes next is the new process's (``latest``)."""
         self._lines_before = self._lines
+
+
+class LogFile:
+    """A child's log file that never fails its writer: what it cannot write is dropped and counted.
+
+    Opened for appending, unbuffered (each write is one ``write(2)``). A write
+    that fails (ENOSPC, EIO, the file gone) drops its bytes; the gateway's
+    log says so once, and the first write that succeeds again is preceded by
+    a line in the file saying how many lines were lost. A file that cannot
+    be opened is tried again at the next write.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file: io.FileIO | None = None
+        self.dropped_lines = 0
+        self._dropped_since = 0  # lines dropped since the last write that succeeded
+        self._error: str | None = None
+
+    def __enter__(self) -> LogFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def write(self, data: bytes) -> None:
+        """Append ``data``, or drop and count its lines."""
+        try:
+            if self._file is None:
+                self._file = io.FileIO(self.path, "ab")
+            if self._dropped_since:
+                note = f"--- {self._dropped_since} lines dropped: the log could not be written: {self._error}"
+                _write_all(self._file, note.encode() + b"\n")
+                log.warning(
+                    "log %s can be written again; %d lines of the child's output were dropped",
+                    self.path,
+                    self._dropped_since,
+                )
+                self._dropped_since = 0
+            _write_all(self._file, data)
+        except OSError as exc:
+            lines = data.count(b"\n") or 1
+            self.dropped_lines += lines
+            if not self._dropped_since:
+                self._error = exc.strerror or str(exc)
+                log.warning(
+                    "cannot write the child's log %s (%s): dropping its lines until it can be written",
+                    self.path,
+                    self._error,
+                )
+            self._dropped_since += lines
+
+    def close(self) -> None:
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
+            self._file = None
+
+
+def _write_all(file: io.FileIO, data: bytes) -> None:
+    """Write all of ``data`` (a short write, then the error that ended it, raises OSError)."""
+    view = memoryview(data)
+    while view:
+        written = file.write(view)
+        if not written:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        view = view[written:]
 
 
 async def spawn(config: ChildConfig, output: Output) -> asyncio.subprocess.Process:

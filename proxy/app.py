@@ -26,18 +26,16 @@ from proxy import __version__
 from proxy.accesslog import AccessLog
 from proxy.asgi import Message, Receive, Scope, Send, send_json
 from proxy.auth import PUBLIC_PATHS, ApiKeys
+from proxy.browser import AllowedHosts, BrowserChecks
 from proxy.cors import Cors
-from proxy.errors import echo, error_body
+from proxy.errors import HTTPError, echo, error_body
+from proxy.health import DEFAULT_INTERVAL_S
 from proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from proxy.metrics import Metrics
-from proxy.relay import ENDPOINTS, Relay, RelaySettings, RequestIds, server_timing
+from proxy.readiness import NOT_CHECKED, Readiness
+from proxy.relay import ENDPOINTS, Relay, RelaySettings, RequestIds, deployment_path, server_timing
 from proxy.routing import Route as RouteConfig
-from proxy.routing import RoutingTable, UpstreamAddress
-
-_PROBE_TIMEOUT_S = 1.0
-# The /readyz answer of a static upstream is awaited this long at most, so that
-# the gateway's own /readyz stays inside a 1 s probe timeout (Kubernetes').
-_PROBE_READ_S = 0.3
+from proxy.routing import RoutingTable
 
 
 @dataclass
@@ -70,24 +68,42 @@ class Gateway:
         keys: ApiKeys | None = None,
         state: GatewayState | None = None,
         cors: Cors | None = None,
+        hosts: AllowedHosts | None = None,
     ) -> None:
         self.relay = relay
         self.admin = admin
         self.keys = keys or ApiKeys(())
         self.state = state or GatewayState()
         self.cors = cors or Cors(())
+        self.browser = BrowserChecks(hosts or AllowedHosts(()), self.cors)
         # Asked once: each is a Python __bool__ the request would otherwise call.
         self._with_keys = bool(self.keys)
         self._with_cors = bool(self.cors)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self._with_cors and scope["type"] == "http":
-            origin = self.cors.origin_of(scope)
-            if self.cors.is_preflight(scope):
-                await self._preflight(scope, send, origin)
+        if scope["type"] == "http":
+            # Before anything else, the probes and the preflights included: DNS rebinding, foreign origins.
+            refusal = self.browser.refusal(scope)
+            if refusal is not None:
+                await self._refuse(scope, send, refusal)
                 return
-            send = self.cors.marking(send, origin)
+            if self._with_cors:
+                origin = self.cors.origin_of(scope)
+                if self.cors.is_preflight(scope):
+                    await self._preflight(scope, send, origin)
+                    return
+                send = self.cors.marking(send, origin)
         await self._dispatch(scope, receive, send)
+
+    async def _refuse(self, scope: Scope, send: Send, refusal: HTTPError) -> None:
+        started = perf_counter()
+        headers = [
+            # The answer depends on the Origin: no cache may give it to another.
+            (b"vary", b"Origin"),
+            (b"x-request-id", self.relay.request_id_of(scope)),
+            server_timing(started),
+        ]
+        await send_json(send, refusal.status, refusal.body(), headers)
 
     async def _preflight(self, scope: Scope, send: Send, origin: bytes | None) -> None:
         if origin is None:
@@ -110,7 +126,7 @@ class Gateway:
             await self.admin(scope, receive, send)
         elif self._with_keys and scope["path"] not in PUBLIC_PATHS and not self.keys.allows(scope):
             await self._unauthorized(scope, send)
-        elif scope["path"] in ENDPOINTS:
+        elif scope["path"] in ENDPOINTS or _deployment(scope):
             state = self.state
             if state.draining:
                 await self._draining(scope, send)
@@ -149,6 +165,15 @@ class Gateway:
         await send_json(send, 401, body, headers)
 
 
+def _deployment(scope: Scope) -> bool:
+    """Whether the path is an Azure OpenAI deployment's; if so, the relay's path is put in its place."""
+    path = deployment_path(scope["path"])
+    if path is None:
+        return False
+    scope["path"] = path
+    return True
+
+
 def _stamped(scope: Scope, send: Send, request_id_of: RequestIds) -> Send:
     """Wrap ``send`` so that the response carries x-request-id and Server-Timing, as relayed ones do."""
     started = perf_counter()
@@ -176,6 +201,7 @@ def build_app(
     metrics: Metrics | None = None,
     access_log: AccessLog | None = None,
     cors: Cors | None = None,
+    hosts: AllowedHosts | None = None,
 ) -> Gateway:
     """Build the gateway for a routing table and the relay's settings, resolved before.
 
@@ -186,7 +212,9 @@ def build_app(
     """
     state = GatewayState()
     relay = Relay(table, settings, metrics, access_log)
-    routes = _AdminRoutes(relay, state, cors, metrics)
+    # The static upstreams' readiness, checked at most as often as a replica set's servers are.
+    readiness = Readiness(lambda: relay.table, settings.health_interval_s or DEFAULT_INTERVAL_S)
+    routes = _AdminRoutes(relay, state, cors, metrics, readiness)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -197,6 +225,7 @@ def build_app(
             yield
         finally:
             try:
+                await readiness.stop()
                 await relay.checks.stop()
                 if on_shutdown is not None:
                     await on_shutdown()
@@ -209,14 +238,22 @@ def build_app(
         exception_handlers={HTTPException: _http_exception, Exception: _unexpected},
         lifespan=lifespan,
     )
-    return Gateway(relay, admin, api_keys, state, cors)
+    return Gateway(relay, admin, api_keys, state, cors, hosts)
 
 
 class _AdminRoutes:
     """What the gateway answers itself: the model list, load and unload, the probes, metrics, version."""
 
-    def __init__(self, relay: Relay, state: GatewayState, cors: Cors | None, metrics: Metrics | None) -> None:
+    def __init__(
+        self,
+        relay: Relay,
+        state: GatewayState,
+        cors: Cors | None,
+        metrics: Metrics | None,
+        readiness: Readiness,
+    ) -> None:
         self.relay = relay
+        self.readiness = readiness
         self.state = state
         self.cors = cors
         self.metrics = metrics
@@ -312,7 +349,7 @@ class _AdminRoutes:
 
     async def metrics_route(self, request: Request) -> Response:
         assert self.metrics is not None
-        return Response(self.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+        return Response(await self.metrics.render_off_loop(), media_type=METRICS_CONTENT_TYPE)
 
     async def livez(self, request: Request) -> Response:
         return _json(200, b'{"status":"ok"}')
@@ -320,19 +357,18 @@ class _AdminRoutes:
     async def readyz(self, request: Request) -> Response:
         if self.state.draining:
             return _json(503, b'{"status":"draining","reason":"the gateway is shutting down"}')
-        return await _readiness(self.relay.table)
+        return await _readiness(self.relay.table, self.readiness)
 
 
-async def _readiness(table: RoutingTable) -> Response:
+async def _readiness(table: RoutingTable, readiness: Readiness) -> Response:
     """200 when at least one model can be served now.
 
     An engine model counts when a child of it is ready, or when it is
     unloaded (its first request starts it); a static upstream when it
-    accepts a TCP connection (the one check every OpenAI server passes).
+    accepted a TCP connection at its last check (``proxy.readiness``: at
+    most one round of checks per interval, however many calls come).
     """
-    static = list(dict.fromkeys(b.upstream for r in table if r.gate is None for b in r.all_replicas))
-    results = await asyncio.gather(*(_reachable(a) for a in static))
-    reachable = dict(zip(static, results, strict=True))
+    reachable = await readiness.problems()
     models: dict[str, str] = {}
     reasons: set[str] = set()
     for route in table:
@@ -343,7 +379,7 @@ async def _readiness(table: RoutingTable) -> Response:
                 reasons.add(f"{route.model}: engine child is not ready")
         else:
             # A replica set is ready while one of its servers is.
-            problems = [reachable[b.upstream] for b in route.all_replicas]
+            problems = [reachable.get(b.upstream, NOT_CHECKED) for b in route.all_replicas]
             ready = None in problems
             models[route.model] = "ready" if ready else "unreachable"
             if not ready:
@@ -363,42 +399,6 @@ async def _readiness(table: RoutingTable) -> Response:
             headers={"retry-after": "2"},
         )
     return _json(200, orjson.dumps({"status": "ready", "models": models}))
-
-
-async def _reachable(address: UpstreamAddress) -> str | None:
-    """None if the upstream can take requests, else why not.
-
-    It must accept a TCP connection (the one check every OpenAI server
-    passes). If it then answers ``GET /readyz`` with 503, it says itself that
-    it cannot: another gateway that is draining, behind this one. Any other
-    answer, or none within ``_PROBE_READ_S``, counts as ready, since most
-    servers have no /readyz (only a prompt 503 counts).
-    """
-    host = address.host_header.decode()
-    try:
-        async with asyncio.timeout(_PROBE_TIMEOUT_S):
-            reader, writer = await asyncio.open_connection(address.host, address.port)
-    except TimeoutError:
-        return f"{host}: no answer within {_PROBE_TIMEOUT_S:g} s"
-    except OSError as exc:
-        return f"{host}: {exc.strerror or exc}"
-    try:
-        writer.write(
-            b"GET %s/readyz HTTP/1.1\r\nhost: %s\r\nconnection: close\r\n\r\n"
-            % (address.prefix.encode(), address.host_header)
-        )
-        async with asyncio.timeout(_PROBE_READ_S):
-            status_line = await reader.readline()
-    except (TimeoutError, OSError):
-        return None
-    finally:
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
-    parts = status_line.split()
-    if len(parts) >= 2 and parts[1] == b"503":
-        return f"{host}: its /readyz answers 503 (it is draining or has nothing ready)"
-    return None
 
 
 def _json(status: int, body: bytes, headers: Mapping[str, str] | None = None) -> Response:

@@ -1,7 +1,7 @@
-"""Optional API keys: `Authorization: Bearer KEY` or `x-api-key: KEY`.
+"""Optional API keys: `Authorization: Bearer KEY`, `x-api-key: KEY` or `api-key: KEY` (Azure OpenAI's).
 
 Keys are compared in constant time, never logged, never echoed in an error,
-and never forwarded to an upstream (the relay drops both headers when keys
+and never forwarded to an upstream (the relay drops these headers when keys
 are configured). Probes need no key, so a load balancer can check health.
 """
 
@@ -15,7 +15,7 @@ from proxy.asgi import Scope
 
 # Paths that answer without a key: liveness and readiness probes.
 PUBLIC_PATHS = frozenset({"/livez", "/readyz", "/health"})
-CREDENTIAL_HEADERS = frozenset({b"authorization", b"x-api-key"})
+CREDENTIAL_HEADERS = frozenset({b"authorization", b"x-api-key", b"api-key"})
 
 
 class ApiKeys:
@@ -38,7 +38,7 @@ class ApiKeys:
                 scheme, _, token = value.partition(b" ")
                 if scheme.lower() == b"bearer" and self._matches(token.strip()):
                     return True
-            elif name == b"x-api-key" and self._matches(value.strip()):
+            elif (name == b"x-api-key" or name == b"api-key") and self._matches(value.strip()):
                 return True
         return False
 

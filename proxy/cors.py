@@ -26,6 +26,10 @@ class Cors:
     def __bool__(self) -> bool:
         return self.any_origin or bool(self.origins)
 
+    def allows(self, origin: bytes) -> bool:
+        """Whether a page of this origin may use the gateway (``*``: any, ``null`` included)."""
+        return self.any_origin or origin in self.origins
+
     def origin_of(self, scope: Scope) -> bytes | None:
         """The request's Origin, if it is allowed."""
         for name, value in scope["headers"]:

@@ -6,11 +6,17 @@ counters and bucket arrays bound once per model (a dict increment and a
 a lock on every update and cost ~14 µs a request here in all; they are used
 only to write the text format, at scrape time, from these figures. In-flight
 counts, queue depths and engine states are read at scrape time from the live
-objects. Everything runs in the event loop's thread, so nothing needs a lock.
+objects. Updates run in the event loop's thread, so nothing needs a lock.
+
+A scrape copies the figures on the loop (``Metrics.snapshot``: plain lists
+and numbers, one consistent instant) and writes the text in a thread
+(``render_snapshot``): writing 20k series took a quarter of a second, and
+on the loop every stream stalled that long.
 """
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -67,6 +73,12 @@ class Buckets:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.sum += value
 
+    def copy(self) -> Buckets:
+        twin = Buckets(self.bounds)
+        twin.counts = self.counts.copy()
+        twin.sum = self.sum
+        return twin
+
     def cumulative(self) -> list[tuple[str, float]]:
         out, running = [], 0
         for bound, count in zip((*map(str, self.bounds), "+Inf"), self.counts, strict=True):
@@ -96,12 +108,43 @@ class ModelMetrics:
     def upstream_error(self, kind: str) -> None:
         self.upstream_errors[kind] = self.upstream_errors.get(kind, 0) + 1
 
+    def copy(self) -> ModelMetrics:
+        """The figures as they are now, for a scrape to write while these go on."""
+        twin = ModelMetrics(self.model)
+        twin.requests = self.requests.copy()
+        twin.upstream_errors = self.upstream_errors.copy()
+        twin.e2e, twin.ttft = self.e2e.copy(), self.ttft.copy()
+        twin.overhead, twin.queue_time = self.overhead.copy(), self.queue_time.copy()
+        return twin
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Every figure of one scrape, copied at one instant on the loop: plain data, safe in another thread."""
+
+    models: list[ModelMetrics]
+    unrouted: ModelMetrics
+    client_disconnects: int
+    overloaded: int
+    admission: list[tuple[str, int, int]]
+    replicas: list[ReplicaSample]
+    engines: list[EngineSample]
+
+
+def render_snapshot(snapshot: Snapshot) -> bytes:
+    """The text format of ``snapshot`` (in any thread: it reads nothing live)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_RequestCollector(snapshot))
+    registry.register(_AdmissionCollector(snapshot.admission))
+    registry.register(_ReplicaCollector(snapshot.replicas))
+    registry.register(_EngineCollector(snapshot.engines))
+    return generate_latest(registry)
+
 
 class Metrics:
-    """Every metric of one gateway, in its own registry."""
+    """Every metric of one gateway; written at scrape time from a snapshot (``render``)."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
         self.models: dict[str, ModelMetrics] = {}
         # Relay requests answered before a model was known (an unreadable body,
         # an unknown model), by route and status: model="" on the counter, so
@@ -110,33 +153,55 @@ class Metrics:
         self.client_disconnects = 0
         # Requests refused because the gateway itself ran out of file descriptors.
         self.overloaded = 0
-        self.registry.register(_RequestCollector(self))
+        self._admission: list[Callable[[], Iterable[tuple[str, int, int]]]] = []
+        self._replicas: list[Callable[[], Iterable[ReplicaSample]]] = []
+        self._engines: list[Callable[[], Iterable[EngineSample]]] = []
+        # One scrape written at a time: a burst of scrapes queues rather than fills threads.
+        self._rendering = asyncio.Lock()
 
     def for_model(self, model: str) -> ModelMetrics:
         return self.models.setdefault(model, ModelMetrics(model))
 
     def watch_admission(self, sample: Callable[[], Iterable[tuple[str, int, int]]]) -> None:
         """Report in-flight and queued counts, read at scrape time from (model, in flight, queued)."""
-        self.registry.register(_AdmissionCollector(sample))
+        self._admission.append(sample)
 
     def watch_replicas(self, sample: Callable[[], Iterable[ReplicaSample]]) -> None:
         """Report each replica of a model with several, read at scrape time."""
-        self.registry.register(_ReplicaCollector(sample))
+        self._replicas.append(sample)
 
     def watch_engines(self, sample: Callable[[], Iterable[EngineSample]]) -> None:
         """Report engine children's state, read at scrape time."""
-        self.registry.register(_EngineCollector(sample))
+        self._engines.append(sample)
+
+    def snapshot(self) -> Snapshot:
+        """Every figure as it is now (on the loop: it reads the live objects)."""
+        return Snapshot(
+            models=[m.copy() for m in self.models.values()],
+            unrouted=self.unrouted.copy(),
+            client_disconnects=self.client_disconnects,
+            overloaded=self.overloaded,
+            admission=[row for sample in self._admission for row in sample()],
+            replicas=[row for sample in self._replicas for row in sample()],
+            engines=[row for sample in self._engines for row in sample()],
+        )
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The text format, written here and now (tests, and callers off the loop)."""
+        return render_snapshot(self.snapshot())
+
+    async def render_off_loop(self) -> bytes:
+        """The text format of this instant's figures, written in a thread while the loop goes on."""
+        async with self._rendering:
+            return await asyncio.to_thread(render_snapshot, self.snapshot())
 
 
 class _RequestCollector(Collector):
-    def __init__(self, metrics: Metrics) -> None:
-        self._metrics = metrics
+    def __init__(self, snapshot: Snapshot) -> None:
+        self._metrics = snapshot
 
     def collect(self) -> Iterator[Metric]:
-        models = list(self._metrics.models.values())
+        models = self._metrics.models
         requests = CounterMetricFamily(
             "blazar_requests",
             "Requests answered, by model, route and status (model empty: answered before a model was known).",
@@ -191,15 +256,15 @@ class _RequestCollector(Collector):
 
 
 class _AdmissionCollector(Collector):
-    def __init__(self, sample: Callable[[], Iterable[tuple[str, int, int]]]) -> None:
-        self._sample = sample
+    def __init__(self, rows: list[tuple[str, int, int]]) -> None:
+        self._rows = rows
 
     def collect(self) -> Iterator[Metric]:
         in_flight = GaugeMetricFamily(
             "blazar_requests_in_flight", "Requests holding a slot.", labels=["model"]
         )
         queued = GaugeMetricFamily("blazar_queue_depth", "Requests waiting for a slot.", labels=["model"])
-        for model, running, waiting in self._sample():
+        for model, running, waiting in self._rows:
             in_flight.add_metric([model], running)
             queued.add_metric([model], waiting)
         yield in_flight
@@ -207,8 +272,8 @@ class _AdmissionCollector(Collector):
 
 
 class _ReplicaCollector(Collector):
-    def __init__(self, sample: Callable[[], Iterable[ReplicaSample]]) -> None:
-        self._sample = sample
+    def __init__(self, rows: list[ReplicaSample]) -> None:
+        self._rows = rows
 
     def collect(self) -> Iterator[Metric]:
         labels = ["model", "replica"]
@@ -239,7 +304,7 @@ class _ReplicaCollector(Collector):
             "no engine).",
             labels=labels,
         )
-        for row in self._sample():
+        for row in self._rows:
             key = [row.model, row.replica]
             in_flight.add_metric(key, row.in_flight)
             hits.add_metric(key, row.affinity_hits)
@@ -251,8 +316,8 @@ class _ReplicaCollector(Collector):
 
 
 class _EngineCollector(Collector):
-    def __init__(self, sample: Callable[[], Iterable[EngineSample]]) -> None:
-        self._sample = sample
+    def __init__(self, rows: list[EngineSample]) -> None:
+        self._rows = rows
 
     def collect(self) -> Iterator[Metric]:
         labels = ["model", "replica"]
@@ -268,7 +333,7 @@ class _EngineCollector(Collector):
             "Times the child process was spawned (loads and restarts).",
             labels=labels,
         )
-        for engine in self._sample():
+        for engine in self._rows:
             up.add_metric([engine.model, engine.replica], 1 if engine.up else 0)
             ready.add_metric([engine.model, engine.replica], 1 if engine.ready else 0)
             restarts.add_metric([engine.model, engine.replica], engine.restarts)

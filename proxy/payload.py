@@ -92,7 +92,7 @@ _STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
 _NOT_BRACKETS = bytes(set(range(256)) - set(b"[]{}"))
 
 
-def nesting_depth(body: bytes) -> int:
+def nesting_depth(body: bytes | bytearray) -> int:
     """How deep the arrays and objects of the JSON text ``body`` nest (brackets in strings not counted).
 
     Exact for valid JSON, which is all it is asked about. Cheap where it
@@ -110,7 +110,7 @@ def nesting_depth(body: bytes) -> int:
     return max(accumulate(steps), default=0)
 
 
-def parse_request(body: bytes) -> tuple[str, dict[str, Any]]:
+def parse_request(body: bytes | bytearray) -> tuple[str, dict[str, Any]]:
     """The ``model`` field and the parsed body, or a 400."""
     if not body:
         raise HTTPError(400, "request body is empty; expected a JSON object", code="invalid_json")

@@ -1,9 +1,13 @@
 """Pooled connections to one upstream: idle ones reused newest first, new ones opened on demand.
 
 A connection that was idle too long (the pool's limit, or the upstream's own
-``Keep-Alive: timeout``, less a second) is closed rather than reused; for an
-upstream that closes after every response (HTTP/1.0, like mlx_lm.server) the
-next request's connection is opened as soon as one ends, off its path.
+``Keep-Alive: timeout``, less a second) is closed rather than reused, and
+closed on a timer when no request comes for it: one loop timer per pool,
+armed only while connections are idle (a burst's connections would
+otherwise hold their descriptors until the next request to this upstream).
+For an upstream that closes after every response (HTTP/1.0, like
+mlx_lm.server) the next request's connection is opened as soon as one ends,
+off its path.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ class Pool:
         self._closed = False
         self._resolved: list[str] = []
         self.last_connect_error: str | None = None
+        # The sweep of idle connections past their limit: armed while any is idle.
+        self._sweep: asyncio.TimerHandle | None = None
 
     def __repr__(self) -> str:
         return f"<Pool {self.address.host_header.decode()} idle={len(self._idle)}>"
@@ -50,15 +56,7 @@ class Pool:
             now = idle[-1].loop.time()
             while idle:
                 conn = idle.pop()
-                limit = self.idle_timeout_s
-                if conn.idle_limit_s is not None and conn.idle_limit_s < limit:
-                    limit = conn.idle_limit_s
-                if (
-                    conn.state is ConnState.IDLE
-                    and now - conn.idle_since < limit
-                    and conn._transport is not None
-                    and not conn._transport.is_closing()
-                ):
+                if now - conn.idle_since < _limit_s(conn, self.idle_timeout_s) and _open(conn):
                     return conn
                 conn.close()
         return await self.connect()
@@ -112,6 +110,9 @@ class Pool:
         self._closed = True
         if self._spare is not None:
             self._spare.cancel()
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
         for conn in self._idle:
             conn.close()
         self._idle.clear()
@@ -120,6 +121,32 @@ class Pool:
         conn.state = ConnState.IDLE
         conn.idle_since = conn.loop.time()
         self._idle.append(conn)
+        if self._sweep is None:
+            self._sweep = conn.loop.call_at(
+                conn.idle_since + _limit_s(conn, self.idle_timeout_s), self._close_expired
+            )
+
+    def _close_expired(self) -> None:
+        """Close the idle connections past their limit; armed again for the next one due."""
+        self._sweep = None
+        if not self._idle:
+            return
+        loop = self._idle[0].loop
+        now = loop.time()
+        kept: list[Connection] = []
+        next_due: float | None = None
+        for conn in self._idle:
+            due = conn.idle_since + _limit_s(conn, self.idle_timeout_s)
+            if due <= now or not _open(conn):
+                conn.close()
+                continue
+            kept.append(conn)
+            if next_due is None or due < next_due:
+                next_due = due
+        # In the order they were parked: the newest is still reused first.
+        self._idle[:] = kept
+        if next_due is not None and not self._closed:
+            self._sweep = loop.call_at(next_due, self._close_expired)
 
     async def _open_spare(self) -> None:
         try:
@@ -146,3 +173,15 @@ class Pool:
                 infos = await loop.getaddrinfo(host, self.address.port, type=socket.SOCK_STREAM)
                 self._resolved = list(dict.fromkeys(str(info[4][0]) for info in infos))
         return self._resolved
+
+
+def _limit_s(conn: Connection, pool_limit_s: float) -> float:
+    """How long ``conn`` may stay idle: the pool's limit, or the upstream's own if shorter."""
+    limit = conn.idle_limit_s
+    return pool_limit_s if limit is None or limit > pool_limit_s else limit
+
+
+def _open(conn: Connection) -> bool:
+    """Whether an idle connection can still be used: not closed by either side."""
+    transport = conn._transport
+    return conn.state is ConnState.IDLE and transport is not None and not transport.is_closing()

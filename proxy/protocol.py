@@ -12,6 +12,18 @@
   otherwise stop at the head, dropping the body and holding the connection.
 - Requests the parser refuses (e.g. both Content-Length and
   Transfer-Encoding) get uvicorn's 400 and close, but in OpenAI's envelope.
+- As nginx does (RFC 9112): a request line of a version other than HTTP/1.0
+  and HTTP/1.1 gets 505 (llhttp parses ``HTTP/2.0`` and ``HTTP/0.9`` and
+  refuses other digits itself, answered 505 too); an HTTP/1.1 request
+  without Host, or any with two, gets 400 (HTTP/1.0 may omit it); a
+  Transfer-Encoding other than exactly ``chunked`` gets 501 (llhttp reads
+  ``gzip, chunked`` as chunked, and passes the coded bytes on as the body),
+  and one on an HTTP/1.0 request 400 (its framing is not to be trusted).
+  Each closes the connection.
+- An HTTP/1.0 client cannot read chunked framing (RFC 9112 6.1): a response
+  of unknown length to it is close-delimited, no Transfer-Encoding, the
+  close its end (``_CloseDelimitedCycle``, the cycle's ``send``; the
+  writer below is not offered for it, so the relay goes through ``send``).
 - Pipelined requests keep these limits and their order: a head that comes
   after a request ended in the same read is counted from httptools' pieces
   (the read's bytes were the earlier request's), and a head refused while
@@ -24,13 +36,17 @@ client's transport (None for a wrapped ``send``). The head goes out with
 the first body bytes in one write, and each later piece in one call with no
 message dict, no coroutine and no await unless the client's buffer is full.
 It keeps uvicorn's response state (the cycle's own fields), so a response
-may mix it with ASGI ``send``, and it keeps uvicorn's flow control and its
-disconnect handling: once the client has gone, writes are dropped.
+may mix it with ASGI ``send``, and it keeps uvicorn's flow control. Once the
+client's connection is closed or closing, its writes raise ``ClientGone``
+(uvicorn's ``send`` drops them; the relay would count bytes nobody got). A
+response written through ``send`` after such a close finds
+``scope["extensions"]["blazar.gone"]`` set instead.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Awaitable
 from typing import Any
 
@@ -42,8 +58,9 @@ from uvicorn.protocols.http.httptools_impl import (
     RequestResponseCycle,
 )
 
-from proxy.errors import error_body
+from proxy.errors import echo, error_body
 from proxy.timers import for_loop
+from proxy.upstream import ClientGone
 
 # A body's bytes as one HTTP chunk, after what goes before it (a held head,
 # or nothing); as the last one, with the end of the body.
@@ -57,6 +74,18 @@ _NAME_BYTES = bytes(b for b in range(256) if not HEADER_RE.match(bytes((b,))))
 _VALUE_BYTES = bytes(b for b in range(256) if not HEADER_VALUE_RE.match(bytes((b,))))
 # The response fields whose values change how uvicorn frames or ends the response.
 _FRAMING = frozenset({b"content-length", b"transfer-encoding", b"connection"})
+
+
+# A request line of a version other than 1.0 and 1.1 (llhttp parses 0.9, 1.0, 1.1 and 2.0).
+_VERSION_REFUSAL = (
+    505,
+    "this HTTP version is not served here: send the request as HTTP/1.1 (or HTTP/1.0)",
+    "http_version_not_supported",
+)
+# llhttp's word for a version it refuses itself (its error, as httptools raises it).
+_LLHTTP_BAD_VERSION = "Invalid HTTP version"
+# The response fields that give a body its length.
+_LENGTHS = frozenset({b"content-length", b"transfer-encoding"})
 
 
 class _Refused(Exception):
@@ -91,6 +120,9 @@ class GatewayProtocol(HttpToolsProtocol):
         # The wait for the next request on a kept-alive connection: a coarse timer (proxy/timers.py).
         self._timers = for_loop(self.loop)
         self._keep_alive_timer: int | None = None
+        # The request's Host fields, and its Transfer-Encoding values joined (None: none).
+        self._hosts = 0
+        self._codings: bytes | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -107,7 +139,12 @@ class GatewayProtocol(HttpToolsProtocol):
             if not cycle.response_complete:
                 cycle.disconnected = True
                 cycle.message_event.set()
+                cycle.scope["extensions"]["blazar.gone"] = True  # type: ignore[assignment]
         self._earlier.clear()
+        if self.cycle is not None and not self.cycle.response_complete:
+            # For a response written through ASGI send, which drops what comes after
+            # silently: the relay's writer asks, so that its record says what was sent.
+            self.cycle.scope["extensions"]["blazar.gone"] = True  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
         if self._after_response is not None:
@@ -154,6 +191,20 @@ class GatewayProtocol(HttpToolsProtocol):
             "blazar.writer": ClientWriter.of,
         }
         self._head_begun = True
+        self._hosts = 0
+        self._codings = None
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        # uvicorn's (the names lower-cased, Expect noted), with Host and
+        # Transfer-Encoding counted: a compare or two a header.
+        name = name.lower()
+        if name == b"host":
+            self._hosts += 1
+        elif name == b"transfer-encoding":
+            self._codings = value if self._codings is None else self._codings + b", " + value
+        elif name == b"expect" and value.lower() == b"100-continue":
+            self.expect_100_continue = True
+        self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         self._cancel_head_timer()
@@ -170,6 +221,23 @@ class GatewayProtocol(HttpToolsProtocol):
                 "headers_too_large",
             )
             raise _Refused()
+        version = self.parser.get_http_version()
+        if version != "1.1" and version != "1.0":
+            self._refusal = _VERSION_REFUSAL
+            raise _Refused()
+        if self._hosts != 1 and (self._hosts or version != "1.0"):
+            self._refusal = (
+                400,
+                "the request has two Host header fields; send one"
+                if self._hosts
+                else "an HTTP/1.1 request needs a Host header field; send one",
+                "invalid_host_header",
+            )
+            raise _Refused()
+        if self._codings is not None:
+            self._refusal = _coding_refusal(self._codings, version)
+            if self._refusal is not None:
+                raise _Refused()
         # llhttp's own flag first (a C call): our check only for a head it marks as an upgrade.
         if self.parser.should_upgrade() and _asks_upgrade(self.headers):
             self._refusal = (
@@ -182,6 +250,9 @@ class GatewayProtocol(HttpToolsProtocol):
         self._in_head = False
         earlier = self.cycle
         super().on_headers_complete()
+        if version == "1.0":
+            # Its task has not run yet: its first step finds this class's send.
+            self.cycle.__class__ = _CloseDelimitedCycle
         if earlier is not None and earlier is not self.cycle and not earlier.response_complete:
             # Pipelined: the earlier request still runs; see connection_lost.
             self._earlier = [c for c in self._earlier if not c.response_complete]
@@ -240,7 +311,11 @@ class GatewayProtocol(HttpToolsProtocol):
     def send_400_response(self, msg: str) -> None:
         if self._after_response is not None:
             return  # the parser has failed already: its refusal waits for its turn
-        status, message, code = self._refusal or (400, f"invalid HTTP request: {msg}", "invalid_request")
+        refusal = self._refusal
+        if refusal is None and str(sys.exception()) == _LLHTTP_BAD_VERSION:
+            # Called from uvicorn's handler of the parser's error: a version llhttp does not parse.
+            refusal = _VERSION_REFUSAL
+        status, message, code = refusal or (400, f"invalid HTTP request: {msg}", "invalid_request")
         if self._in_head:
             self._refuse_in_turn(status, message, code)
         elif self._queued():
@@ -312,6 +387,44 @@ class GatewayProtocol(HttpToolsProtocol):
         self.transport.close()
 
 
+class _CloseDelimitedCycle(RequestResponseCycle):
+    """An HTTP/1.0 request's cycle: a response of unknown length is sent as it comes, the close its end.
+
+    uvicorn would frame it chunked, which an HTTP/1.0 client reads as part of
+    the body. A response with a length (or HEAD, 204, 304) is uvicorn's.
+    """
+
+    close_delimited = False
+
+    async def send(self, message: Any) -> None:
+        if not self.response_started:
+            if (
+                message["type"] == "http.response.start"
+                and message["status"] not in (204, 304)
+                and self.scope["method"] != "HEAD"
+                and not any(name.lower() in _LENGTHS for name, _ in message.get("headers", ()))
+            ):
+                # Not chunked (uvicorn adds no Transfer-Encoding), and closed at the end.
+                self.chunked_encoding = False
+                self.keep_alive = False
+                self.close_delimited = True
+        elif self.close_delimited and not self.response_complete and message["type"] == "http.response.body":
+            if self.flow.write_paused and not self.disconnected:
+                await self.flow.drain()
+            if self.disconnected:
+                return
+            body = message.get("body", b"")
+            if body:
+                self.transport.write(body)
+            if not message.get("more_body", False):
+                self.response_complete = True
+                self.message_event.set()
+                self.transport.close()
+                self.on_response()
+            return
+        await super().send(message)
+
+
 class ClientWriter:
     """A response written straight to the client's transport, in uvicorn's cycle's own state.
 
@@ -319,6 +432,9 @@ class ClientWriter:
     the body bytes in the same write. ``write`` returns None when the bytes are
     handed to the transport, or an awaitable to wait on while the client's
     buffer is above its high-water mark (the relay awaits it: backpressure).
+    Once the client's connection is closed or closing, ``write`` and ``flush``
+    raise ``ClientGone`` (uvicorn's ``send`` drops the bytes silently): the
+    bytes the relay counts are the bytes handed to the client's transport.
     """
 
     __slots__ = ("_cycle", "_head", "_send")
@@ -382,14 +498,20 @@ class ClientWriter:
         self._head = None
         cycle = self._cycle
         if cycle.disconnected or cycle.transport.is_closing():
-            return None
+            raise ClientGone("the client's connection closed before the response began", nothing_sent=True)
         cycle.transport.write(head)
         return cycle.flow.drain() if cycle.flow.write_paused else None
 
     def write(self, body: bytes, more: bool) -> Awaitable[None] | None:
         """Send body bytes (the last of the response when not ``more``), after a held head."""
         cycle = self._cycle
-        if cycle.disconnected or cycle.response_complete or cycle.transport.is_closing():
+        if cycle.disconnected or cycle.transport.is_closing():
+            if cycle.response_complete:
+                return None
+            # The client's connection is closed or closing (a half-close closes it):
+            # nothing more reaches it, and the relay must stop and say so.
+            raise ClientGone("the client's connection closed", nothing_sent=self._head is not None)
+        if cycle.response_complete:
             return None
         head = self._head
         if head is None:
@@ -419,6 +541,29 @@ class ClientWriter:
             cycle.on_response()
             return None
         return cycle.flow.drain() if cycle.flow.write_paused else None
+
+
+def _coding_refusal(codings: bytes, version: str) -> tuple[int, str, str] | None:
+    """What a request's Transfer-Encoding gets, as nginx answers it: None for ``chunked`` alone.
+
+    llhttp refuses a coding list that does not end with chunked, and chunked
+    named twice; it reads ``gzip, chunked`` as chunked, passing on the coded
+    bytes, and the relay cannot decode them.
+    """
+    if version == "1.0":
+        return (
+            400,
+            "an HTTP/1.0 request cannot use Transfer-Encoding; send the body with Content-Length",
+            "invalid_transfer_encoding",
+        )
+    if codings.strip().lower() == b"chunked":
+        return None
+    return (
+        501,
+        f"the request's Transfer-Encoding {echo(codings.decode('latin-1'))!r} is not supported: "
+        "send the body with Content-Length, or with Transfer-Encoding: chunked alone",
+        "unsupported_transfer_encoding",
+    )
 
 
 def _asks_upgrade(headers: list[tuple[bytes, bytes]]) -> bool:

@@ -59,7 +59,9 @@ def _members(text: str) -> list[tuple[int, str, int, int]]:
     return found
 
 
-def splice(body: bytes, present: Collection[str], drop: Collection[str], put: Mapping[str, Any]) -> bytes:
+def splice(
+    body: bytes | bytearray, present: Collection[str], drop: Collection[str], put: Mapping[str, Any]
+) -> bytes:
     """``body`` with the top-level members named in ``drop`` left out and those in ``put`` set.
 
     ``present`` is the parsed body's keys: a body that has none of the names
@@ -71,7 +73,7 @@ def splice(body: bytes, present: Collection[str], drop: Collection[str], put: Ma
     added = b"".join(b"," + orjson.dumps(key) + b":" + orjson.dumps(value) for key, value in put.items())
     if touched.isdisjoint(present):
         end = body.rstrip().rfind(b"}")
-        return body[:end] + added + body[end:]
+        return b"".join((body[:end], added, body[end:]))
     text = body.decode()
     members = _members(text)
     last = {key: index for index, (_, key, _, _) in enumerate(members)}

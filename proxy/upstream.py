@@ -86,7 +86,15 @@ class Draining(UpstreamError):
 
 
 class ClientGone(Exception):
-    """The client went away; the upstream connection was closed for it."""
+    """The client went away; the upstream connection was closed for it.
+
+    ``nothing_sent``: raised by a writer that had handed the client no byte
+    of the response (not even its head), so the client got nothing.
+    """
+
+    def __init__(self, message: str = "the client has gone", *, nothing_sent: bool = False) -> None:
+        super().__init__(message)
+        self.nothing_sent = nothing_sent
 
 
 class ConnState(enum.Enum):
@@ -109,7 +117,9 @@ def _keep_alive_limit(value: bytes) -> float | None:
 
 
 # The header fields the connection notes while it reads a head.
-_NOTED = frozenset({b"content-type", b"content-length", b"transfer-encoding", b"keep-alive"})
+_NOTED = frozenset(
+    {b"content-type", b"content-length", b"transfer-encoding", b"keep-alive", b"content-encoding"}
+)
 
 
 def _ambiguous(codings: list[bytes], lengths: set[bytes]) -> bool:
@@ -155,6 +165,8 @@ class Connection(asyncio.Protocol):
         # The first Content-Type and Content-Length of the head, as sent.
         self.content_type: bytes | None = None
         self.content_length: bytes | None = None
+        # The content coding of the body (gzip, br...), None for none: the relay passes it on intact.
+        self.content_encoding: bytes | None = None
         self._raw_headers: list[tuple[bytes, bytes]] = []
         self.keep_alive = False
         self.close_delimited = False
@@ -260,7 +272,7 @@ class Connection(asyncio.Protocol):
             self.close()
             return
         headers = self.headers
-        # One membership test a header; the four the connection notes are rare.
+        # One membership test a header; the five the connection notes are rare.
         for name, value in raw:
             name = name.lower()
             if name in _NOTED:
@@ -275,6 +287,9 @@ class Connection(asyncio.Protocol):
                 elif name == b"transfer-encoding":
                     self._framed = True
                     self._codings.extend(c.strip().lower() for c in value.split(b","))
+                elif name == b"content-encoding":
+                    if value.strip().lower() not in (b"", b"identity"):
+                        self.content_encoding = value
                 else:
                     self.idle_limit_s = _keep_alive_limit(value)
             headers.append((name, value))
@@ -285,6 +300,17 @@ class Connection(asyncio.Protocol):
                     "upstream sent ambiguous framing (Transfer-Encoding "
                     f"{b', '.join(self._codings).decode('latin-1')!r}, "
                     f"Content-Length {sorted(v.decode('latin-1') for v in self._lengths)})"
+                )
+            )
+            self.close()
+            return
+        if self._codings and self._codings != [b"chunked"]:
+            # As nginx: llhttp would read "gzip, chunked" as chunked and hand on the coded bytes.
+            self._fail(
+                BadResponse(
+                    "upstream sent Transfer-Encoding "
+                    f"{b', '.join(self._codings).decode('latin-1')!r}, which the gateway does not decode "
+                    "(only chunked)"
                 )
             )
             self.close()
@@ -307,7 +333,7 @@ class Connection(asyncio.Protocol):
 
     # -- used by the relay --------------------------------------------------
 
-    def send(self, head: bytes, body: bytes) -> None:
+    def send(self, head: bytes, body: bytes | bytearray) -> None:
         """Write one request; the connection must be NEW or IDLE."""
         assert self._transport is not None
         self._reset()

@@ -32,12 +32,14 @@ CATALOGUE: dict[str, tuple[str, ...]] = {
         "slowloris: heads and bodies that trickle or never come",
         "oversized heads and bodies",
         "smuggling, upgrades and hop-by-hop headers",
+        "HTTP versions, Host and framing a client may not use",
         "bodies that are not JSON, or are sent as forms",
         "spoofed forwarding and cookies",
         "huge input echoed in an error",
         "a client that leaves mid-request",
         "a client that stops reading, or reads slowly",
         "idle keep-alive connections",
+        "a web page: DNS rebinding and cross-origin requests",
     ),
     "upstreams": (
         "connection refused",
@@ -57,11 +59,17 @@ CATALOGUE: dict[str, tuple[str, ...]] = {
         "a child stopped: its group killed and reaped",
         "requests that would break the engine",
         "a replica that fails",
+        "a child's log on a full disk",
+        "a built-in model's conversion interrupted",
+        "a child stopped while the gateway stops",
     ),
     "overload": (
         "the limit and the queue: 429 and 503 with Retry-After",
         "slots released on every path, cancelled waiters too",
         "out of file descriptors",
+        "idle upstream connections, closed on a timer",
+        "request bodies past the gateway's budget",
+        "a large /metrics scrape while streams run",
     ),
     "drain": (
         "SIGTERM with requests in flight",
@@ -71,6 +79,7 @@ CATALOGUE: dict[str, tuple[str, ...]] = {
     "fleet": (
         "a server of a set that dies and comes back",
         "a server of a set that answers 5xx",
+        "requests whose own content fails on every server",
         "a set with every server out",
     ),
     "balancers": (

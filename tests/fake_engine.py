@@ -27,7 +27,10 @@ die-after: end on half an event), bad-chunk (chunked streams: a malformed
 chunk after the first event): flags, where a bare key means true; head
 (a response head that breaks the rules: endless, header lines without end;
 huge, one 70 KB header line; te-twice, ``Transfer-Encoding: chunked,
-chunked``; cl-te, Content-Length and Transfer-Encoding both); no-done (a
+chunked``; cl-te, Content-Length and Transfer-Encoding both; te-gzip,
+``Transfer-Encoding: gzip, chunked`` over a gzipped JSON body); gzip (a
+stream sent with ``Content-Encoding: gzip``, one gzip member flushed at
+each event; with die-after, cut there without the gzip trailer); no-done (a
 stream that ends cleanly, its last chunk or its close, without ``[DONE]``);
 after-done (a stream whose ``[DONE]`` is followed by half an event, ``: after``
 with no blank line after it); sse-length (a stream sent unchunked with the
@@ -59,6 +62,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import gzip
 import html
 import http
 import importlib
@@ -70,6 +74,7 @@ import socket
 import struct
 import sys
 import time
+import zlib
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -149,6 +154,7 @@ class FakeOptions:
     after_done: bool = False
     sse_length: bool = False
     not_sse: bool = False
+    gzip: bool = False
     reasoning: int = 0
     tool_calls: int = 0
 
@@ -170,6 +176,7 @@ class FakeOptions:
             or self.after_done
             or self.sse_length
             or self.not_sse
+            or self.gzip
         )
 
 
@@ -205,7 +212,7 @@ def _parse_status(text: str) -> int:
     return value
 
 
-_BAD_HEADS = ("endless", "huge", "te-twice", "cl-te")
+_BAD_HEADS = ("endless", "huge", "te-twice", "cl-te", "te-gzip")
 
 
 def _parse_bad_head(text: str) -> str:
@@ -235,6 +242,7 @@ _CONTROLS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "after-done": ("after_done", _parse_flag),
     "sse-length": ("sse_length", _parse_flag),
     "not-sse": ("not_sse", _parse_flag),
+    "gzip": ("gzip", _parse_flag),
     "reasoning": ("reasoning", _parse_count),
     "tool-calls": ("tool_calls", _parse_count),
 }
@@ -1309,6 +1317,10 @@ class _Connection(asyncio.Protocol):
             self._finish(rec, OUTCOME_ABORTED, status=200)
             self._close()
             return
+        if opts.gzip and reply.events is not None:
+            rec.fault = "gzip"
+            await self._play_gzip(rec, reply, opts)
+            return
         if opts.head is not None:
             rec.fault = f"head-{opts.head}"
             await self._bad_head(opts.head)
@@ -1369,9 +1381,39 @@ class _Connection(asyncio.Protocol):
         elif kind == "te-twice":
             head = start + b"transfer-encoding: chunked, chunked\r\n\r\n"
             self._transport.write(head + _frame(body) + b"0\r\n\r\n")
+        elif kind == "te-gzip":
+            head = start + b"transfer-encoding: gzip, chunked\r\n\r\n"
+            self._transport.write(head + _frame(gzip.compress(body)) + b"0\r\n\r\n")
         else:  # cl-te
             head = start + b"content-length: %d\r\ntransfer-encoding: chunked\r\n\r\n" % len(body)
             self._transport.write(head + _frame(body) + b"0\r\n\r\n")
+
+    async def _play_gzip(self, rec: RequestRecord, reply: _Reply, opts: FakeOptions) -> None:
+        """A stream under ``Content-Encoding: gzip``: one member, flushed at each event, chunked or closed."""
+        transport = self._transport
+        assert transport is not None and reply.events is not None
+        chunked = self._engine.http11
+        reply.header_lines.append("Content-Encoding: gzip")
+        transport.write(self._engine.head_bytes(reply, None, chunked, not chunked))
+        packer = zlib.compressobj(wbits=31)
+        events = [*reply.events, _DONE_EVENT]
+        for index, event in enumerate(events):
+            if opts.die_after is not None and index >= opts.die_after:
+                rec.fault = "gzip-die-after"
+                self._finish(rec, OUTCOME_ABORTED, status=reply.status)
+                self._close()
+                return
+            data = packer.compress(event) + packer.flush(zlib.Z_SYNC_FLUSH)
+            if index == len(events) - 1:
+                data += packer.flush()
+            transport.write(_frame(data) if chunked else data)
+            rec.events_sent = index + 1
+            await self._drain()
+        if chunked:
+            transport.write(b"0\r\n\r\n")
+        self._finish(rec, OUTCOME_COMPLETED, status=reply.status)
+        if not chunked:
+            self._close()
 
     async def _keepalive_during(self, prefill_s: float, keepalive_s: float, chunked: bool) -> None:
         assert self._transport is not None

@@ -19,8 +19,8 @@ disconnect and stall watchers), ``failures`` (what the client is told),
 
 from proxy.relay.handler import Relay
 from proxy.relay.ids import RequestIds
-from proxy.relay.routes import ENDPOINTS
+from proxy.relay.routes import ENDPOINTS, deployment_path
 from proxy.relay.settings import RelaySettings
 from proxy.relay.timing import server_timing
 
-__all__ = ["ENDPOINTS", "Relay", "RelaySettings", "RequestIds", "server_timing"]
+__all__ = ["ENDPOINTS", "Relay", "RelaySettings", "RequestIds", "deployment_path", "server_timing"]

@@ -24,14 +24,18 @@ async def relay_body(conn: Connection, out: Writer, outcome: Outcome, read_timeo
         if not conn.ready and (wait := out.flush()) is not None:
             await wait
         while chunk := await conn.read(read_timeout_s):
-            outcome.bytes_out += len(chunk)
             if len(chunk) > SLICE_BYTES:
                 chunk = await write_all_but_last_slice(out, chunk, outcome)
+            # Counted once handed on: a write to a client that has gone raises ClientGone.
             if conn.complete:
-                if (wait := out.write(chunk, False)) is not None:
+                wait = out.write(chunk, False)
+                outcome.bytes_out += len(chunk)
+                if wait is not None:
                     await wait
                 return None
-            if (wait := out.write(chunk, True)) is not None:
+            wait = out.write(chunk, True)
+            outcome.bytes_out += len(chunk)
+            if wait is not None:
                 await wait
             outcome.sends += 1
     except UpstreamError as exc:
@@ -48,11 +52,16 @@ async def relay_body(conn: Connection, out: Writer, outcome: Outcome, read_timeo
 
 
 async def write_all_but_last_slice(out: Writer, chunk: bytes, outcome: Outcome) -> bytes:
-    """Write a large chunk in slices, so that a slow but steady client shows progress; return the last."""
+    """Write a large chunk in slices, so that a slow but steady client shows progress; return the last.
+
+    The slices written are counted in ``outcome.bytes_out``; the last is the caller's to write and count.
+    """
     view = memoryview(chunk)
     last = (len(chunk) - 1) // SLICE_BYTES * SLICE_BYTES
     for offset in range(0, last, SLICE_BYTES):
-        if (wait := out.write(bytes(view[offset : offset + SLICE_BYTES]), True)) is not None:
+        wait = out.write(bytes(view[offset : offset + SLICE_BYTES]), True)
+        outcome.bytes_out += SLICE_BYTES
+        if wait is not None:
             await wait
         outcome.sends += 1
     return bytes(view[last:])

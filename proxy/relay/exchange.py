@@ -31,6 +31,7 @@ from proxy.relay.failures import KEPT_ON_ERRORS, read_error_body, send_upstream_
 from proxy.relay.heartbeat import await_head_with_heartbeats, continue_stream
 from proxy.relay.out import writer_for
 from proxy.relay.outcome import Outcome
+from proxy.relay.request import RequestBody
 from proxy.relay.routes import Peer
 from proxy.relay.settings import RelaySettings
 from proxy.relay.sse import relay_events
@@ -58,25 +59,28 @@ class Exchange:
         receive: Receive,
         send: Send,
         peer: Peer,
-        body: bytes,
+        body: RequestBody,
         outcome: Outcome,
         *,
         may_move: bool = False,
     ) -> ConnectFailed | None:
         """Send ``body`` to ``peer`` and relay its answer; ``outcome`` says how it went.
 
+        Once the upstream has answered (it has read the request), the body is
+        dropped: a long generation does not hold it, nor its budget.
+
         With ``may_move`` (a peer of several), a connection that could not be
         opened is returned unanswered: nothing was sent, so the caller may
         send the request to another peer. Otherwise None: the client is answered.
         """
-        head = self._request_head(scope, peer, len(body), outcome.request_id)
+        head = self._request_head(scope, peer, len(body.data), outcome.request_id)
         conn = await self._open(send, peer, outcome, may_move)
         if not isinstance(conn, Connection):
             return conn
         drain, pool, health = self._drain, peer.pool, peer.health
         # No retry once the request is written: the upstream may have acted
         # on it. Dead idle connections are weeded out by acquire() instead.
-        conn.send(head, body)
+        conn.send(head, body.data)
         outcome.sent_at = perf_counter()
         guards, arm_stall_watch = arm_guards(conn, outcome, scope, self._total_timeout_s, self._send_stall_s)
         watch = ClientWatch(receive, conn, arm_stall_watch)
@@ -90,15 +94,21 @@ class Exchange:
                 else:
                     await conn.read_head(self._head_timeout_s)
             except UpstreamError as exc:
-                if health is not None:
-                    health.answered(exc.status)
+                body.drop()
+                if health is not None and exc.status >= 500:
+                    # Suspect only: the request's own content may be the cause (its probe decides).
+                    health.answered(exc.status, peer.targets[scope["path"]])
                 await self._head_failed(conn, send, outcome, exc)
                 return None
-            if health is not None:
-                health.answered(conn.status)
+            body.drop()
+            if health is not None and conn.status >= 500:
+                health.answered(conn.status, peer.targets[scope["path"]])
             await self._respond(conn, scope, send, outcome)
-        except ClientGone:
+        except ClientGone as exc:
             outcome.client_gone = True
+            if exc.nothing_sent:
+                # Its connection closed (a half-close closes it) before any byte went out.
+                outcome.status = 499
         except asyncio.CancelledError:
             if not outcome.stalled:
                 raise
@@ -149,10 +159,11 @@ class Exchange:
         headers = forward_request_headers(scope["headers"], self._request_drop)
         headers.append((b"x-request-id", request_id))
         headers.append((b"x-forwarded-for", self._trust.x_forwarded_for(scope)))
-        target = peer.targets[scope["path"]]
-        if scope["query_string"]:
-            target += b"?" + scope["query_string"]
-        return request_head(b"POST", target, peer.host_header, headers, length)
+        # The target is the endpoint's, without the client's query: the OpenAI endpoints
+        # take none, and mlx_lm.server answers 404 to a path with one (openai.AzureOpenAI
+        # adds ?api-version= to every request). Unlike nginx's proxy_pass, which is
+        # transparent to paths, the gateway serves fixed endpoints and writes the target.
+        return request_head(b"POST", peer.targets[scope["path"]], peer.host_header, headers, length)
 
     async def refuse(self, send: Send, outcome: Outcome, exc: UpstreamError) -> None:
         """Answer for an exchange that could not begin on any peer."""
@@ -197,6 +208,15 @@ class Exchange:
         headers = filter_response_headers(conn.headers)
         sse = is_event_stream_type(conn.content_type)
         if outcome.built is not None and status == 200 and sse:
+            if conn.content_encoding is not None:
+                conn.close()
+                message = (
+                    "upstream sent its event stream with Content-Encoding "
+                    f"{echo(conn.content_encoding.decode('latin-1'))}, which the gateway "
+                    "does not decode to build the reply"
+                )
+                await self._bad_response(send, outcome, head_at, message)
+                return
             await respond_built(conn, send, outcome, head_at, self._read_timeout_s)
             return
         if outcome.stream and 200 <= status < 300 and not sse:
@@ -236,9 +256,12 @@ class Exchange:
             headers.append((b"content-length", length))
         out = writer_for(scope, send)
         out.start(status, headers)
-        if sse:
+        if sse and conn.content_encoding is None:
             outcome.error = await relay_events(conn, out, outcome, self._read_timeout_s)
         else:
+            # A coded event stream (gzip...) is relayed as it came, its Content-Encoding
+            # with it: its events cannot be read, so no [DONE] is vouched for and no
+            # error event added; it goes out chunked, cut short if its upstream breaks.
             outcome.error = await relay_body(conn, out, outcome, self._read_timeout_s)
 
     async def _bad_response(self, send: Send, outcome: Outcome, head_at: float, message: str) -> None:

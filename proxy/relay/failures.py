@@ -8,6 +8,8 @@ started, a failure is one SSE error event instead (``proxy.errors``).
 
 from __future__ import annotations
 
+import math
+
 from proxy.asgi import Send, send_json
 from proxy.assembly import AssemblyError
 from proxy.errors import HTTPError, normalize_error
@@ -26,9 +28,11 @@ def loading(reason: str) -> HTTPError:
     return HTTPError(503, reason, code="model_loading", headers=((b"retry-after", _RETRY_AFTER_S),))
 
 
-def no_replica(reason: str) -> HTTPError:
-    """503 no_healthy_replica: every replica of the model is out of rotation."""
-    return HTTPError(503, reason, code="no_healthy_replica", headers=((b"retry-after", _RETRY_AFTER_S),))
+def no_replica(reason: str, back_in_s: float | None = None) -> HTTPError:
+    """503 no_healthy_replica: every replica of the model is out of rotation; ``back_in_s``, when
+    known, is when the first of them is tried again (Retry-After, 1 to 60 s)."""
+    retry_after = _RETRY_AFTER_S if back_in_s is None else b"%d" % max(1, min(60, math.ceil(back_in_s)))
+    return HTTPError(503, reason, code="no_healthy_replica", headers=((b"retry-after", retry_after),))
 
 
 def draining(reason: str) -> HTTPError:

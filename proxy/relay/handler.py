@@ -17,7 +17,7 @@ from proxy.relay.exchange import Exchange
 from proxy.relay.failures import refuse
 from proxy.relay.ids import RequestIds
 from proxy.relay.outcome import Outcome
-from proxy.relay.request import read_request
+from proxy.relay.request import BodyBudget, RequestBody, read_request
 from proxy.relay.routes import ENDPOINTS, Peer, RouteEntry, Routes
 from proxy.relay.settings import RelaySettings
 from proxy.relay.ticket import Ticket
@@ -49,7 +49,9 @@ class Relay:
         self.request_id_of = RequestIds()
         self._drain = Drain()
         self._exchange = Exchange(settings, self._drain)
-        self._max_body_bytes = settings.max_body_bytes
+        # A body larger than the whole budget could never be served: 413, not a 503 to retry forever.
+        self._max_body_bytes = min(settings.max_body_bytes, settings.body_budget_bytes)
+        self._body_budget = BodyBudget(settings.body_budget_bytes)
         self._load_wait_s = settings.load_wait_s
 
     @property
@@ -68,12 +70,13 @@ class Relay:
         """One request: read, parse, admit, exchange, record."""
         outcome = Outcome(self.request_id_of(scope))
         ticket = Ticket()
+        body = RequestBody(self._body_budget)
         try:
             try:
-                body = await read_request(scope, receive, self._max_body_bytes)
+                await read_request(scope, receive, self._max_body_bytes, body)
                 # The client's upload time is not the gateway's.
                 outcome.started = outcome.arrived = perf_counter()
-                entry, doc, drop, put = self._parse(body, scope["path"], outcome)
+                entry, doc, drop, put = self._parse(body.data, scope["path"], outcome)
                 peer = ticket.take(entry, doc) or await ticket.admit(
                     entry, doc, outcome, receive, self._drain, self._load_wait_s
                 )
@@ -82,18 +85,22 @@ class Relay:
                     put["model"] = entry.rename
                 if drop or put:
                     # Those members changed; every other byte is the client's.
-                    body = splice(body, doc.keys(), drop, put)
+                    body.replace(splice(body.data, doc.keys(), drop, put))
             except HTTPError as exc:
                 outcome.refuse(exc)
             except ClientGone:
                 outcome.gone_early = True
             else:
                 if len(entry.peers) == 1:
+                    # The document's strings are the body a second time: only the bytes go on.
+                    del doc
                     await self._exchange.run(scope, receive, send, peer, body, outcome)
                 else:
                     await self._run_on_set(scope, receive, send, ticket, entry, doc, body, outcome)
         finally:
-            ticket.release()
+            body.drop()
+            # outcome.started: when its slot was taken (after any wait for it, or for a load).
+            ticket.release(outcome.started)
         if outcome.refusal is not None:
             outcome.bytes_out = await refuse(send, outcome.refusal, outcome.request_id, outcome.started)
         outcome.record(scope, self._metrics, self._access)
@@ -106,7 +113,7 @@ class Relay:
         ticket: Ticket,
         entry: RouteEntry,
         doc: dict[str, Any],
-        body: bytes,
+        body: RequestBody,
         outcome: Outcome,
     ) -> None:
         """The exchange with one of several replicas: one that could not be connected to is
@@ -127,7 +134,7 @@ class Relay:
             outcome.upstreams = [p.addr for p in tried]
 
     def _parse(
-        self, body: bytes, path: str, outcome: Outcome
+        self, body: bytes | bytearray, path: str, outcome: Outcome
     ) -> tuple[RouteEntry, dict[str, Any], tuple[str, ...], dict[str, Any]]:
         """The request's route, its document, and the members to leave out and to set; 400 or 404."""
         model, doc = parse_request(body)

@@ -50,7 +50,7 @@ async def continue_stream(
     conn: Connection, send: Send, status: int, outcome: Outcome, read_timeout_s: float
 ) -> None:
     """The upstream's head after the gateway's heartbeats: relay its events, or its error as one."""
-    if 200 <= status < 300 and is_event_stream_type(conn.content_type):
+    if 200 <= status < 300 and is_event_stream_type(conn.content_type) and conn.content_encoding is None:
         # The head went out as the gateway's own: the events follow it (rare: no fast path).
         outcome.error = await relay_events(conn, AsgiWriter(send), outcome, read_timeout_s)
         return
@@ -62,9 +62,8 @@ async def continue_stream(
         body = upstream_error_body(502, str(exc), exc.code)
     if not body:
         conn.close()
-        body = upstream_error_body(
-            502, f"upstream answered {status} without an event stream", "upstream_bad_response"
-        )
+        what = "a coded event stream" if conn.content_encoding is not None else "no event stream"
+        body = upstream_error_body(502, f"upstream answered {status} with {what}", "upstream_bad_response")
     outcome.error = outcome.error or "upstream_status"
     event = b"data: " + body + b"\n\n"
     outcome.bytes_out += len(event)

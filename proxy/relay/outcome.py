@@ -92,6 +92,10 @@ class Outcome:
             if metrics is not None:
                 metrics.client_disconnects += 1
             return
+        if not self.client_gone and not self.sse_started and "blazar.gone" in (scope.get("extensions") or ()):
+            # Answered through ASGI send (a refusal, an error, a built reply: one write
+            # each) after the server lost the client's connection, which drops it silently.
+            self.status, self.bytes_out, self.client_gone = 499, 0, True
         now = perf_counter()
         stats = self.stats
         if self.refusal is not None:

@@ -1,4 +1,16 @@
-"""The client's request as the relay takes it: a POST, a JSON body, read once and bounded."""
+"""The client's request as the relay takes it: a POST, a JSON body, read once and bounded.
+
+Bounded twice: each body by ``--max-body-bytes`` (413), and all bodies held
+at once by a budget, ``--body-budget-bytes`` (503 with Retry-After: the
+gateway's memory, not the request, is the limit). A body is charged to the
+budget at once when its head declares its length, else as its bytes arrive,
+and given back when it is no longer held: once its upstream has answered
+(it has read the body), or when the request ends, whichever comes first.
+
+A body costs about its own size: its pieces are appended to one buffer as
+they come (no list of pieces joined at the end, which held the body twice),
+and the relay drops its parsed document before the exchange.
+"""
 
 from __future__ import annotations
 
@@ -15,8 +27,66 @@ _ACCEPTED_CONTENT_TYPES = frozenset(
 )
 
 
-async def read_request(scope: Scope, receive: Receive, limit: int) -> bytes:
-    """The request's body, once its method and content type are checked; 405, 413, 415 or ClientGone."""
+class BodyBudget:
+    """The request-body bytes that all requests may hold at once, and how many they hold."""
+
+    __slots__ = ("held_bytes", "limit_bytes")
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit_bytes = limit_bytes
+        self.held_bytes = 0
+
+    def take(self, size: int) -> bool:
+        """Charge ``size`` bytes if they fit; whether they did."""
+        if self.held_bytes + size > self.limit_bytes:
+            return False
+        self.held_bytes += size
+        return True
+
+    def give_back(self, size: int) -> None:
+        self.held_bytes -= size
+
+
+class RequestBody:
+    """One request's body (``data``) and its charge to the budget, given back by ``drop``."""
+
+    __slots__ = ("_budget", "charged_bytes", "data")
+
+    def __init__(self, budget: BodyBudget) -> None:
+        self._budget = budget
+        self.data: bytes | bytearray = b""
+        self.charged_bytes = 0
+
+    def charge(self, size: int) -> None:
+        """Charge ``size`` more bytes to the budget, or 503 when they do not fit."""
+        budget = self._budget
+        if not budget.take(size):
+            raise over_budget(budget.limit_bytes)
+        self.charged_bytes += size
+
+    def replace(self, data: bytes) -> None:
+        """The body re-serialised (an alias, a stream asked for): held instead of the client's."""
+        self.data = data
+        extra = len(data) - self.charged_bytes
+        if extra > 0:
+            # Charged without a refusal: the request is admitted already, and the old body is freed.
+            self._budget.held_bytes += extra
+            self.charged_bytes += extra
+
+    def drop(self) -> None:
+        """No longer held: give its bytes back to the budget (again: nothing)."""
+        self.data = b""
+        if self.charged_bytes:
+            self._budget.give_back(self.charged_bytes)
+            self.charged_bytes = 0
+
+
+async def read_request(scope: Scope, receive: Receive, limit: int, body: RequestBody) -> None:
+    """Read the request's body into ``body``, once its method and content type are checked.
+
+    405, 413, 415, 503 (the budget) or ClientGone; whatever was charged stays
+    on ``body`` for the caller to ``drop``.
+    """
     if scope["method"] != "POST":
         raise HTTPError(
             405,
@@ -26,10 +96,13 @@ async def read_request(scope: Scope, receive: Receive, limit: int) -> bytes:
         )
     media = b""
     from_browser = False
+    declared = -1
     for name, value in scope["headers"]:
         if name == b"content-length":
-            if value.isdigit() and int(value) > limit:
-                raise too_large(limit)
+            if value.isdigit():
+                declared = int(value)
+                if declared > limit:
+                    raise too_large(limit)
         elif name == b"content-type":
             media = value.split(b";", 1)[0].strip().lower()
             if media not in _ACCEPTED_CONTENT_TYPES and not media.endswith(b"+json"):
@@ -49,37 +122,58 @@ async def read_request(scope: Scope, receive: Receive, limit: int) -> bytes:
             "a browser request must send Content-Type: application/json",
             code="unsupported_media_type",
         )
+    if declared > 0:
+        # Its length is known: charged at once, before any of it is read.
+        body.charge(declared)
     message = await receive()
     if message["type"] == "http.request" and not message.get("more_body", False):
         # The common case: the whole body came with the head.
-        body: bytes = message.get("body", b"")
-        if len(body) > limit:
+        data: bytes = message.get("body", b"")
+        if len(data) > limit:
             raise too_large(limit)
-        return body
+        if declared < 0 and data:
+            body.charge(len(data))
+        body.data = data
+        return
     # Its deadline (--body-timeout, from the end of the head) is the protocol's (proxy/protocol.py).
-    return await _read_rest(message, receive, limit)
+    await _read_rest(message, receive, limit, body, charged=declared >= 0)
 
 
-async def _read_rest(message: Message, receive: Receive, limit: int) -> bytes:
-    chunks: list[bytes] = []
-    size = 0
+async def _read_rest(
+    message: Message, receive: Receive, limit: int, body: RequestBody, *, charged: bool
+) -> None:
+    # One buffer, grown in place (realloc): the body is held once, not as pieces and then joined.
+    buffer = bytearray()
     while True:
         if message["type"] == "http.disconnect":
             raise ClientGone()
         chunk: bytes = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
+        if len(buffer) + len(chunk) > limit:
             raise too_large(limit)
-        chunks.append(chunk)
+        if not charged and chunk:
+            body.charge(len(chunk))
+        buffer += chunk
         if not message.get("more_body", False):
-            return b"".join(chunks)
+            body.data = buffer
+            return
         message = await receive()
+
+
+def over_budget(limit_bytes: int) -> HTTPError:
+    return HTTPError(
+        503,
+        f"the gateway holds as many request-body bytes as it may at once ({limit_bytes} bytes, its "
+        "--body-budget-bytes); retry shortly",
+        code="body_budget_exhausted",
+        headers=((b"retry-after", b"1"),),
+    )
 
 
 def too_large(limit: int) -> HTTPError:
     return HTTPError(
         413,
-        f"request body is larger than the limit of {limit} bytes (the gateway's --max-body-bytes)",
+        f"request body is larger than the limit of {limit} bytes "
+        "(the gateway's --max-body-bytes, or its --body-budget-bytes if smaller)",
         code="request_too_large",
         headers=((b"connection", b"close"),),
     )

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 from proxy.admission import Admission
 from proxy.affinity import Affinity
-from proxy.health import Checked, HealthChecks, PeerHealth
+from proxy.health import Checked, HealthChecks, PeerHealth, Probe
 from proxy.metrics import Metrics, ModelMetrics, ReplicaSample
 from proxy.payload import RequestGuards
 from proxy.pool import Pool
@@ -29,6 +29,26 @@ ENDPOINTS: Mapping[str, bytes] = {
     "/v1/embeddings": b"/embeddings",
     "/embeddings": b"/embeddings",
 }
+
+# Azure OpenAI's paths (openai.AzureOpenAI writes /deployments/MODEL before the
+# endpoint, after its azure_endpoint's /openai or its base_url's /v1).
+_DEPLOYMENTS = ("/openai/deployments/", "/v1/deployments/")
+
+
+def deployment_path(path: str) -> str | None:
+    """The relay path an Azure OpenAI deployment path stands for, else None.
+
+    ``/openai/deployments/NAME/chat/completions`` is ``/v1/chat/completions``:
+    the body's ``model`` picks the route, as on every path (openai.AzureOpenAI
+    writes the same name in both).
+    """
+    for prefix in _DEPLOYMENTS:
+        if path.startswith(prefix):
+            _, slash, endpoint = path[len(prefix) :].partition("/")
+            relayed = "/v1/" + endpoint
+            return relayed if slash and relayed in ENDPOINTS else None
+    return None
+
 
 # Client path → the `route` label of the request metrics.
 ROUTE_LABELS: Mapping[str, str] = {
@@ -104,6 +124,12 @@ class RouteEntry(NamedTuple):
     affinity: Affinity | None = None
 
 
+def engine_side(route: Route) -> tuple[object, ...]:
+    """What a route's entry is built from, but for its aliases and its limit: an entry whose route
+    changed only in those is kept (its admission gets the new limit)."""
+    return (route.model, route.upstream, route.gate, route.guards, route.replicas)
+
+
 def least_busy(peers: tuple[Peer, ...], skip: Collection[Peer] = ()) -> Peer | None:
     """The available peer with the fewest requests in flight; ties go to the one that served fewest."""
     best: Peer | None = None
@@ -149,14 +175,26 @@ class Routes:
     def update(self, table: RoutingTable) -> dict[str, RouteEntry]:
         """Serve ``table`` from now on; return the new entries by name.
 
-        A route that is unchanged keeps its entry: its admission queue, its
-        requests in flight and its pooled connections carry on untouched.
+        A route that is unchanged, or changed only in its aliases or its
+        limit, keeps its entry: its admission queue, its requests in flight,
+        its counters and its pooled connections carry on (a new limit applies
+        to the same admission).
         Requests already past the lookup finish on the entry they found.
         """
         built: dict[Route, RouteEntry] = {}
         by_name: dict[str, RouteEntry] = {}
+        # A route whose engine side is the same (its aliases or limit changed) keeps its entry too.
+        running = {engine_side(r): e for r, e in self._built.items()}
         for route in table:
-            entry = self._built.get(route) or self._entry(route)
+            entry = self._built.get(route)
+            if entry is None:
+                entry = running.get(engine_side(route))
+                if entry is not None:
+                    # The same slots and queue, under the new limit: nothing in flight or
+                    # queued is forgotten or overtaken.
+                    entry.admission.set_limit(route.max_in_flight)
+                else:
+                    entry = self._entry(route)
             built[route] = entry
             by_name[route.model] = entry
             for alias in route.aliases:
@@ -167,10 +205,11 @@ class Routes:
                 # Requests still on it finish; their connections are closed on release.
                 self.pools.pop(address).close()
         self.table, self._built, self.by_name = table, built, by_name
-        # Keyed by route: a reload that rebuilds a model's route checks its new peers.
+        # Keyed by the entry's peers: a reload that rebuilds a model's route checks its new peers,
+        # one that keeps them keeps their checks.
         self.checks.watch(
             (
-                route,
+                e.peers,
                 tuple(
                     Checked(r.upstream, p.health, r.gate)
                     for r, p in zip(route.all_replicas, e.peers, strict=True)
@@ -203,7 +242,13 @@ class Routes:
                 # An engine child is watched by its manager, not by the active checks
                 # (proxy/health.py): ejected, it comes back by time or by a new start.
                 active = checked and replica.gate is None
-                health = PeerHealth(f"{route.model} {name}", active=active, on_eject=forget)
+                probe = Probe(
+                    replica.upstream,
+                    route.model,
+                    self._settings.first_byte_timeout_s,
+                    self._settings.connect_timeout_s,
+                )
+                health = PeerHealth(f"{route.model} {name}", active=active, on_eject=forget, probe=probe)
             peers.append(Peer(pool, replica.upstream.host_header, targets, replica.gate, name, health))
         return RouteEntry(
             tuple(peers),

@@ -17,6 +17,9 @@ class RelaySettings(Protocol):
 
     @property
     def max_body_bytes(self) -> int: ...
+    # Request-body bytes all requests may hold at once (past it, 503).
+    @property
+    def body_budget_bytes(self) -> int: ...
     @property
     def connect_timeout_s(self) -> float: ...
     @property

@@ -50,22 +50,27 @@ async def relay_events(conn: Connection, out: Writer, outcome: Outcome, read_tim
                             await wait
                         continue
             tail = chunk[-_TAIL_BYTES:] if len(chunk) >= _TAIL_BYTES else (tail + chunk)[-_TAIL_BYTES:]
-            outcome.bytes_out += len(chunk)
             if len(chunk) > SLICE_BYTES:
                 chunk = await write_all_but_last_slice(out, chunk, outcome)
             last = chunk
+            # Counted once handed on: a write to a client that has gone raises ClientGone.
             if conn.complete and not conn.close_delimited and not pending and ends_stream(tail, last):
-                if (wait := out.write(chunk, False)) is not None:
+                wait = out.write(chunk, False)
+                outcome.bytes_out += len(chunk)
+                if wait is not None:
                     await wait
                 return None
-            if (wait := out.write(chunk, True)) is not None:
+            wait = out.write(chunk, True)
+            outcome.bytes_out += len(chunk)
+            if wait is not None:
                 await wait
             outcome.sends += 1
     except UpstreamError as exc:
         conn.close()
         event = sse_error_event(exc.status, str(exc), code=exc.code)
+        wait = out.write(event, False)
         outcome.bytes_out += len(event)
-        if (wait := out.write(event, False)) is not None:
+        if wait is not None:
             await wait
         return exc.code
     if not ends_stream(tail, last):
@@ -74,13 +79,15 @@ async def relay_events(conn: Connection, out: Writer, outcome: Outcome, read_tim
         # cut it, or sent something else, and the client must know.
         message = "upstream stream ended without [DONE]: the response is truncated"
         event = sse_error_event(502, message, code="upstream_truncated")
+        wait = out.write(event, False)
         outcome.bytes_out += len(event)
-        if (wait := out.write(event, False)) is not None:
+        if wait is not None:
             await wait
         return "upstream_truncated"
     # Half an event after the end: the client gets it as sent, and it counts.
+    wait = out.write(pending, False)
     outcome.bytes_out += len(pending)
-    if (wait := out.write(pending, False)) is not None:
+    if wait is not None:
         await wait
     return None
 

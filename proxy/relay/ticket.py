@@ -140,10 +140,12 @@ class Ticket:
             entry.affinity.record(entry.peers.index(peer), doc)
         return peer
 
-    def release(self) -> None:
-        """Give back what was taken: the slot, the peer's count, the gate. Called once."""
+    def release(self, slot_at: float) -> None:
+        """Give back what was taken: the slot (taken at ``slot_at``, perf_counter's clock), the
+        peer's count, the gate. Called once."""
         if self.slot is not None:
-            self.slot.leave()
+            # The time held feeds the queue's drain rate (its Retry-After).
+            self.slot.leave(perf_counter() - slot_at)
         if self.peer is not None:
             self.peer.in_flight -= 1
         if self.gate is not None:
@@ -154,10 +156,15 @@ def _none_available(entry: RouteEntry) -> HTTPError:
     gate = entry.gate
     if gate is not None and not gate.ready:
         return loading(gate.not_ready_reason())
-    reasons = "; ".join(
-        f"{p.name}: {p.health.reason}" for p in entry.peers if p.health is not None and not p.health.up
+    out = [(p.name, p.health) for p in entry.peers if p.health is not None and not p.health.up]
+    reasons = "; ".join(f"{name}: {health.reason}" for name, health in out)
+    # Come back when the first of them is tried again, if each one says when.
+    backs = [health.back_in_s() for _, health in out]
+    known = [back for back in backs if back is not None]
+    back_in_s = min(known) if known and len(known) == len(backs) else None
+    return no_replica(
+        f"no replica of this model is in rotation now ({reasons or 'none is ready'})", back_in_s
     )
-    return no_replica(f"no replica of this model is in rotation now ({reasons or 'none is ready'})")
 
 
 async def wait_for_model(gate: Gate, receive: Receive, drain: Drain, load_wait_s: float) -> bool:

@@ -38,6 +38,7 @@ from engines.spec import EngineSpec
 from proxy.relay import Relay
 from proxy.routing import Replica, Route, RoutingTable, UpstreamAddress, UpstreamSpecError, parse_upstream_url
 from proxy.startup.configfile import ConfigError, FileConfig, ModelConfig, check_names
+from proxy.startup.settings import variables
 
 log = logging.getLogger("blazar.catalog")
 
@@ -80,6 +81,8 @@ class Catalog:
         self._ports: set[int] = set()
         # Child name → the model it serves.
         self._child_owners: dict[str, str] = {}
+        # The gateway's settings (its API keys among them) are none of a child's business.
+        self._withheld_env = variables()
 
     # -- building -------------------------------------------------------------
 
@@ -153,6 +156,7 @@ class Catalog:
                 served_name=served_name,
                 port=self._port(free_port),
                 extra_args=config.engine_args,
+                withheld_env=self._withheld_env,
             )
             child = one.config
             name = child.name if config.replicas == 1 else f"{child.name}-{index}"

@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import difflib
 import errno
+import ipaddress
 import logging
 import socket
 import sys
@@ -29,6 +30,7 @@ from proxy import __version__
 from proxy.accesslog import AccessLog
 from proxy.app import Gateway, build_app
 from proxy.auth import ApiKeys, read_key_file
+from proxy.browser import AllowedHosts
 from proxy.cors import Cors
 from proxy.metrics import EngineSample, Metrics
 from proxy.protocol import protocol_class
@@ -39,7 +41,7 @@ from proxy.startup.configfile import ConfigError, FileConfig, ModelConfig
 from proxy.startup.options import gateway_options, given_as, settings_from
 from proxy.startup.reload import Reloader
 from proxy.startup.server import GatewayServer
-from proxy.startup.settings import Settings
+from proxy.startup.settings import Settings, flags
 
 log = logging.getLogger("blazar.cli")
 
@@ -108,6 +110,7 @@ def main(ctx: click.Context, /, **given: Any) -> None:
         return
     settings = settings_from(given)
     configs = _model_configs(settings)
+    _check_allowed_hosts(ctx, settings)
     from_command_line = len(configs)
     file = settings.config_file
     configs.extend(file.models if file else ())
@@ -299,6 +302,7 @@ def serve(settings: Settings, *, registry: Registry | None = None, reloader: Rel
         api_keys=ApiKeys(settings.api_keys),
         metrics=metrics,
         cors=Cors(settings.cors_origins),
+        hosts=AllowedHosts(settings.allowed_hosts, bound=settings.host, port=settings.port),
         access_log=AccessLog(settings.log_format, settings.forwarded_allow_ips)
         if settings.access_log
         else None,
@@ -311,7 +315,9 @@ def serve(settings: Settings, *, registry: Registry | None = None, reloader: Rel
     announcing: set[asyncio.Task[None]] = set()
 
     def on_listening(bound: list[tuple[str, int]]) -> None:
-        keyed = bool(settings.api_keys)
+        keyed = settings.strip_credentials
+        if not keyed:
+            _warn_open(bound)
         task = asyncio.ensure_future(_announce_ready(bound, app.relay.table, registry, keyed=keyed))
         announcing.add(task)
         task.add_done_callback(announcing.discard)
@@ -325,6 +331,27 @@ def serve(settings: Settings, *, registry: Registry | None = None, reloader: Rel
         on_listening=on_listening,
     )
     _run(server, settings)
+
+
+def _check_allowed_hosts(ctx: click.Context, settings: Settings) -> None:
+    """Say what is wrong with --allowed-hosts before anything is installed."""
+    try:
+        AllowedHosts(settings.allowed_hosts)
+    except ValueError as exc:
+        raise _Failed(f"{_given_as(ctx, 'allowed_hosts')}: {exc}") from None
+
+
+def _warn_open(bound: list[tuple[str, int]]) -> None:
+    """Say so when a gateway without an API key listens beyond this machine."""
+    public = [(host, port) for host, port in bound if not ipaddress.ip_address(host).is_loopback]
+    if not public:
+        return
+    where = ", ".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in public)
+    _echo(
+        f"warning: listening on {where} without an API key: anyone who can reach this address can run "
+        "generations, load and unload models and read /metrics. Require a key with --api-key KEY "
+        "(or BLAZAR_API_KEY, or --api-key-file), or listen on this machine only with --host 127.0.0.1"
+    )
 
 
 def _uvicorn_config(settings: Settings, app: Gateway) -> uvicorn.Config:
@@ -509,6 +536,9 @@ def _engine_samples(table: RoutingTable) -> list[EngineSample]:
 
 # -- the configuration file ------------------------------------------------------
 
+# Options that take a comma-separated list in one value: the file may give a TOML list.
+_COMMA_LISTS = frozenset(name for name, flag in flags() if flag.commas)
+
 # Options that name what to serve: in the file they are [models.NAME] tables.
 _NOT_IN_GATEWAY_TABLE = frozenset(
     {"config_file", "upstreams", "engine", "model", "served_name", "engine_variant"}
@@ -543,6 +573,11 @@ def _gateway_option(ctx: click.Context, key: str, value: object) -> tuple[str, o
             raise ValueError("not a gateway setting; models go in [models.NAME] tables")
         if param.multiple and not isinstance(value, list):
             value = [value]
+        elif param.name in _COMMA_LISTS and isinstance(value, list):
+            # A TOML list for a comma-separated option (forwarded-allow-ips = ["a", "b"]).
+            if not all(isinstance(item, str) for item in value):
+                raise ValueError("give a list of strings, or one string of comma-separated items")
+            value = ",".join(value)
         try:
             param.type_cast_value(ctx, value)
         except click.BadParameter as exc:

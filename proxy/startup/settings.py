@@ -132,6 +132,13 @@ class Settings:
         "Largest request body accepted; larger ones get 413.",
         low=1,
     )
+    body_budget_bytes: int = _setting(
+        256 * 1024 * 1024,
+        "--body-budget-bytes",
+        "Request-body bytes all requests may hold at once (a body is held while it is read and "
+        "until its upstream answers); a body past it gets 503 with Retry-After.",
+        low=1,
+    )
     connect_timeout_s: float = _setting(
         5.0,
         "--connect-timeout",
@@ -285,6 +292,15 @@ class Settings:
         metavar="ORIGIN",
         multiple=True,
     )
+    allowed_hosts: tuple[str, ...] = _setting(
+        (),
+        "--allowed-hosts",
+        "Comma-separated names this gateway is reached by, beyond localhost (and *.localhost), any IP "
+        "address and --host: a request whose Host names another gets 403 (DNS rebinding). "
+        "* allows any (behind a proxy that checks Host itself).",
+        metavar="NAMES",
+        commas=True,
+    )
     access_log: bool = _setting(
         True,
         "--access-log/--no-access-log",
@@ -317,3 +333,8 @@ class Settings:
 def flags() -> list[tuple[str, Flag]]:
     """Each settable field's name and flag, in ``--help``'s order."""
     return [(f.name, f.metadata["flag"]) for f in dataclasses.fields(Settings) if "flag" in f.metadata]
+
+
+def variables() -> frozenset[str]:
+    """Every setting's ``BLAZAR_*`` variable: the gateway's own (API keys among them), no engine child's."""
+    return frozenset(flag.envvar for _, flag in flags())

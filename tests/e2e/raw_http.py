@@ -19,7 +19,7 @@ def raw_request(gateway: Running, fake_header: str, body: bytes, rcvbuf: int | N
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     sock.connect(("127.0.0.1", gateway.port))
     sock.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         b"x-fake: %s\r\nContent-Length: %d\r\n\r\n" % (fake_header.encode(), len(body)) + body
     )
     return sock

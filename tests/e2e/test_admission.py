@@ -24,7 +24,7 @@ def open_request(gateway: Running, fake_header: str, **fields: object) -> socket
     payload = orjson.dumps(chat(**fields))
     sock = socket.create_connection(("127.0.0.1", gateway.port), timeout=10)
     sock.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         b"x-fake: %s\r\nContent-Length: %d\r\n\r\n" % (fake_header.encode(), len(payload)) + payload
     )
     return sock
@@ -108,3 +108,38 @@ def test_slots_are_released_on_every_path(
     assert max(received_at) - min(received_at) < 0.25
     for sock in both:
         assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+
+
+@pytest.mark.fault("overload", "the limit and the queue: 429 and 503 with Retry-After")
+def test_retry_after_follows_the_queues_drain_rate(
+    start_gateway: StartGateway, fake: FakeEngine, http: httpx.Client, sockets: list[socket.socket]
+) -> None:
+    """Requests that hold their slot 1 s, one slot, four queued: the 429 says to come back in 4 s or
+    more (the queue's drain time), not 1 s; the queue's 503s as well."""
+    gateway = start_gateway(
+        {"fake": fake.url}, "--max-in-flight", "1", "--max-queued", "4", "--queue-timeout", "1.5"
+    )
+    # One request alone: the gateway learns how long a slot is held here.
+    assert http.post(gateway.url + CHAT, json=chat(), headers={"x-fake": "prefill=1"}).status_code == 200
+    sockets.append(open_request(gateway, "prefill=5"))
+    fake.wait_for_record(lambda r: len(fake.records()) == 2)
+    queued = [open_request(gateway, "prefill=1") for _ in range(4)]
+    sockets += queued
+    deadline = time.monotonic() + 10
+    while 'blazar_queue_depth{model="fake"} 4.0' not in http.get(gateway.url + "/metrics").text:
+        assert time.monotonic() < deadline, "the four never queued"
+        time.sleep(0.05)
+    refused = http.post(gateway.url + CHAT, json=chat())
+    assert refused.status_code == 429, refused.text
+    assert 4 <= int(refused.headers["retry-after"]) <= 60, refused.headers
+    # The queued ones time out behind the 5 s holder: each 503 says how long what is left needs.
+    retry_afters = []
+    for sock in queued:
+        response = sock.recv(65536)
+        while not response.endswith(b"}}"):
+            response += sock.recv(65536)
+        assert response.startswith(b"HTTP/1.1 503") and b"queue_timeout" in response
+        head = response.split(b"\r\n\r\n", 1)[0].lower()
+        retry_afters.append(int(head.split(b"retry-after: ", 1)[1].split(b"\r\n", 1)[0]))
+    assert all(1 <= seconds <= 60 for seconds in retry_afters), retry_afters
+    assert max(retry_afters) >= 3, retry_afters  # the first to time out still had three behind it

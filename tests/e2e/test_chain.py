@@ -243,7 +243,9 @@ def test_draining_b_reaches_the_client_as_503_draining_with_retry_after(
     hold(http, b, holding)
     b.proc.send_signal(signal.SIGTERM)
     wait_until(lambda: http.get(b.url + "/readyz").status_code == 503, 10, "B drains")
-    # A's own readiness follows B's, so a balancer in front of A stops sending it requests.
+    # A's own readiness follows B's (at A's next timed check), so a balancer in front of A stops
+    # sending it requests.
+    wait_until(lambda: http.get(a.url + "/readyz").status_code == 503, 10, "A sees B drain")
     ready = http.get(a.url + "/readyz")
     assert ready.status_code == 503, ready.text
     assert "/readyz answers 503" in ready.json()["reason"]
@@ -288,7 +290,7 @@ def test_client_leaving_a_during_prefill_closes_b_and_the_engine(
     a, _ = chain
     body = orjson.dumps({"model": "fake", "messages": MESSAGES, "stream": True})
     head = (
-        f"POST {CHAT} HTTP/1.1\r\nhost: a\r\ncontent-type: application/json\r\n"
+        f"POST {CHAT} HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n"
         f"content-length: {len(body)}\r\nx-fake: prefill=30\r\nx-request-id: leaves-in-prefill\r\n\r\n"
     )
     with socket.create_connection(("127.0.0.1", a.port), timeout=10) as sock:

@@ -43,7 +43,7 @@ def behind_a_stream(gateway: Running, stall_s: float, second: bytes, status: byt
     first and whole, then the response to ``second`` with ``status``, whose bytes are returned."""
     stream = orjson.dumps({"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": True})
     first = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         b"x-fake: stall=%g\r\nContent-Length: %d\r\n\r\n" % (stall_s, len(stream)) + stream
     )
     with socket.create_connection(("127.0.0.1", gateway.port), timeout=10) as sock:
@@ -61,7 +61,7 @@ def behind_a_stream(gateway: Running, stall_s: float, second: bytes, status: byt
 def test_slowloris_head_gets_408_and_close(strict: Running, fake: FakeEngine) -> None:
     """A head sent a few bytes at a time past the head deadline gets 408 in OpenAI's envelope."""
     started = time.monotonic()
-    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
     response = exchange(strict, *(head[i : i + 5] for i in range(0, len(head), 5)), pause_s=0.1)
     assert response.startswith(b"HTTP/1.1 408")
     assert b'"code":"request_timeout"' in response and b"connection: close" in response
@@ -84,7 +84,7 @@ def test_silent_connection_is_closed(strict: Running) -> None:
 def test_slow_body_gets_408(strict: Running, fake: FakeEngine) -> None:
     """A body that does not arrive within the body deadline gets 408 and the engine never sees it."""
     head = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         b"Content-Length: %d\r\n\r\n"
     )
     response = exchange(strict, head % len(BODY) + BODY[:10], BODY[10:20], BODY[20:30], pause_s=0.4)
@@ -100,7 +100,7 @@ def test_a_pipelined_body_that_waits_its_turn_does_not_cut_the_running_response(
     """A second request queued behind a running stream, its body not all sent: the stream ends
     whole, and only then does the second get its 408 (its body deadline runs from its turn)."""
     second = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         b"Content-Length: %d\r\n\r\n" % len(BODY) + BODY[:10]
     )
     rest = behind_a_stream(strict, 1.5, second, b"408")
@@ -111,7 +111,7 @@ def test_a_pipelined_body_that_waits_its_turn_does_not_cut_the_running_response(
 def test_a_head_that_declares_a_body_then_sends_nothing_gets_408(strict: Running, fake: FakeEngine) -> None:
     """The body deadline runs from the end of the head: a declared body of which no byte comes is cut."""
     head = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         b"Content-Length: 100000\r\n\r\n"
     )
     with socket.create_connection(("127.0.0.1", strict.port), timeout=5) as sock:
@@ -128,7 +128,7 @@ def test_a_head_that_declares_a_body_then_sends_nothing_gets_408(strict: Running
 def test_an_upgrade_request_is_refused_and_closed(strict: Running, fake: FakeEngine) -> None:
     """POST with Connection: upgrade and a body: 400 upgrade_not_supported and close, not a lost body."""
     head = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         b"Connection: Upgrade\r\nUpgrade: websocket\r\nContent-Length: %d\r\n\r\n"
     )
     with socket.create_connection(("127.0.0.1", strict.port), timeout=5) as sock:
@@ -150,7 +150,9 @@ def test_an_oversized_head_pipelined_in_the_same_read_gets_431_after_the_running
     """A second head past --max-header-bytes, sent in one write with the request before it, whole or
     not yet ended: counted (its bytes are not the first request's), refused with 431 once the first
     response has ended whole."""
-    second = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 8000 + b"\r\nX-More: "
+    second = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * 8000 + b"\r\nX-More: "
+    )
     if whole:
         second += b"1\r\nContent-Length: %d\r\n\r\n" % len(BODY) + BODY
     rest = behind_a_stream(strict, 0.5, second, b"431")
@@ -163,11 +165,13 @@ def test_an_oversized_pipelined_head_split_across_reads_gets_431(strict: Running
     """A second head that begins in the read that ends the first request, its big header still
     arriving (httptools holds it unseen), and ends in a later read: checked whole at its end, 431."""
     first = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         b"x-fake: prefill=0.3\r\nContent-Length: %d\r\n\r\n" % len(BODY) + BODY
     )
     with socket.create_connection(("127.0.0.1", strict.port), timeout=10) as sock:
-        sock.sendall(first + b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20000)
+        sock.sendall(
+            first + b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * 20000
+        )
         time.sleep(0.1)
         sock.sendall(b"\r\nContent-Length: %d\r\n\r\n" % len(BODY) + BODY)
         received = b""
@@ -184,7 +188,7 @@ def test_a_pipelined_head_of_two_bytes_behind_a_request_is_still_timed(
 ) -> None:
     """'GE' after a request in the same read, then nothing: the head deadline still applies (408)."""
     first = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         b"x-fake: prefill=0.8\r\nContent-Length: %d\r\n\r\n" % len(BODY) + BODY
     )
     with socket.create_connection(("127.0.0.1", strict.port), timeout=10) as sock:
@@ -213,7 +217,7 @@ def test_a_broken_body_of_a_request_queued_behind_a_stream_gets_its_400_after_th
     """A pipelined request whose chunked body the parser refuses: it never starts; the stream before
     it ends whole, then that request's 400 and close."""
     second = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         b'Transfer-Encoding: chunked\r\n\r\n5\r\n{"a":\r\nzz\r\n'
     )
     rest = behind_a_stream(strict, 0.3, second, b"400")
@@ -226,7 +230,7 @@ def test_oversized_headers_get_431(strict: Running, fake: FakeEngine) -> None:
     """Headers past --max-header-bytes get 431 and close, before any body is read."""
     response = exchange(
         strict,
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Big: "
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nX-Big: "
         + b"a" * 8000
         + b"\r\nContent-Length: 2\r\n\r\n{}",
     )
@@ -240,7 +244,7 @@ def test_content_length_with_transfer_encoding_is_400_and_close(gateway: Running
     """Content-Length with Transfer-Encoding (request smuggling) gets 400 and close, as OpenAI JSON."""
     response = exchange(
         gateway,
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n"
         b"Transfer-Encoding: chunked\r\n\r\n" % len(BODY) + BODY,
     )
     assert response.startswith(b"HTTP/1.1 400")
@@ -252,7 +256,7 @@ def test_content_length_with_transfer_encoding_is_400_and_close(gateway: Running
 def test_normal_requests_are_unaffected(strict: Running, fake: FakeEngine) -> None:
     """Keep-alive requests well within the limits pass, one after another on one connection."""
     request = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         b"Content-Length: %d\r\n\r\n" % len(BODY) + BODY
     )
     with socket.create_connection(("127.0.0.1", strict.port), timeout=5) as sock:

@@ -503,14 +503,15 @@ def test_stream_on_a_removed_model_completes(
     gone.wait_for_record(lambda r: r["outcome"] == "completed")
 
 
-def test_unchanged_model_keeps_its_slots_and_a_changed_one_gets_new_ones(
+def test_unchanged_model_keeps_its_slots_and_a_changed_limit_applies_to_them(
     start_gateway: StartGateway,
     start_fake_engine: StartFakeEngine,
     http: httpx.Client,
     tmp_path: Path,
     streams: concurrent.futures.ThreadPoolExecutor,
 ) -> None:
-    """max-in-flight from the file: an unchanged model's request in flight still counts after a reload."""
+    """max-in-flight from the file: a model's request in flight still counts after a reload, whether
+    the model is unchanged or only its limit changed (the new limit applies to the same slots)."""
     fake = start_fake_engine()
     path = tmp_path / "blazar.toml"
     head = "[gateway]\nmax-queued = 0\n\n"
@@ -529,10 +530,93 @@ def test_unchanged_model_keeps_its_slots_and_a_changed_one_gets_new_ones(
 
     write_config(path, head + model_table("a", fake) + "max-in-flight = 2\n\n" + model_table("b", fake))
     assert "restarted a" in hang_up(gateway)
-    assert ask(gateway, http, "a").status_code == 200  # new settings, new slots
+    assert _gauge(gateway, http, "blazar_requests_in_flight", "a") == 1  # the stream still counts
+    assert ask(gateway, http, "a").status_code == 200  # the new limit of 2 lets one more in
     assert [r["finished_at"] for r in fake.records() if r["stream"]] == [None]
     raw = stream.result(timeout=30)
     assert sse_events(raw)[-1] == b"data: [DONE]" and b'"error"' not in raw
+
+
+def _gauge(gateway: Running, http: httpx.Client, name: str, model: str) -> float:
+    for line in http.get(gateway.url + "/metrics").text.splitlines():
+        if line.startswith(f'{name}{{model="{model}"}} '):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {name} for {model}")
+
+
+def _ask_marked(url: str, model: str, mark: str) -> int:
+    body = {"model": model, "messages": [{"role": "user", "content": mark}], "max_tokens": 2}
+    with httpx.Client(trust_env=False, timeout=30) as client:
+        return client.post(url + CHAT, json=body).status_code
+
+
+@pytest.mark.fault("overload", "the limit and the queue: 429 and 503 with Retry-After")
+def test_reload_changing_only_an_alias_keeps_the_models_queue(
+    start_gateway: StartGateway,
+    start_fake_engine: StartFakeEngine,
+    http: httpx.Client,
+    tmp_path: Path,
+    streams: concurrent.futures.ThreadPoolExecutor,
+) -> None:
+    """max-in-flight 1, a stream running and two requests queued: a reload that adds an alias keeps
+    them (/metrics: 1 in flight, 2 queued), and a request sent after it, by the alias, waits behind
+    the two instead of running beside the stream."""
+    fake = start_fake_engine()
+    path = tmp_path / "blazar.toml"
+    write_config(path, model_table("a", fake) + "max-in-flight = 1\n")
+    gateway = start_gateway({}, "--config", str(path))
+    stream = streams.submit(stream_body, gateway.url, "a", "chunks=30; chunk-delay=0.1")
+    fake.wait_for_record(lambda r: r["stream"] is True)
+
+    def queued_are(count: int) -> Callable[[], bool]:
+        return lambda: _gauge(gateway, http, "blazar_queue_depth", "a") == count
+
+    queued = []
+    for index in range(2):
+        queued.append(streams.submit(_ask_marked, gateway.url, "a", f"queued {index}"))
+        wait_until(queued_are(index + 1), f"{index + 1} queued")
+
+    write_config(path, model_table("a", fake, "alias") + "max-in-flight = 1\n")
+    assert "reload: " in hang_up(gateway)
+    assert _gauge(gateway, http, "blazar_requests_in_flight", "a") == 1
+    assert _gauge(gateway, http, "blazar_queue_depth", "a") == 2
+    after = streams.submit(_ask_marked, gateway.url, "alias", "after the reload")
+    wait_until(queued_are(3), "the third queued")
+    assert [r["stream"] for r in fake.records()] == [True]  # nothing overtook the stream
+
+    assert [f.result(timeout=30) for f in (*queued, after)] == [200, 200, 200]
+    raw = stream.result(timeout=30)
+    assert sse_events(raw)[-1] == b"data: [DONE]"
+    order = [orjson.loads(r["body"])["messages"][0]["content"] for r in fake.records()[1:]]
+    assert order == ["queued 0", "queued 1", "after the reload"]
+
+
+def test_sighup_with_a_config_path_that_blocks_leaves_livez_answering(
+    start_gateway: StartGateway, start_fake_engine: StartFakeEngine, http: httpx.Client, tmp_path: Path
+) -> None:
+    """The file replaced by a FIFO nobody writes: SIGHUP's read waits off the event loop, so /livez
+    and requests still answer; once the FIFO is written, the reload applies what it says."""
+    fake = start_fake_engine()
+    path = tmp_path / "blazar.toml"
+    write_config(path, model_table("a", fake))
+    gateway = start_gateway({}, "--config", str(path))
+    fifo = tmp_path / "blazar.fifo"
+    os.mkfifo(fifo)
+    os.replace(fifo, path)
+    gateway.proc.send_signal(signal.SIGHUP)
+    wait_until(lambda: "reload: reading" in gateway.log(), "the reload starts reading")
+    for _ in range(5):
+        assert http.get(gateway.url + "/livez", timeout=3).status_code == 200
+        time.sleep(0.1)
+    assert ask(gateway, http, "a").status_code == 200
+    assert reload_outcomes(gateway) == []  # still reading
+
+    # The reader waits in open(): this open for writing meets it at once.
+    with path.open("w", encoding="utf-8") as writer:
+        writer.write(model_table("a", fake) + model_table("b", fake))
+    wait_until(lambda: bool(reload_outcomes(gateway)), "the reload ends")
+    assert reload_outcomes(gateway)[-1].split("reload: ", 1)[1] == "started b"
+    assert ask(gateway, http, "b").status_code == 200
 
 
 def test_sighup_without_changes_changes_nothing(

@@ -12,10 +12,13 @@ APP = "https://app.example.com"
 
 
 def test_cors_is_off_by_default(gateway: Running, fake: FakeEngine, http: httpx.Client) -> None:
-    """Without --cors-origin no Access-Control header is sent, whatever the engine says."""
-    response = http.post(gateway.url + CHAT, json=BODY, headers={"origin": APP})
+    """Without --cors-origin no Access-Control header is sent, whatever the engine says, and pages get 403."""
+    response = http.post(gateway.url + CHAT, json=BODY)
     assert response.status_code == 200
     assert not [h for h in response.headers if h.startswith("access-control-")]
+    from_page = http.post(gateway.url + CHAT, json=BODY, headers={"origin": APP})
+    assert from_page.status_code == 403
+    assert not [h for h in from_page.headers if h.startswith("access-control-")]
 
 
 def test_configured_origin_gets_preflight_and_headers(
@@ -50,4 +53,5 @@ def test_other_origins_get_no_cors(start_gateway: StartGateway, fake: FakeEngine
     )
     assert preflight.status_code == 403
     response = http.post(gateway.url + CHAT, json=BODY, headers={"origin": evil})
+    assert response.status_code == 403
     assert "access-control-allow-origin" not in response.headers

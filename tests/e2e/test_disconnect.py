@@ -26,7 +26,7 @@ def open_request(gateway: Running, body: dict[str, object], fake_header: str) ->
     payload = orjson.dumps(body)
     sock = socket.create_connection(("127.0.0.1", gateway.port), timeout=10)
     sock.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         b"x-fake: %s\r\nContent-Length: %d\r\n\r\n" % (fake_header.encode(), len(payload)) + payload
     )
     return sock
@@ -78,7 +78,7 @@ def test_a_pipelined_client_that_hangs_up_frees_the_running_request(
     upstream is closed too (uvicorn tells only the newest request of the disconnect)."""
     body = orjson.dumps({"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": True})
     head = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         b"Content-Length: %d\r\n" % len(body)
     )
     gateway = start_gateway({"fake": fake.url})

@@ -317,7 +317,7 @@ def test_a_client_that_leaves_a_non_stream_request_frees_the_engine(gateway: Eng
     with socket.create_connection(("127.0.0.1", gateway.port)) as sock:
         data = orjson.dumps(long_story)
         sock.sendall(
-            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n"
             b"content-length: %d\r\n\r\n" % len(data) + data
         )
         time.sleep(1.5)

@@ -195,6 +195,42 @@ def test_parity_direct_and_through_gateway(mlx_gateway: EngineGateway) -> None:
             assert ask(direct, prompt) == ask(proxied, prompt), prompt
 
 
+def test_the_azure_openai_client_gets_answers_from_mlx_through_the_gateway(
+    mlx_gateway: EngineGateway,
+) -> None:
+    """openai.AzureOpenAI adds ?api-version= (mlx_lm.server answers 404 to it): through the gateway,
+    the child generates a reply and a stream."""
+    azure = openai.AzureOpenAI(
+        azure_endpoint=mlx_gateway.url,
+        api_version="2024-10-21",
+        api_key="unused",
+        max_retries=0,
+        http_client=openai.DefaultHttpxClient(trust_env=False, timeout=60),
+    )
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
+    with azure:
+        reply = azure.chat.completions.create(model=DEMO, messages=messages, max_tokens=6)
+        assert reply.usage is not None and reply.usage.completion_tokens == 6
+        chunks = list(azure.chat.completions.create(model=DEMO, messages=messages, max_tokens=6, stream=True))
+        assert sum(1 for ch in chunks if ch.choices and ch.choices[0].delta.content) >= 2
+    # The query alone, on the gateway's own path (a client's default_query).
+    with openai.OpenAI(
+        base_url=f"{mlx_gateway.url}/v1",
+        api_key="unused",
+        default_query={"api-version": "2024-10-21"},
+        max_retries=0,
+        http_client=openai.DefaultHttpxClient(trust_env=False, timeout=60),
+    ) as plain:
+        reply = plain.chat.completions.create(model=DEMO, messages=messages, max_tokens=3)
+        assert reply.usage is not None and reply.usage.completion_tokens == 3
+    with httpx.Client(trust_env=False, timeout=30) as http:
+        direct = http.post(
+            f"http://127.0.0.1:{mlx_gateway.child_port}/v1/chat/completions?api-version=2024-10-21",
+            json={"model": DEMO, "messages": messages, "max_tokens": 2},
+        )
+    assert direct.status_code == 404  # why the query must stay at the gateway
+
+
 @pytest.mark.fault("engines", "requests that would break the engine")
 def test_engine_guards_answer_400_before_the_engine(mlx_gateway: EngineGateway) -> None:
     """max_tokens 0 and a chat without messages get 400 at the gateway; the child stays healthy."""
@@ -300,15 +336,13 @@ def _wait_for_log(gateway: EngineGateway, text: str, timeout_s: float = 30) -> N
         time.sleep(0.005)
 
 
-@pytest.mark.fault("drain", "a second and a third signal")
-def test_third_signal_kills_the_child_and_exits_130(engine_installed: None, logs_dir: Path) -> None:
-    """Three signals in a row: the gateway exits 130 at once and SIGKILLs its child itself.
+def _three_signals(gateway: EngineGateway) -> None:
+    """SIGTERM, SIGINT, SIGINT, each once the gateway has told of the one before, with a stream in flight.
 
-    Each signal is sent once the gateway has told of the one before: two SIGINTs that
-    arrive before Python runs its handler are one signal to it (a busy machine made a
-    20 ms spacing flaky). A stream in flight holds the drain open after the first.
+    Two SIGINTs that arrive before Python runs its handler are one signal to it
+    (a busy machine made a 20 ms spacing flaky). The stream holds the drain
+    open after the first.
     """
-    gateway = start_engine_gateway(logs_dir)
     body = {"model": DEMO, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4000}
     body["stream"] = True
     streamed = threading.Event()
@@ -331,10 +365,30 @@ def test_third_signal_kills_the_child_and_exits_130(engine_installed: None, logs
     gateway.proc.send_signal(signal.SIGINT)
     assert gateway.proc.wait(10) == 130
     client.join(10)
+
+
+@pytest.mark.fault("drain", "a second and a third signal")
+def test_third_signal_kills_the_child_and_exits_130(engine_installed: None, logs_dir: Path) -> None:
+    """Three signals in a row: the gateway exits 130 at once and SIGKILLs its child itself."""
+    gateway = start_engine_gateway(logs_dir)
+    _three_signals(gateway)
     deadline = time.monotonic() + 2.0
     while _pid_alive(gateway.child_pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _pid_alive(gateway.child_pid)
+
+
+@pytest.mark.fault("engines", "a child stopped while the gateway stops")
+def test_a_child_the_gateway_kills_as_it_stops_is_not_said_to_start_again(
+    engine_installed: None, logs_dir: Path
+) -> None:
+    """A child killed by the gateway's own last-resort stop is not logged as a crash that restarts."""
+    gateway = start_engine_gateway(logs_dir)
+    _three_signals(gateway)
+    log = gateway.log()
+    assert "second signal" in log  # the stop went the way the test means
+    assert "starting again" not in log, log
+    assert "exited with code -9" not in log, log
 
 
 @pytest.mark.fault("engines", "a child that crashes, hangs or turns unhealthy")

@@ -196,7 +196,7 @@ def send_late_body(url: str, request_id: str, stream: bool) -> str | None:
     """A request whose body follows its head 0.3 s later; None when the response is whole and right."""
     body = orjson.dumps({"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": stream})
     head = (
-        f"POST {CHAT} HTTP/1.1\r\nhost: blazar\r\ncontent-type: application/json\r\n"
+        f"POST {CHAT} HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n"
         f"content-length: {len(body)}\r\nx-request-id: {request_id}\r\n"
         f"x-fake: {STREAM_FAKE if stream else TEXT_FAKE}\r\n\r\n"
     )

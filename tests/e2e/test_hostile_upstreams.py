@@ -127,7 +127,7 @@ def test_running_out_of_file_descriptors_is_the_gateways_own_503(
                 time.sleep(0.01)
             request = orjson.dumps(BODY)
             asking.sendall(
-                b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n"
                 b"content-length: %d\r\n\r\n" % len(request) + request
             )
             answer = asking.recv(65536)

@@ -92,7 +92,7 @@ def test_in_flight_queue_depth_and_disconnects(
     for _ in range(2):
         sock = socket.create_connection(("127.0.0.1", gateway.port), timeout=5)
         sock.sendall(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
             b"x-fake: prefill=2\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload
         )
         socks.append(sock)

@@ -69,7 +69,7 @@ def leave_after(port: int, body: dict[str, Any], wait_s: float) -> None:
     """Send a request on a raw socket and close it after ``wait_s`` without reading an answer."""
     data = orjson.dumps(body)
     head = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n"
         b"content-length: %d\r\n\r\n" % len(data)
     )
     with socket.create_connection(("127.0.0.1", port)) as sock:

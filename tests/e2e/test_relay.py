@@ -70,7 +70,7 @@ def test_hop_by_hop_headers_do_not_cross(gateway: Running, fake: FakeEngine) -> 
     """Connection, the fields it names, Keep-Alive, TE and Proxy-* stay on the client's hop."""
     body = orjson.dumps(chat())
     request = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway.example\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
         b"Connection: keep-alive, X-Secret-Hop\r\nX-Secret-Hop: 1\r\nKeep-Alive: timeout=5\r\n"
         b"TE: trailers\r\nProxy-Authorization: Basic eA==\r\nUpgrade: h2c\r\n"
         b"Authorization: Bearer k\r\nX-End-To-End: yes\r\n"
@@ -257,6 +257,38 @@ def test_probes(gateway: Running, http: httpx.Client) -> None:
     ready = http.get(gateway.url + "/readyz")
     assert ready.status_code == 200
     assert ready.json()["models"] == {"fake": "ready", "org/fake-2": "ready"}
+
+
+def test_readyz_calls_send_nothing_upstream_beyond_the_timed_checks(
+    start_fake_engine: StartFakeEngine, start_gateway: StartGateway, http: httpx.Client
+) -> None:
+    """/readyz answers from its checks, at most one round per --health-interval: with 20 upstreams
+    and an interval of 60 s, 200 calls cost the upstreams one round of 20 (probed per call: 4,000)."""
+    fake = start_fake_engine()
+    upstreams = {f"m{index}": f"{fake.url}/p{index}/v1" for index in range(20)}
+    gw = start_gateway(upstreams, "--health-interval", "60")
+    for _ in range(200):
+        ready = http.get(gw.url + "/readyz")
+        assert ready.status_code == 200, ready.text
+    assert ready.json()["models"] == {name: "ready" for name in upstreams}
+    checks = [r["path"] for r in fake.records() if r["path"].endswith("/readyz")]
+    assert sorted(checks) == sorted(f"/p{index}/readyz" for index in range(20))
+
+
+def test_readyz_follows_an_upstream_that_goes_away(
+    start_fake_engine: StartFakeEngine, start_gateway: StartGateway, http: httpx.Client
+) -> None:
+    """An upstream stopped after start is unreachable in /readyz once the next timed check ran."""
+    fake = start_fake_engine()
+    gw = start_gateway({"m": fake.url}, "--health-interval", "0.3")
+    assert http.get(gw.url + "/readyz").status_code == 200
+    fake.stop()
+    deadline = time.monotonic() + 10
+    while (ready := http.get(gw.url + "/readyz")).status_code != 503:
+        assert time.monotonic() < deadline, ready.text
+        time.sleep(0.05)
+    assert ready.json()["models"] == {"m": "unreachable"}
+    assert "Connect call failed" in ready.json()["reason"] or "refused" in ready.json()["reason"]
 
 
 @pytest.mark.fault("clients", "oversized heads and bodies")

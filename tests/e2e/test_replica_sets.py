@@ -177,21 +177,61 @@ def test_dead_replica_costs_no_request_and_rejoins(
             time.sleep(0.1)
 
 
+def _probes(fake: FakeEngine) -> list[dict[str, Any]]:
+    """The test requests the gateway itself sent the fake (a replica's probe)."""
+    return [r for r in _sent(fake) if r["headers"].get("user-agent") == "blazar-proxy replica probe"]
+
+
 @pytest.mark.fault("fleet", "a server of a set that answers 5xx")
-def test_a_replica_answering_5xx_is_ejected_after_three_in_a_row(
+def test_a_replica_that_fails_its_own_test_request_is_ejected(
     start_fake_engine: StartFakeEngine, start_gateway: StartGateway
 ) -> None:
-    """Each 500 reaches its client as it is; three in a row eject the server, which passing checks
-    of its /health do not bring back at once."""
+    """A server that answers 500 to everything fails the gateway's own test request after its first
+    500 and is ejected; each 500 reaches its client as it is, and passing checks of its /health do
+    not bring it back."""
     a, b = start_fake_engine(), start_fake_engine("--status", "500")
     with _set(start_gateway, a, b, "--affinity-slack", "off") as client:
         statuses = [client.post(CHAT, json=_chat(f"q {index}", 1)).status_code for index in range(12)]
         time.sleep(3 * float(INTERVAL))  # several passed checks of b's /health
         statuses += [client.post(CHAT, json=_chat(f"r {index}", 1)).status_code for index in range(4)]
         metrics = client.get("/metrics").text
-    assert statuses.count(500) == 3 and statuses.count(200) == 13, statuses
-    assert len(_sent(b)) == 3 and len(_sent(a)) == 13
+    failed = statuses.count(500)
+    assert 1 <= failed <= 3 and statuses.count(200) == 16 - failed, statuses
+    assert statuses[-4:] == [200] * 4
+    assert len(_probes(b)) == 1 and _probes(a) == []
+    assert len(_sent(b)) == failed + 1 and len(_sent(a)) == 16 - failed
     assert _metric(metrics, "blazar_replica_ejections_total", b.port) == 1
+
+
+@pytest.mark.fault("fleet", "requests whose own content fails on every server")
+def test_no_client_can_eject_a_healthy_replica_by_its_own_bad_requests(
+    start_fake_engine: StartFakeEngine, start_gateway: StartGateway
+) -> None:
+    """One client's requests that each server closes without a reply (x-fake: empty, as mlx does on a
+    field it cannot take) get their 502s, but eject no replica: another client is served throughout."""
+    a, b = start_fake_engine(), start_fake_engine()
+    gw = _set_gateway(start_gateway, a, b)
+    with (
+        httpx.Client(base_url=gw.url, trust_env=False, timeout=10) as hostile,
+        httpx.Client(base_url=gw.url, trust_env=False, timeout=10) as other,
+    ):
+        for round_ in range(4):
+            for _ in range(6):
+                response = hostile.post(CHAT, json=_chat(f"bad {round_}", 1), headers={"x-fake": "empty"})
+                assert response.status_code == 502, response.text
+                assert response.json()["error"]["code"] == "upstream_empty_reply"
+            for index in range(2):
+                response = other.post(CHAT, json=_chat(f"good {round_} {index}", 1))
+                assert response.status_code == 200, response.text
+        metrics = other.get("/metrics").text
+    assert _metric(metrics, "blazar_replica_ejections_total", a.port) == 0
+    assert _metric(metrics, "blazar_replica_ejections_total", b.port) == 0
+    # Each server that failed a request was sent the gateway's own test request, and passed it;
+    # 24 bad requests cost each server a probe or two, not one each.
+    probed = _probes(a) + _probes(b)
+    assert 1 <= len(probed) <= 4, probed
+    assert all(orjson.loads(r["body"])["max_tokens"] == 1 for r in probed)
+    assert "out of rotation" not in gw.log()
 
 
 @pytest.mark.fault("fleet", "a set with every server out")
@@ -209,6 +249,8 @@ def test_every_replica_out_is_503_with_retry_after(
             assert response.headers["retry-after"]
             error = response.json()["error"]
             assert error["message"] and error["code"] in ("no_healthy_replica", "upstream_unavailable")
+        # /readyz follows at the next timed check of the upstreams.
+        wait_until(lambda: client.get("/readyz").status_code == 503, "/readyz says the set is out")
         ready = client.get("/readyz")
         assert ready.status_code == 503 and ready.json()["models"] == {"m": "unreachable"}
 
@@ -323,6 +365,33 @@ def test_mlx_second_turn_is_served_from_its_prompt_cache(mlx_pair: ConfigGateway
     cached = usage["prompt_tokens_details"]["cached_tokens"]
     assert cached >= 0.9 * first_prompt, usage
     assert cached < usage["prompt_tokens"]
+
+
+@pytest.mark.fault("fleet", "requests whose own content fails on every server")
+def test_mlx_no_client_can_eject_a_healthy_replica(mlx_pair: ConfigGateway) -> None:
+    """Two mlx replicas: one client's requests whose logit_bias names no token id (mlx closes the
+    socket without a reply; no type check can tell) get 502s, and another client is still served by
+    both replicas: the gateway's own test request passed, and no replica left rotation."""
+    bad = {**_chat("hostile", 1), "model": "pair", "logit_bias": {"not-a-token": 5}}
+    answers: list[str] = []
+    for round_ in range(3):
+        for _ in range(4):
+            response = mlx_pair.http.post(CHAT, json=bad)
+            assert response.status_code == 502, response.text
+            assert response.json()["error"]["code"] == "upstream_empty_reply"
+        for index in range(2):
+            good = {**_chat(f"served {round_} {index}", 1), "model": "pair"}
+            response = mlx_pair.http.post(CHAT, json=good)
+            assert response.status_code == 200, response.text
+            answers.append(response.json()["choices"][0]["message"]["content"])
+    assert all(answers), answers
+    metrics = mlx_pair.http.get("/metrics").text
+    ejections = [line for line in metrics.splitlines() if line.startswith("blazar_replica_ejections_total{")]
+    assert len(ejections) == 2 and all(line.endswith(" 0.0") for line in ejections), ejections
+    log = mlx_pair.log()
+    assert "out of rotation" not in log
+    # The engine itself answered the gateway's own test request.
+    assert "its own test request passed: it stays" in log, log
 
 
 def _checks(fake: FakeEngine) -> int:

@@ -25,7 +25,7 @@ def test_server_timing_excludes_the_clients_upload(gateway: Running, fake: FakeE
     body = payload(max_tokens=4)
     with socket.create_connection(("127.0.0.1", gateway.port), timeout=5) as sock:
         sock.sendall(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n" % len(body)
         )
         sock.sendall(body[:5])

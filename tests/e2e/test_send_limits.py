@@ -26,7 +26,7 @@ def test_client_that_stops_reading_is_cut_and_its_upstream_closed(
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(("127.0.0.1", gateway.port))
     sock.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         b"x-fake: chunks=5000; chunk-bytes=2000; chunk-delay=0.002\r\nContent-Length: %d\r\n\r\n"
         % len(payload)
         + payload

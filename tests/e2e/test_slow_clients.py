@@ -70,7 +70,7 @@ def test_pipelined_slowloris_head_still_gets_408(start_gateway: StartGateway, fa
     sock = socket.create_connection(("127.0.0.1", gateway.port), timeout=10)
     try:
         sock.sendall(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
             b"x-fake: prefill=1.5\r\nContent-Length: %d\r\n\r\n"
             % len(body)
             + body
@@ -110,7 +110,7 @@ def test_huge_header_value_is_refused_before_it_is_buffered(
     gateway = start_gateway({"fake": fake.url}, "--max-header-bytes", "4096")
     sock = socket.create_connection(("127.0.0.1", gateway.port), timeout=10)
     try:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Big: ")
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nX-Big: ")
         sent = 0
         with pytest.raises((BrokenPipeError, ConnectionResetError)):
             while sent < 50 * 1024 * 1024:

@@ -8,18 +8,22 @@ model is missing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import re
 import signal
 import socket
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from engines.child import Child, ChildFailed, ChildState
-from engines.process import ChildConfig, last_words
+from engines.process import ChildConfig, Output, last_words, spawn
 
 pytestmark = pytest.mark.anyio
 
@@ -356,3 +360,93 @@ def test_last_words_leave_out_access_lines_frames_and_blanks() -> None:
     ]
     assert last_words(lines, 1) == ["huggingface_hub.errors.LocalEntryNotFoundError: Got: ConnectError"]
     assert last_words(lines, 0) == []
+
+
+# A program that writes far more than a pipe holds (64 KiB), then serves as the fake engine.
+_SPEW_THEN_SERVE = """
+import runpy, sys
+for i in range(20000):
+    print(f"line {i} " + "x" * 100)
+print("spewed", flush=True)
+sys.argv = ["fake_engine", "--port", sys.argv[1]]
+runpy.run_module("tests.fake_engine", run_name="__main__")
+"""
+
+
+@pytest.mark.fault("engines", "a child's log on a full disk")
+async def test_a_full_log_disk_does_not_block_the_child(tmp_path: Path) -> None:
+    """A child whose log cannot be written (ENOSPC) keeps writing, starts and serves; its lines counted."""
+    (tmp_path / "logs").mkdir()
+    log_path = tmp_path / "logs" / "fake.log"
+    log_path.symlink_to("/dev/full")  # every write: ENOSPC, as on a full disk
+    base = config(tmp_path)
+    argv = (sys.executable, "-c", _SPEW_THEN_SERVE, str(base.port))
+    child = Child(config(tmp_path, list(argv), port=base.port, log_path=log_path))
+    try:
+        await child.ensure_ready(30)
+        assert "spewed" in child.output()
+        assert child.pid is not None and alive(child.pid)
+        async with httpx.AsyncClient(trust_env=False) as client:
+            body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            reply = await client.post(f"{child.config.base_url}/v1/chat/completions", json=body)
+        assert reply.status_code == 200
+    finally:
+        await child.shutdown()
+    assert child._output.dropped_lines > 20000
+
+
+# Writes lines, waits for a file to appear, writes more, exits.
+_TWO_PHASES = """
+import os, sys, time
+for i in range(3000):
+    print(f"before {i} " + "x" * 100)
+print("phase one over", flush=True)
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.02)
+for i in range(10):
+    print(f"after {i}")
+"""
+
+
+@pytest.fixture
+def full_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A small tmpfs with a ``logs`` folder, filled up by ``filler``; skipped unless it can be mounted."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs", str(mount)], check=False)
+    if mounted.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        (mount / "logs").mkdir()
+        with contextlib.suppress(OSError), (mount / "filler").open("wb") as fill:
+            while True:
+                fill.write(b"\0" * 4096)
+                fill.flush()
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+@pytest.mark.fault("engines", "a child's log on a full disk")
+async def test_a_log_disk_with_room_again_gets_the_lines_and_a_note_of_those_dropped(
+    tmp_path: Path, full_tmpfs: Path
+) -> None:
+    """On a full disk the copier drops and counts lines; once there is room it writes on, noting the loss."""
+    flag = tmp_path / "room"
+    log_path = full_tmpfs / "logs" / "x.log"
+    cfg = config(tmp_path, [sys.executable, "-c", _TWO_PHASES, str(flag)], log_path=log_path)
+    output = Output(cfg.log_path)
+    proc = await spawn(cfg, output)
+    drain = asyncio.ensure_future(output.drain(proc))
+    await wait_until(lambda: "phase one over" in output.tail, timeout_s=30)
+    (full_tmpfs / "filler").unlink()
+    flag.touch()
+    await asyncio.wait_for(proc.wait(), 30)
+    await asyncio.wait_for(drain, 30)
+    text = log_path.read_text()
+    assert "after 9" in text
+    assert re.search(r"--- \d+ lines dropped: the log could not be written: No space left on device", text)
+    assert output.dropped_lines > 0
+    assert list(output.tail)[-1] == "after 9"

@@ -178,6 +178,24 @@ def test_gguf_served_name_is_checked(home: Home, llamacpp: EngineSpec, tmp_path:
         )
 
 
+@pytest.mark.parametrize("engine", [MLX, LLAMACPP])
+def test_withheld_variables_never_reach_a_child(home: Home, tmp_path: Path, engine: str) -> None:
+    """The gateway's own variables (its API key) are dropped in any case; the rest is inherited."""
+    environ = {"PATH": "/usr/bin", "BLAZAR_API_KEY": "sk-x", "blazar_api_key": "sk-y", "HF_TOKEN": "hf"}
+    model = mlx_model(tmp_path / "m") if engine == MLX else gguf(tmp_path / "m.gguf")
+    planned = plan(
+        load(engine),
+        installation(home, engine),
+        home,
+        model=str(model),
+        environ=environ,
+        withheld_env=("BLAZAR_API_KEY",),
+    )
+    env = planned.config.env
+    assert "BLAZAR_API_KEY" not in env and "blazar_api_key" not in env
+    assert env["HF_TOKEN"] == "hf"
+
+
 def test_mlx_plan_is_unchanged(home: Home, tmp_path: Path) -> None:
     """mlx keeps its run-dir symlink: --model is the served name, linked to the directory, /health watched."""
     model = mlx_model(tmp_path / "Qwen2-tiny")

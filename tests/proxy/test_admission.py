@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 
@@ -103,3 +104,63 @@ async def test_no_limit_means_no_queue() -> None:
     for _ in range(1000):
         admission.leave()
     assert admission.in_flight == 0
+
+
+async def test_a_new_limit_applies_to_the_same_slots_and_queue() -> None:
+    """A reload's limit: the requests in flight still count; a higher one lets the queue in, in order."""
+    admission = Admission(1, max_queued=5, queue_timeout_s=5)
+    assert admission.try_enter()
+    order: list[int] = []
+
+    async def wait(i: int) -> None:
+        await admission.enter("m")
+        order.append(i)
+
+    waiters = [asyncio.create_task(wait(i)) for i in range(3)]
+    await asyncio.sleep(0.01)
+    admission.set_limit(1)  # unchanged: nobody moves, a newcomer still queues
+    assert admission.in_flight == 1 and admission.queued == 3 and not admission.try_enter()
+    admission.set_limit(3)
+    await asyncio.sleep(0.01)
+    assert order == [0, 1] and admission.in_flight == 3 and admission.queued == 1
+    admission.set_limit(None)  # no limit: the rest go at once
+    await asyncio.gather(*waiters)
+    assert order == [0, 1, 2] and admission.in_flight == 4 and admission.queued == 0
+
+
+async def test_retry_after_is_the_queues_drain_time_bounded() -> None:
+    """Retry-After = waiting × mean time a slot is held / slots, in whole seconds from 1 to 60."""
+    admission = Admission(2, max_queued=100, queue_timeout_s=5)
+    assert admission.retry_after_s() == 1  # nothing known yet
+    assert admission.try_enter() and admission.try_enter()
+    waiters = [asyncio.create_task(admission.enter("m")) for _ in range(8)]
+    await asyncio.sleep(0.01)
+    admission.leave(2.0)  # a slot held 2 s, passed on to the first waiter
+    await asyncio.sleep(0.01)
+    assert admission.queued == 7 and admission.service_s == 2.0
+    assert admission.retry_after_s() == 7  # 7 × 2 s / 2 slots
+    admission.leave(0.0)  # the average moves a tenth of the way: 1.8 s
+    await asyncio.sleep(0.01)
+    assert admission.retry_after_s() == math.ceil(6 * 1.8 / 2)
+    admission.service_s = 1000.0
+    assert admission.retry_after_s() == 60
+    admission.service_s = 0.001
+    assert admission.retry_after_s() == 1
+    for waiter in waiters:
+        waiter.cancel()
+    await asyncio.gather(*waiters, return_exceptions=True)
+
+
+async def test_a_full_queue_s_429_says_how_long_the_queue_needs() -> None:
+    """The 429 of a full queue carries the drain time, not a fixed second."""
+    admission = Admission(1, max_queued=3, queue_timeout_s=5)
+    admission.service_s = 2.0
+    assert admission.try_enter()
+    waiters = [asyncio.create_task(admission.enter("m")) for _ in range(3)]
+    await asyncio.sleep(0.01)
+    with pytest.raises(HTTPError) as refused:
+        await admission.enter("m")
+    assert refused.value.status == 429 and (b"retry-after", b"6") in refused.value.headers
+    for waiter in waiters:
+        waiter.cancel()
+    await asyncio.gather(*waiters, return_exceptions=True)

@@ -17,6 +17,8 @@ def test_bearer_and_x_api_key_match() -> None:
     assert keys.allows(scope((b"authorization", b"Bearer k1")))
     assert keys.allows(scope((b"authorization", b"BEARER  k2 ")))
     assert keys.allows(scope((b"x-api-key", b"k2")))
+    assert keys.allows(scope((b"api-key", b"k1")))  # Azure OpenAI's header
+    assert not keys.allows(scope((b"api-key", b"k3")))
     assert not keys.allows(scope((b"authorization", b"Bearer k3")))
     assert not keys.allows(scope((b"authorization", b"Token k1")))
     assert not keys.allows(scope())

@@ -6,7 +6,8 @@ import asyncio
 
 import pytest
 
-from proxy.health import MAX_FAILS, REJOIN_S, Checked, PeerHealth, follow_child
+from proxy import health as health_module
+from proxy.health import Checked, PeerHealth, Probe, follow_child
 from proxy.routing import UpstreamAddress
 
 
@@ -19,26 +20,77 @@ def test_a_refused_connection_ejects_at_once_and_counts_one_ejection() -> None:
     assert health.ejections == 1
 
 
-def test_5xx_ejects_only_after_max_fails_in_a_row() -> None:
-    """A single 5xx may be the request's fault: MAX_FAILS in a row eject, an answer below 500 resets."""
-    health = PeerHealth("m a", active=True)
-    for _ in range(MAX_FAILS - 1):
-        health.answered(500)
-    health.answered(404)  # the engine answered: the count starts again
-    for _ in range(MAX_FAILS - 1):
-        health.answered(503)
-    assert health.up and health.ejections == 0
-    health.answered(502)
+class FakeProbe(Probe):
+    """A probe that answers what the test says, counting its runs."""
+
+    def __init__(self, problem: str | None) -> None:
+        super().__init__(UpstreamAddress("127.0.0.1", 1), "m", 1.0, 1.0)
+        self.problem = problem
+        self.runs: list[bytes] = []
+
+    async def run(self, target: bytes) -> str | None:
+        self.runs.append(target)
+        return self.problem
+
+
+async def _settle(health: PeerHealth) -> None:
+    """Let a probe that a 5xx started finish."""
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
+@pytest.mark.anyio
+async def test_5xx_answers_never_eject_a_replica_whose_own_test_request_passes() -> None:
+    """A 5xx may be the request's own fault: however many come, a replica that serves its probe stays."""
+    probe = FakeProbe(None)
+    health = PeerHealth("m a", active=True, probe=probe)
+    for _ in range(20):
+        health.answered(502, b"/v1/chat/completions")
+        await _settle(health)
+    assert health.up and health.ejections == 0 and health.suspects == 20
+    # One probe, then none within the cooldown: a repeated bad request costs one test request.
+    assert probe.runs == [b"/v1/chat/completions"]
+
+
+@pytest.mark.anyio
+async def test_a_5xx_whose_probe_fails_too_ejects_at_once() -> None:
+    """A server that fails its own known-good request is unwell: one 5xx then ejects it, saying both."""
+    health = PeerHealth("m a", active=True, probe=FakeProbe("it answered 500"))
+    health.answered(500, b"/v1/completions")
+    await _settle(health)
     assert not health.up and health.ejections == 1
+    assert health.reason == "a request got 500, and its own test request failed: it answered 500"
 
 
-def test_rejoining_restores_rotation_and_clears_the_count() -> None:
-    """A passed check brings an ejected replica back with no 5xx counted."""
+@pytest.mark.anyio
+async def test_probes_are_sent_again_only_after_the_cooldown(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the cooldown is over, the next 5xx is probed again (the server may have turned bad since)."""
+    monkeypatch.setattr(health_module, "PROBE_COOLDOWN_S", 0.05)
+    probe = FakeProbe(None)
+    health = PeerHealth("m a", active=True, probe=probe)
+    health.answered(502, b"/v1/chat/completions")
+    await _settle(health)
+    await asyncio.sleep(0.1)
+    probe.problem = "no answer in time"
+    health.answered(504, b"/v1/chat/completions")
+    await _settle(health)
+    assert len(probe.runs) == 2 and not health.up
+
+
+def test_without_a_probe_a_5xx_counts_for_nothing() -> None:
+    """No probe to ask (and no running loop): 5xx answers are only counted."""
     health = PeerHealth("m a", active=True)
-    for _ in range(MAX_FAILS):
-        health.answered(500)
+    for _ in range(10):
+        health.answered(500, b"/v1/chat/completions")
+    assert health.up and health.suspects == 10
+
+
+def test_rejoining_restores_rotation() -> None:
+    """Rejoining brings an ejected replica back and keeps its count of ejections."""
+    health = PeerHealth("m a", active=True)
+    health.eject("x", by_probe=True)
     health.rejoin()
-    assert health.up and health.fails == 0 and health.ejections == 1
+    assert health.up and health.ejections == 1
 
 
 def test_an_ejection_forgets_what_the_replica_was_sent() -> None:
@@ -53,16 +105,28 @@ def test_an_ejection_forgets_what_the_replica_was_sent() -> None:
 
 
 @pytest.mark.anyio
-async def test_a_replica_ejected_for_5xx_is_held_out_by_passing_checks() -> None:
-    """Its /health may pass while generations fail: a passed check brings it back only after REJOIN_S."""
-    health = PeerHealth("m a", active=True)
-    for _ in range(MAX_FAILS):
-        health.answered(500)
-    now = asyncio.get_running_loop().time()
-    health.passed(now + 1)
+async def test_a_replica_ejected_by_its_probe_comes_back_by_a_probe_not_a_check(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its /health may pass while generations fail: passed checks keep it out; a probe that passes,
+    tried every REJOIN_S, brings it back."""
+    monkeypatch.setattr(health_module, "REJOIN_S", 0.05)
+    probe = FakeProbe("it answered 500")
+    health = PeerHealth("m a", active=True, probe=probe)
+    health.answered(500, b"/v1/chat/completions")
+    await _settle(health)
     assert not health.up
-    health.passed(now + REJOIN_S + 1)
-    assert health.up
+    health.passed()
+    assert not health.up
+    await asyncio.sleep(0.2)  # probed again, and still failing
+    assert not health.up and len(probe.runs) >= 2
+    assert health.reason.startswith("its own test request still fails")
+    probe.problem = None
+    deadline = asyncio.get_running_loop().time() + 5
+    while not health.up:
+        assert asyncio.get_running_loop().time() < deadline, health
+        await asyncio.sleep(0.02)
+    assert health.ejections == 1
 
 
 @pytest.mark.anyio
@@ -70,8 +134,17 @@ async def test_a_replica_that_refused_rejoins_at_the_first_passed_check() -> Non
     """A connect failure holds nothing: the first check that passes brings the replica back."""
     health = PeerHealth("m a", active=True)
     health.connect_failed("refused")
-    health.passed(asyncio.get_running_loop().time())
+    health.passed()
     assert health.up
+
+
+def test_the_probe_asks_each_endpoint_a_known_good_question() -> None:
+    """One token of chat or completion, or one embedding, under the model's own name."""
+    probe = Probe(UpstreamAddress("127.0.0.1", 1), "qwen", 1.0, 1.0)
+    chat = probe.body(b"/v1/chat/completions")
+    assert chat["model"] == "qwen" and chat["max_tokens"] == 1 and chat["messages"][0]["role"] == "user"
+    assert probe.body(b"/p/v1/completions") == {"model": "qwen", "prompt": "ping", "max_tokens": 1}
+    assert probe.body(b"/v1/embeddings") == {"model": "qwen", "input": "ping"}
 
 
 class ChildGate:
@@ -84,20 +157,19 @@ class ChildGate:
 
 def test_an_ejected_child_rejoins_once_its_manager_has_a_new_process_ready() -> None:
     """No HTTP for a child: its health follows its manager's state; the same process stays out, a new
-    one that is ready comes back (its 5xx hold too: it is another process)."""
+    one that is ready comes back (even one its probe ejected: it is another process)."""
     gate = ChildGate()
     health = PeerHealth("m 0", active=False)
     replica = Checked(UpstreamAddress("127.0.0.1", 1), health, gate)
-    for _ in range(MAX_FAILS):
-        health.answered(500)
+    health.eject("a request got 500, and its own test request failed: it answered 500", by_probe=True)
     follow_child(replica)
-    assert not health.up  # the same process: out until REJOIN_S
+    assert not health.up  # the same process: out until a probe passes
     gate.ready, gate.starts = False, 2  # its manager restarts it
     follow_child(replica)
     assert not health.up
     gate.ready = True
     follow_child(replica)
-    assert health.up and health.fails == 0
+    assert health.up
     health.connect_failed("refused")
     follow_child(replica)
     assert not health.up  # no new start since: nothing brings it back early

@@ -42,9 +42,15 @@ def test_only_the_routes_are_not_a_flag() -> None:
 
 def test_click_values_become_settings() -> None:
     given = {name: getattr(Settings(), name) for name, _ in flags()}
-    given.update(forwarded_allow_ips=" 10.0.0.1, ,10.0.0.2", api_keys=["a", "b"], port=9)
+    given.update(
+        forwarded_allow_ips=" 10.0.0.1, ,10.0.0.2",
+        allowed_hosts="llm.example.com,*",
+        api_keys=["a", "b"],
+        port=9,
+    )
     settings = settings_from(given)
     assert settings.forwarded_allow_ips == ("10.0.0.1", "10.0.0.2")
+    assert settings.allowed_hosts == ("llm.example.com", "*")
     assert settings.api_keys == ("a", "b")
     assert settings.port == 9
 

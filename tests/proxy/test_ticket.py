@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+from time import perf_counter
 
 import pytest
 
 from engines.spec import Guards
 from proxy.asgi import Message
 from proxy.errors import HTTPError
+from proxy.health import REJOIN_S
 from proxy.relay.drain import Drain
 from proxy.relay.outcome import Outcome
 from proxy.relay.routes import RouteEntry, Routes
@@ -51,7 +53,7 @@ async def test_admitted_ticket_holds_a_slot_and_a_peer_until_released() -> None:
     peer = ticket.take(entry, {})
     assert peer is not None
     assert entry.admission.in_flight == 1 and peer.in_flight == 1 and peer.served == 1
-    ticket.release()
+    ticket.release(perf_counter())
     assert entry.admission.in_flight == 0 and peer.in_flight == 0 and peer.served == 1
 
 
@@ -65,9 +67,9 @@ async def test_refused_ticket_gives_back_nothing_it_did_not_take() -> None:
     with pytest.raises(HTTPError) as caught:
         await refused.admit(entry, {}, _outcome(), _connected, Drain(), 0.0)
     assert caught.value.status == 429
-    refused.release()
+    refused.release(perf_counter())
     assert entry.admission.in_flight == 1 and entry.peers[0].in_flight == 1
-    holder.release()
+    holder.release(perf_counter())
     assert entry.admission.in_flight == 0 and entry.peers[0].in_flight == 0
 
 
@@ -83,9 +85,9 @@ async def test_ticket_cancelled_in_the_queue_leaves_the_counts_as_they_were() ->
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    waiting.release()
+    waiting.release(perf_counter())
     assert entry.admission.in_flight == 1 and entry.admission.queued == 0
-    holder.release()
+    holder.release(perf_counter())
     assert entry.admission.in_flight == 0
 
 
@@ -100,8 +102,8 @@ async def test_queued_ticket_is_refused_once_the_drain_is_over() -> None:
     with pytest.raises(HTTPError) as caught:
         await late.admit(entry, {}, _outcome(), _connected, drain, 0.0)
     assert caught.value.status == 503 and caught.value.code == "draining"
-    late.release()
-    holder.release()
+    late.release(perf_counter())
+    holder.release(perf_counter())
     assert entry.admission.in_flight == 0
 
 
@@ -111,11 +113,11 @@ async def test_tickets_spread_over_the_least_busy_peers() -> None:
     first, second = Ticket(), Ticket()
     a, b = first.take(entry, {}), second.take(entry, {})
     assert a is not None and b is not None and a is not b
-    first.release()
+    first.release(perf_counter())
     third = Ticket()
     assert third.take(entry, {}) is a
-    second.release()
-    third.release()
+    second.release(perf_counter())
+    third.release(perf_counter())
     assert [p.in_flight for p in entry.peers] == [0, 0]
 
 
@@ -140,12 +142,12 @@ async def test_a_conversation_s_next_turn_goes_where_its_first_went() -> None:
     for system in ("first " * 100, "second " * 100):
         ticket = Ticket()
         seen.append(ticket.take(entry, _turn(system, 1)))
-        ticket.release()
+        ticket.release(perf_counter())
     assert seen[0] is not seen[1]  # two new conversations: spread
     for index, system in enumerate(("first " * 100, "second " * 100)):
         ticket = Ticket()
         assert ticket.take(entry, _turn(system, 2)) is seen[index]
-        ticket.release()
+        ticket.release(perf_counter())
     assert sum(entry.affinity.hits) == 2
 
 
@@ -158,15 +160,29 @@ async def test_an_ejected_peer_gets_nothing_and_all_out_is_503() -> None:
     for _ in range(3):
         ticket = Ticket()
         assert ticket.take(entry, {}) is second
-        ticket.release()
+        ticket.release(perf_counter())
     second.health.connect_failed("refused too")
     ticket = Ticket()
     with pytest.raises(HTTPError) as caught:
         ticket.take(entry, {})
-    ticket.release()
+    ticket.release(perf_counter())
     assert caught.value.status == 503 and caught.value.code == "no_healthy_replica"
     assert (b"retry-after", b"2") in caught.value.headers
     assert "refused too" in str(caught.value)
+
+
+async def test_all_out_says_when_the_first_replica_is_tried_again() -> None:
+    """Every peer ejected by its probe (tried again in REJOIN_S): the 503's Retry-After says when."""
+    entry = _entry(None, replicas=2)
+    for peer in entry.peers:
+        assert peer.health is not None
+        peer.health.eject("its own test request failed", by_probe=True)
+    ticket = Ticket()
+    with pytest.raises(HTTPError) as caught:
+        ticket.take(entry, {})
+    ticket.release(perf_counter())
+    assert caught.value.code == "no_healthy_replica"
+    assert (b"retry-after", b"%d" % REJOIN_S) in caught.value.headers
 
 
 async def test_moving_a_request_takes_an_untried_peer_and_moves_its_count() -> None:
@@ -184,5 +200,22 @@ async def test_moving_a_request_takes_an_untried_peer_and_moves_its_count() -> N
     assert last is not None and last not in tried
     tried.add(last)
     assert ticket.move(entry, {}, tried) is None
-    ticket.release()
+    ticket.release(perf_counter())
     assert [p.in_flight for p in entry.peers] == [0, 0, 0]
+
+
+def test_a_route_changed_only_in_aliases_or_limit_keeps_its_entry() -> None:
+    """A reload that changes a model's aliases or limit keeps its admission (with the new limit), its
+    peers and its counters; one that changes its upstream gets a new entry."""
+    address = UpstreamAddress("127.0.0.1", 9000)
+    route = Route(model="m", upstream=address, guards=Guards(), max_in_flight=1)
+    routes = Routes(Settings(max_queued=4, queue_timeout_s=5, connect_timeout_s=1.0), None)
+    before = routes.update(RoutingTable([route]))["m"]
+    assert before.admission.try_enter()
+    retuned = Route(model="m", upstream=address, guards=Guards(), max_in_flight=2, aliases=("alias",))
+    after = routes.update(RoutingTable([retuned]))
+    assert after["m"] is before and after["alias"].admission is before.admission
+    assert after["alias"].rename == "m"
+    assert before.admission.limit == 2 and before.admission.in_flight == 1
+    moved = Route(model="m", upstream=UpstreamAddress("127.0.0.1", 9001), guards=Guards(), max_in_flight=2)
+    assert routes.update(RoutingTable([moved]))["m"].admission is not before.admission

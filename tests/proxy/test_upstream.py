@@ -429,3 +429,39 @@ async def test_keep_alive_upstream_gets_no_spare() -> None:
         await asyncio.sleep(0.05)
         assert server.connections == 1
         pool.close()
+
+
+@pytest.mark.parametrize(
+    "codings",
+    [b"gzip, chunked", b"gzip", b"identity", b"chunked\r\ntransfer-encoding: gzip"],
+    ids=["gzip-chunked", "gzip", "identity", "two-fields"],
+)
+async def test_a_transfer_coding_other_than_chunked_is_bad_response(codings: bytes) -> None:
+    """Only ``chunked`` is a transfer coding the connection reads; any other is BadResponse (nginx: 502)."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: %b\r\n\r\n3\r\nabc\r\n0\r\n\r\n" % codings)
+        await writer.drain()
+        await asyncio.sleep(0.5)
+
+    async with scripted(handler) as server:
+        pool = Pool(server.address, connect_timeout_s=1)
+        with pytest.raises(BadResponse, match="does not decode"):
+            await roundtrip(pool)
+
+
+async def test_a_content_coding_is_noted_and_the_body_left_as_sent() -> None:
+    """``Content-Encoding: gzip`` is noted for the relay and the coded bytes come through untouched."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-encoding: gzip\r\ncontent-length: 4\r\n\r\n")
+        writer.write(b"\x1f\x8b\x08\x00")
+        await writer.drain()
+        await asyncio.sleep(0.5)
+
+    async with scripted(handler) as server:
+        pool = Pool(server.address, connect_timeout_s=1)
+        conn, body = await roundtrip(pool)
+        assert conn.content_encoding == b"gzip" and body == b"\x1f\x8b\x08\x00"
