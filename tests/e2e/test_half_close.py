@@ -27,7 +27,7 @@ def half_close(
     )
     with socket.create_connection(("127.0.0.1", gateway.port), timeout=10) as sock:
         sock.sendall(
-            b"POST %s HTTP/%s\r\nHost: x\r\nContent-Type: application/json\r\nx-request-id: %s\r\n"
+            b"POST %s HTTP/%s\r\nHost: localhost\r\nContent-Type: application/json\r\nx-request-id: %s\r\n"
             # The engine answers after 30 ms: after the gateway has seen the half-close, before
             # the disconnect watch (50 ms) would.
             b"x-fake: prefill=0.03%s\r\nContent-Length: %d\r\n\r\n"

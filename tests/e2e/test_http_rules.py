@@ -37,7 +37,7 @@ def post(version: bytes, fields: bytes, body: bytes = STREAM, extra: bytes = b""
 
 def chunked_post(fields: bytes, body: bytes = STREAM) -> bytes:
     """An HTTP/1.1 POST whose body goes in one chunk, with these header lines."""
-    head = b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n%s\r\n" % (CHAT, fields)
+    head = b"POST %s HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n%s\r\n" % (CHAT, fields)
     return head + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
 
 
@@ -69,7 +69,7 @@ def test_an_http10_client_gets_a_close_delimited_stream_after_heartbeats(
 ) -> None:
     """The gateway's own heartbeat head (sent through ASGI send) is close-delimited too for HTTP/1.0."""
     beating = start_gateway({"fake": fake.url}, "--sse-heartbeat", "0.2")
-    response = until_close(beating, post(b"1.0", b"Host: x\r\n", extra=b"x-fake: prefill=0.7\r\n"))
+    response = until_close(beating, post(b"1.0", b"Host: localhost\r\n", extra=b"x-fake: prefill=0.7\r\n"))
     head, _, body = response.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding" not in head.lower(), head
     assert body.startswith(b": keepalive\n\n"), body[:100]
@@ -84,7 +84,7 @@ def test_an_http10_client_keeps_a_sized_body_and_an_http11_client_keeps_chunking
     sized = until_close(gateway, post(b"1.0", b"", body=PLAIN))
     head, _, body = sized.partition(b"\r\n\r\n")
     assert b"content-length: %d" % len(body) in head.lower() and orjson.loads(body)["choices"], sized[:300]
-    chunked = until_close(gateway, post(b"1.1", b"Host: x\r\nConnection: close\r\n"))
+    chunked = until_close(gateway, post(b"1.1", b"Host: localhost\r\nConnection: close\r\n"))
     assert b"transfer-encoding: chunked" in chunked.partition(b"\r\n\r\n")[0]
     assert chunked.endswith(b"\r\n0\r\n\r\n")
 
@@ -95,7 +95,7 @@ def test_an_http10_client_keeps_a_sized_body_and_an_http11_client_keeps_chunking
 @pytest.mark.fault("clients", "HTTP versions, Host and framing a client may not use")
 @pytest.mark.parametrize(
     ("version", "fields"),
-    [(b"1.1", b""), (b"1.1", b"Host: x\r\nHost: x\r\n"), (b"1.0", b"Host: x\r\nHost: y\r\n")],
+    [(b"1.1", b""), (b"1.1", b"Host: localhost\r\nHost: localhost\r\n"), (b"1.0", b"Host: localhost\r\nHost: y\r\n")],
     ids=["1.1-no-host", "1.1-two-hosts", "1.0-two-hosts"],
 )
 def test_a_request_without_host_or_with_two_gets_400(
@@ -124,7 +124,7 @@ def test_a_request_line_of_another_http_version_gets_505(
     gateway: Running, fake: FakeEngine, line: bytes
 ) -> None:
     """Versions other than HTTP/1.0 and HTTP/1.1 are refused 505, not served as HTTP/1.1."""
-    response = until_close(gateway, post(line.removeprefix(b"HTTP/"), b"Host: x\r\n"))
+    response = until_close(gateway, post(line.removeprefix(b"HTTP/"), b"Host: localhost\r\n"))
     assert response.startswith(b"HTTP/1.1 505"), response[:200]
     assert error_code(response) == "http_version_not_supported"
     assert fake.records() == []

@@ -29,7 +29,7 @@ def test_a_query_string_is_not_passed_to_the_upstream(gateway: Running, fake: Fa
     (mlx_lm.server, which the fake engine copies, answers 404 to one with a query)."""
     with socket.create_connection(("127.0.0.1", gateway.port), timeout=10) as sock:
         sock.sendall(
-            b"POST /v1/chat/completions?api-version=2024-10-21&x=%%2F HTTP/1.1\r\nHost: x\r\n"
+            b"POST /v1/chat/completions?api-version=2024-10-21&x=%%2F HTTP/1.1\r\nHost: localhost\r\n"
             b"Content-Type: application/json\r\nConnection: close\r\nContent-Length: %d\r\n\r\n"
             % len(BODY)
             + BODY

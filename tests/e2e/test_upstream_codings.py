@@ -20,7 +20,7 @@ def until_close(gateway: Running, fault: str, stream: bool = True) -> tuple[byte
     body = orjson.dumps({**BODY, "stream": stream})
     with socket.create_connection(("127.0.0.1", gateway.port), timeout=20) as sock:
         sock.sendall(
-            b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+            b"POST %s HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nConnection: close\r\n"
             b"x-fake: %s\r\nContent-Length: %d\r\n\r\n" % (CHAT.encode(), fault.encode(), len(body)) + body
         )
         data = b""
