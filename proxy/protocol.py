@@ -50,6 +50,7 @@ import sys
 from collections.abc import Awaitable
 from typing import Any
 
+import httptools
 from uvicorn.protocols.http.httptools_impl import (
     HEADER_RE,
     HEADER_VALUE_RE,
@@ -206,6 +207,18 @@ class GatewayProtocol(HttpToolsProtocol):
             self.expect_100_continue = True
         self.headers.append((name, value))
 
+    def _take_authority(self) -> None:
+        try:
+            target = httptools.parse_url(self.url)
+        except httptools.HttpParserInvalidURLError:
+            return  # uvicorn's own parse of the target refuses it with a 400
+        if target.host is None:
+            return
+        host = b"[" + target.host + b"]" if b":" in target.host else target.host
+        authority = host if target.port is None else b"%s:%d" % (host, target.port)
+        # In place: the scope holds this list.
+        self.headers[:] = [(n, authority if n == b"host" else v) for n, v in self.headers]
+
     def on_headers_complete(self) -> None:
         self._cancel_head_timer()
         self._head_begun = False
@@ -234,6 +247,11 @@ class GatewayProtocol(HttpToolsProtocol):
                 "invalid_host_header",
             )
             raise _Refused()
+        if self.url[:1] != b"/" and self._hosts:
+            # The absolute form (RFC 9112 §3.2.2): the target's authority names the
+            # host, and the Host field is ignored; uvicorn drops the authority, so the
+            # checks of the Host field (proxy/browser.py) are given it in its place.
+            self._take_authority()
         if self._codings is not None:
             self._refusal = _coding_refusal(self._codings, version)
             if self._refusal is not None:

@@ -244,3 +244,38 @@ def test_a_request_with_two_origins_is_refused(gateway: Running, fake: FakeEngin
     assert answer.startswith(b"HTTP/1.1 403"), answer[:200]
     assert b"origin_not_allowed" in answer
     assert fake.records() == []
+
+
+def _raw(gateway: Running, head: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", gateway.port), timeout=10) as sock:
+        sock.sendall(head)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer
+
+
+def test_an_absolute_form_target_names_the_host_and_its_authority_is_checked(
+    gateway: Running, fake: FakeEngine
+) -> None:
+    """``POST http://evil.example/v1/chat/completions`` with ``Host: localhost`` is refused: the target's
+    authority is the request's host (RFC 9112 §3.2.2), not the Host field; a local one is served."""
+    head = (
+        b"POST %s HTTP/1.1\r\nHost: localhost:%d\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\nConnection: close\r\n\r\n"
+    )
+    foreign = _raw(
+        gateway, head % (b"http://rebind.evil.example/v1/chat/completions", gateway.port, len(BODY)) + BODY
+    )
+    assert foreign.startswith(b"HTTP/1.1 403"), foreign[:200]
+    assert b"host_not_allowed" in foreign and b"rebind.evil.example" in foreign
+    assert fake.records() == []
+    local = b"http://localhost:%d/v1/chat/completions" % gateway.port
+    served = _raw(gateway, head % (local, gateway.port, len(BODY)) + BODY)
+    assert served.startswith(b"HTTP/1.1 200"), served[:200]
+    ipv6 = _raw(
+        gateway,
+        b"GET http://[::1]:%d/v1/models HTTP/1.1\r\nHost: evil.example\r\nConnection: close\r\n\r\n"
+        % gateway.port,
+    )
+    assert ipv6.startswith(b"HTTP/1.1 200"), ipv6[:200]
