@@ -95,7 +95,11 @@ def test_an_http10_client_keeps_a_sized_body_and_an_http11_client_keeps_chunking
 @pytest.mark.fault("clients", "HTTP versions, Host and framing a client may not use")
 @pytest.mark.parametrize(
     ("version", "fields"),
-    [(b"1.1", b""), (b"1.1", b"Host: localhost\r\nHost: localhost\r\n"), (b"1.0", b"Host: localhost\r\nHost: y\r\n")],
+    [
+        (b"1.1", b""),
+        (b"1.1", b"Host: localhost\r\nHost: localhost\r\n"),
+        (b"1.0", b"Host: localhost\r\nHost: y\r\n"),
+    ],
     ids=["1.1-no-host", "1.1-two-hosts", "1.0-two-hosts"],
 )
 def test_a_request_without_host_or_with_two_gets_400(
