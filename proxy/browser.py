@@ -57,13 +57,17 @@ def host_name(host: bytes) -> bytes | None:
     return name or None
 
 
+# A dotted-quad IPv4 address as ipaddress.IPv4Address takes it (no leading zeros), matched without
+# its parse: Kubernetes probes and LAN clients send one as Host on every request.
+_OCTET = rb"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+_IPV4 = re.compile(rb"%s(?:\.%s){3}" % (_OCTET, _OCTET))
+
+
 def _is_address(name: bytes) -> bool:
-    text = name.decode("latin-1")
+    if not name.startswith(b"["):
+        return _IPV4.fullmatch(name) is not None
     try:
-        if text.startswith("[") and text.endswith("]"):
-            ipaddress.IPv6Address(text[1:-1])
-        else:
-            ipaddress.IPv4Address(text)
+        ipaddress.IPv6Address(name[1:-1].decode("latin-1") if name.endswith(b"]") else "")
     except ValueError:
         return False
     return True

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ipaddress
+
 import pytest
 
+from proxy import browser
 from proxy.asgi import Scope
 from proxy.browser import AllowedHosts, BrowserChecks, host_name
 from proxy.cors import Cors
@@ -92,3 +95,43 @@ def test_a_foreign_one_of_several_hosts_or_any_second_origin_is_refused() -> Non
         headers = [(b"host", b"localhost"), *((b"origin", o.encode()) for o in origins)]
         refused = checks.refusal({"headers": headers})
         assert refused is not None and refused.code == "origin_not_allowed", origins
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        b"127.0.0.1",
+        b"10.0.0.7",
+        b"255.255.255.255",
+        b"0.0.0.0",
+        b"256.1.1.1",
+        b"01.2.3.4",
+        b"1.2.3.04",
+        b"1.2.3",
+        b"1.2.3.4.5",
+        b"2130706433",
+        b"0x7f.0.0.1",
+        b"127.1",
+        b"1.2.3.4\n",
+        b"evil.example",
+        b"[::1]",
+        b"[::ffff:127.0.0.1]",
+        b"[::1",
+        b"::1]",
+        b"[]",
+        b"[zz]",
+        b"[1.2.3.4]",
+    ],
+)
+def test_an_address_host_is_one_exactly_when_ipaddress_takes_it(name: bytes) -> None:
+    """The IPv4 pattern matches what ipaddress.IPv4Address takes (no leading zeros, no short forms)."""
+    text = name.decode("latin-1")
+    try:
+        if text.startswith("[") and text.endswith("]"):
+            ipaddress.IPv6Address(text[1:-1])
+        else:
+            ipaddress.IPv4Address(text)
+        expected = True
+    except ValueError:
+        expected = False
+    assert browser._is_address(name) is expected
