@@ -130,7 +130,7 @@ async def test_a_new_limit_applies_to_the_same_slots_and_queue() -> None:
 
 @pytest.mark.fault("overload", "the limit and the queue: 429 and 503 with Retry-After")
 async def test_a_lowered_limit_applies_while_requests_are_queued() -> None:
-    """A limit lowered under load retires freed slots until in flight is within it, then the queue goes on in order."""
+    """A lowered limit retires freed slots until in flight is within it; then the queue goes on in order."""
     admission = Admission(4, max_queued=10, queue_timeout_s=5)
     for _ in range(4):
         assert admission.try_enter()
