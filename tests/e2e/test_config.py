@@ -593,6 +593,44 @@ def test_reload_changing_only_an_alias_keeps_the_models_queue(
     assert order == ["queued 0", "queued 1", "after the reload"]
 
 
+def _ask_held(url: str, model: str, mark: str, fake_header: str) -> int:
+    body = {"model": model, "messages": [{"role": "user", "content": mark}], "max_tokens": 2}
+    with httpx.Client(trust_env=False, timeout=60) as client:
+        return client.post(url + CHAT, json=body, headers={"x-fake": fake_header}).status_code
+
+
+@pytest.mark.fault("overload", "the limit and the queue: 429 and 503 with Retry-After")
+def test_reload_lowering_the_limit_applies_while_requests_are_queued(
+    start_gateway: StartGateway, start_fake_engine: StartFakeEngine, http: httpx.Client, tmp_path: Path
+) -> None:
+    """max-in-flight 4 with 4 running and 6 queued, reloaded to 1: the queued then run one at a
+    time, in order, and none beside the last of the 4 (freed slots were handed on under the old limit)."""
+    fake = start_fake_engine()
+    path = tmp_path / "blazar.toml"
+    write_config(path, model_table("a", fake) + "max-in-flight = 4\n")
+    gateway = start_gateway({}, "--config", str(path))
+    with concurrent.futures.ThreadPoolExecutor(10) as pool:
+        held = [pool.submit(_ask_held, gateway.url, "a", f"held {i}", "prefill=5") for i in range(4)]
+        wait_until(lambda: len(fake.records()) == 4, "4 in flight")
+        queued = []
+        for index in range(6):
+            queued.append(pool.submit(_ask_held, gateway.url, "a", f"queued {index}", "prefill=1"))
+            wait_until(lambda i=index: _gauge(gateway, http, "blazar_queue_depth", "a") == i + 1, "queued")
+
+        write_config(path, model_table("a", fake) + "max-in-flight = 1\n")
+        assert "updated a (static upstream)" in hang_up(gateway)
+        assert [r["finished_at"] for r in fake.records()] == [None] * 4, "the 4 ended before the reload"
+        assert [f.result(timeout=60) for f in (*held, *queued)] == [200] * 10
+    records = fake.records()
+    order = [orjson.loads(r["body"])["messages"][0]["content"] for r in records[4:]]
+    assert order == [f"queued {i}" for i in range(6)]
+    # Halfway through each queued request, it is the only one the engine has.
+    for record in records[4:]:
+        middle = (record["received_at"] + record["finished_at"]) / 2
+        beside = [r for r in records if r is not record and r["received_at"] < middle < r["finished_at"]]
+        assert beside == [], f"{record['body']!r} ran beside {[r['body'] for r in beside]!r}"
+
+
 def test_sighup_with_a_config_path_that_blocks_leaves_livez_answering(
     start_gateway: StartGateway, start_fake_engine: StartFakeEngine, http: httpx.Client, tmp_path: Path
 ) -> None:
