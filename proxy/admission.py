@@ -127,13 +127,17 @@ class Admission:
 
     def leave(self, held_s: float | None = None) -> None:
         """Give back a slot, held ``held_s`` (for the drain rate; None: not timed): to the first
-        live waiter, else to the pool."""
+        live waiter, else to the pool; while more are in flight than a lowered limit, to nobody."""
         if self.limit is None:
             self.in_flight -= 1
             return
         if held_s is not None:
             average = self.service_s
             self.service_s = held_s if average is None else average + (held_s - average) * _SERVICE_WEIGHT
+        if self.in_flight > self.limit:
+            # A reload lowered the limit: this slot is retired, not handed on.
+            self.in_flight -= 1
+            return
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():

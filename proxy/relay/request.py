@@ -3,9 +3,11 @@
 Bounded twice: each body by ``--max-body-bytes`` (413), and all bodies held
 at once by a budget, ``--body-budget-bytes`` (503 with Retry-After: the
 gateway's memory, not the request, is the limit). A body is charged to the
-budget at once when its head declares its length, else as its bytes arrive,
-and given back when it is no longer held: once its upstream has answered
-(it has read the body), or when the request ends, whichever comes first.
+budget as its bytes arrive (when they take memory), and given back when it
+is no longer held: once its upstream has answered (it has read the body), or
+when the request ends, whichever comes first. A head that declares a length
+the budget has no room left for is refused at once, but a declared length
+reserves nothing: a head alone holds none of the budget.
 
 A body costs about its own size: its pieces are appended to one buffer as
 they come (no list of pieces joined at the end, which held the body twice),
@@ -43,6 +45,10 @@ class BodyBudget:
         self.held_bytes += size
         return True
 
+    def has_room(self, size: int) -> bool:
+        """Whether ``size`` more bytes would fit now (nothing is charged)."""
+        return self.held_bytes + size <= self.limit_bytes
+
     def give_back(self, size: int) -> None:
         self.held_bytes -= size
 
@@ -56,6 +62,14 @@ class RequestBody:
         self._budget = budget
         self.data: bytes | bytearray = b""
         self.charged_bytes = 0
+
+    @property
+    def limit_bytes(self) -> int:
+        return self._budget.limit_bytes
+
+    def fits(self, size: int) -> bool:
+        """Whether ``size`` more bytes would fit in the budget now (nothing is charged)."""
+        return self._budget.has_room(size)
 
     def charge(self, size: int) -> None:
         """Charge ``size`` more bytes to the budget, or 503 when they do not fit."""
@@ -122,26 +136,25 @@ async def read_request(scope: Scope, receive: Receive, limit: int, body: Request
             "a browser request must send Content-Type: application/json",
             code="unsupported_media_type",
         )
-    if declared > 0:
-        # Its length is known: charged at once, before any of it is read.
-        body.charge(declared)
+    if declared > 0 and not body.fits(declared):
+        # It could not be held whole now: refused before any of it is read. Nothing is
+        # reserved: a head alone must not hold the budget (its bytes are charged as they come).
+        raise over_budget(body.limit_bytes)
     message = await receive()
     if message["type"] == "http.request" and not message.get("more_body", False):
         # The common case: the whole body came with the head.
         data: bytes = message.get("body", b"")
         if len(data) > limit:
             raise too_large(limit)
-        if declared < 0 and data:
+        if data:
             body.charge(len(data))
         body.data = data
         return
     # Its deadline (--body-timeout, from the end of the head) is the protocol's (proxy/protocol.py).
-    await _read_rest(message, receive, limit, body, charged=declared >= 0)
+    await _read_rest(message, receive, limit, body)
 
 
-async def _read_rest(
-    message: Message, receive: Receive, limit: int, body: RequestBody, *, charged: bool
-) -> None:
+async def _read_rest(message: Message, receive: Receive, limit: int, body: RequestBody) -> None:
     # One buffer, grown in place (realloc): the body is held once, not as pieces and then joined.
     buffer = bytearray()
     while True:
@@ -150,7 +163,7 @@ async def _read_rest(
         chunk: bytes = message.get("body", b"")
         if len(buffer) + len(chunk) > limit:
             raise too_large(limit)
-        if not charged and chunk:
+        if chunk:
             body.charge(len(chunk))
         buffer += chunk
         if not message.get("more_body", False):

@@ -400,14 +400,18 @@ class ReloadPlan:
     removed: tuple[str, ...] = ()
     # The rebuilt models that were running (the others are new).
     replaced: tuple[str, ...] = ()
+    # Of those, the static upstreams, before and after: their route is rebuilt, nothing restarts.
+    rerouted: tuple[str, ...] = ()
 
     def report(self) -> str:
         """The reload's line in the gateway's output."""
         started = [str(c.name) for c in self.rebuilt if c.name not in self.replaced]
+        restarted = [name for name in self.replaced if name not in self.rerouted]
         parts = [
             f"started {', '.join(started)}" if started else "",
-            f"restarted {', '.join(self.replaced)}" if self.replaced else "",
+            f"restarted {', '.join(restarted)}" if restarted else "",
             f"removed {', '.join(self.removed)}" if self.removed else "",
+            f"updated {', '.join(self.rerouted)} (static upstream)" if self.rerouted else "",
             f"updated {', '.join(str(c.name) for c in self.retuned)} (children kept)" if self.retuned else "",
         ]
         return "; ".join(part for part in parts if part)
@@ -440,7 +444,10 @@ def plan_reload(
     if not changed and not removed:
         return None
     replaced = tuple(c.name for c in rebuilt if c.name is not None and c.name in running)
-    return ReloadPlan(rebuilt=rebuilt, retuned=retuned, removed=removed, replaced=replaced)
+    rerouted = tuple(
+        name for name in replaced if running[name].upstream is not None and wanted[name].upstream is not None
+    )
+    return ReloadPlan(rebuilt=rebuilt, retuned=retuned, removed=removed, replaced=replaced, rerouted=rerouted)
 
 
 def _same_children(running: ModelConfig, config: ModelConfig) -> bool:

@@ -7,6 +7,7 @@ and ``proxy`` (the request path) together.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import dataclasses
 import difflib
 import errno
@@ -44,6 +45,9 @@ from proxy.startup.server import GatewayServer
 from proxy.startup.settings import Settings, flags
 
 log = logging.getLogger("blazar.cli")
+
+# prctl(2): whether the process may be dumped, and so read (its /proc/<pid>/environ) or traced by its user.
+_PR_SET_DUMPABLE = 4
 
 
 def _echo(line: str) -> None:
@@ -271,6 +275,7 @@ def engines_remove(engine: str) -> None:
 def serve(settings: Settings, *, registry: Registry | None = None, reloader: Reloader | None = None) -> None:
     """Run the gateway until it is stopped."""
     _configure_logging(settings.log_level)
+    _close_to_own_user()
     metrics = Metrics() if settings.metrics else None
     app: Gateway
 
@@ -339,6 +344,22 @@ def _check_allowed_hosts(ctx: click.Context, settings: Settings) -> None:
         AllowedHosts(settings.allowed_hosts)
     except ValueError as exc:
         raise _Failed(f"{_given_as(ctx, 'allowed_hosts')}: {exc}") from None
+
+
+def _close_to_own_user() -> None:
+    """Make the gateway non-dumpable (Linux): other processes of its user, its engine children
+    among them, can no longer read its /proc/<pid>/environ (BLAZAR_API_KEY), mem or fds, nor
+    trace it. It also writes no core dump, and py-spy or gdb attach only as root. A child's own
+    exec makes it dumpable again: the engines are not affected."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        reason = errno.errorcode.get(ctypes.get_errno(), "?")
+        _echo(
+            f"warning: could not make the gateway non-dumpable ({reason}): other processes "
+            "of its user can read its environment, BLAZAR_API_KEY included"
+        )
 
 
 def _warn_open(bound: list[tuple[str, int]]) -> None:

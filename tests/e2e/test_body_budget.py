@@ -2,10 +2,10 @@
 
 Every body in flight was held whole (and more: as pieces, joined, and parsed),
 with no bound across requests: a handful of concurrent large bodies took the
-gateway's memory where they liked. Now a body is charged to one budget, at
-once when its head declares its length, else as its bytes arrive, and given
-back once its upstream has answered or its request ends (a client that
-leaves mid-body included).
+gateway's memory where they liked. Now a body is charged to one budget as
+its bytes arrive, and given back once its upstream has answered or its
+request ends (a client that leaves mid-body included). A head whose declared
+length has no room left is refused at once, but reserves nothing.
 """
 
 from __future__ import annotations
@@ -82,8 +82,8 @@ def test_a_client_that_leaves_mid_body_gives_its_budget_back(budget_gateway: Run
     try:
         head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         if framing == "content-length":
-            # Charged in full as the head arrives; a sixth of it is sent.
-            sock.sendall(head + b"Content-Length: %d\r\n\r\n" % (6 * MIB) + b"{" + b" " * MIB)
+            # Charged as it arrives: 5.5 MiB of the 6 MiB declared.
+            sock.sendall(head + b"Content-Length: %d\r\n\r\n" % (6 * MIB) + b"{" + b" " * (11 * MIB // 2))
         else:
             # Charged as it arrives: 6 MiB of chunks, and no last chunk.
             sock.sendall(head + b"Transfer-Encoding: chunked\r\n\r\n")
@@ -103,6 +103,37 @@ def test_a_client_that_leaves_mid_body_gives_its_budget_back(budget_gateway: Run
         assert_over_budget(response)
         assert time.monotonic() < deadline, "the budget was not given back after the client left"
         time.sleep(0.05)
+
+
+def test_a_head_declaring_the_budget_does_not_hold_it(fake: FakeEngine, start_gateway: StartGateway) -> None:
+    """A head alone declaring nearly the whole budget reserves none of it: others' small requests go through.
+
+    Its declared length was charged as the head arrived and held until the
+    body timeout: a few such heads, sent by anyone, refused every request.
+    """
+    gateway = start_gateway({"fake": fake.url}, "--body-budget-bytes", "3000")
+    small = body_of(200)
+    sock = socket.create_connection(("127.0.0.1", gateway.port))
+    try:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 2990\r\n\r\n"
+        )
+        # For a second after the head, no request is refused for what it declared.
+        watch_until = time.monotonic() + 1
+        while time.monotonic() < watch_until:
+            response = post(gateway, small)
+            assert response.status_code == 200, response.text
+        # Its bytes are charged as they come: with 2000 of them held, a body declaring 1500 has no room.
+        sock.sendall(b"{" + b" " * 1999)
+        deadline = time.monotonic() + 15
+        while (response := post(gateway, body_of(1500))).status_code == 200:
+            assert time.monotonic() < deadline, "the bytes the head's body sent hold nothing of the budget"
+            time.sleep(0.05)
+        assert_over_budget(response)
+        assert post(gateway, small).status_code == 200
+    finally:
+        sock.close()
 
 
 def rss_mib(pid: int) -> float:

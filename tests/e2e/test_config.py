@@ -421,7 +421,7 @@ def test_sighup_reload_changes_only_what_changed(
 
     write_config(path, model_table("a", fakes[0]) + model_table("b", fakes[2]) + model_table("c", fakes[3]))
     outcome = hang_up(gateway)
-    assert outcome.split("reload: ", 1)[1] == "started c; restarted b", outcome
+    assert outcome.split("reload: ", 1)[1] == "started c; updated b (static upstream)", outcome
     (in_flight,) = fakes[0].records()
     assert in_flight["finished_at"] is None, "the stream on a should span the reload"
     assert served_ids(gateway, http) == ["a", "b", "c"]
@@ -461,7 +461,7 @@ def test_stream_on_a_model_whose_upstream_changes_completes(
     old.wait_for_record(lambda r: r["stream"] is True)
 
     write_config(path, model_table("b", new, "bee"))
-    assert "restarted b" in hang_up(gateway)
+    assert "updated b (static upstream)" in hang_up(gateway)
     assert [r["finished_at"] for r in old.records() if r["stream"]] == [None]
     assert ask(gateway, http, "bee").status_code == 200
     assert models_seen(new) == ["b"]
@@ -529,7 +529,7 @@ def test_unchanged_model_keeps_its_slots_and_a_changed_limit_applies_to_them(
     assert ask(gateway, http, "b").status_code == 200
 
     write_config(path, head + model_table("a", fake) + "max-in-flight = 2\n\n" + model_table("b", fake))
-    assert "restarted a" in hang_up(gateway)
+    assert "updated a (static upstream)" in hang_up(gateway)
     assert _gauge(gateway, http, "blazar_requests_in_flight", "a") == 1  # the stream still counts
     assert ask(gateway, http, "a").status_code == 200  # the new limit of 2 lets one more in
     assert [r["finished_at"] for r in fake.records() if r["stream"]] == [None]
@@ -577,7 +577,9 @@ def test_reload_changing_only_an_alias_keeps_the_models_queue(
         wait_until(queued_are(index + 1), f"{index + 1} queued")
 
     write_config(path, model_table("a", fake, "alias") + "max-in-flight = 1\n")
-    assert "reload: " in hang_up(gateway)
+    # Nothing restarts, and the reload says so (it said "restarted a").
+    outcome = hang_up(gateway)
+    assert outcome.split("reload: ", 1)[1] == "updated a (static upstream)", outcome
     assert _gauge(gateway, http, "blazar_requests_in_flight", "a") == 1
     assert _gauge(gateway, http, "blazar_queue_depth", "a") == 2
     after = streams.submit(_ask_marked, gateway.url, "alias", "after the reload")
@@ -589,6 +591,44 @@ def test_reload_changing_only_an_alias_keeps_the_models_queue(
     assert sse_events(raw)[-1] == b"data: [DONE]"
     order = [orjson.loads(r["body"])["messages"][0]["content"] for r in fake.records()[1:]]
     assert order == ["queued 0", "queued 1", "after the reload"]
+
+
+def _ask_held(url: str, model: str, mark: str, fake_header: str) -> int:
+    body = {"model": model, "messages": [{"role": "user", "content": mark}], "max_tokens": 2}
+    with httpx.Client(trust_env=False, timeout=60) as client:
+        return client.post(url + CHAT, json=body, headers={"x-fake": fake_header}).status_code
+
+
+@pytest.mark.fault("overload", "the limit and the queue: 429 and 503 with Retry-After")
+def test_reload_lowering_the_limit_applies_while_requests_are_queued(
+    start_gateway: StartGateway, start_fake_engine: StartFakeEngine, http: httpx.Client, tmp_path: Path
+) -> None:
+    """max-in-flight 4 with 4 running and 6 queued, reloaded to 1: the queued then run one at a
+    time, in order, and none beside the last of the 4 (freed slots were handed on under the old limit)."""
+    fake = start_fake_engine()
+    path = tmp_path / "blazar.toml"
+    write_config(path, model_table("a", fake) + "max-in-flight = 4\n")
+    gateway = start_gateway({}, "--config", str(path))
+    with concurrent.futures.ThreadPoolExecutor(10) as pool:
+        held = [pool.submit(_ask_held, gateway.url, "a", f"held {i}", "prefill=5") for i in range(4)]
+        wait_until(lambda: len(fake.records()) == 4, "4 in flight")
+        queued = []
+        for index in range(6):
+            queued.append(pool.submit(_ask_held, gateway.url, "a", f"queued {index}", "prefill=1"))
+            wait_until(lambda i=index: _gauge(gateway, http, "blazar_queue_depth", "a") == i + 1, "queued")
+
+        write_config(path, model_table("a", fake) + "max-in-flight = 1\n")
+        assert "updated a (static upstream)" in hang_up(gateway)
+        assert [r["finished_at"] for r in fake.records()] == [None] * 4, "the 4 ended before the reload"
+        assert [f.result(timeout=60) for f in (*held, *queued)] == [200] * 10
+    records = fake.records()
+    order = [orjson.loads(r["body"])["messages"][0]["content"] for r in records[4:]]
+    assert order == [f"queued {i}" for i in range(6)]
+    # Halfway through each queued request, it is the only one the engine has.
+    for record in records[4:]:
+        middle = (record["received_at"] + record["finished_at"]) / 2
+        beside = [r for r in records if r is not record and r["received_at"] < middle < r["finished_at"]]
+        assert beside == [], f"{record['body']!r} ran beside {[r['body'] for r in beside]!r}"
 
 
 def test_sighup_with_a_config_path_that_blocks_leaves_livez_answering(
@@ -670,7 +710,7 @@ def test_bad_reload_keeps_the_running_configuration(
 
     # The reloader is still alive: a good file is applied.
     write_config(path, moved_a + model_table("b", fakes[1], "bee"))
-    assert "restarted a" in hang_up(gateway)
+    assert "updated a (static upstream)" in hang_up(gateway)
     assert ask(gateway, http, "a").status_code == 200 and models_seen(fakes[2]) == ["a"]
     assert models_seen(fakes[0]).count("a") == len(bad_files)
     assert models_seen(fakes[1]).count("b") == 2 * len(bad_files) + 1

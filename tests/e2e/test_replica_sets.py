@@ -423,7 +423,7 @@ def test_a_reload_that_rebuilds_a_set_checks_its_new_servers_only(
     wait_until(lambda: _checks(b) >= 2, "b is checked before the reload")
 
     write_config(path, f'[models.m]\nupstream = ["{a.url}", "{dead}", "{c.url}"]\n')
-    assert hang_up(gw).split("reload: ", 1)[1] == "restarted m"
+    assert hang_up(gw).split("reload: ", 1)[1] == "updated m (static upstream)"
     # No request yet: only an active check of the new server can take it out.
     # The line says why (the check's own cause), not only that checks failed.
     out = f"{dead}/v1 is out of rotation: 2 failed checks of /readyz (connection refused)"

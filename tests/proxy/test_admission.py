@@ -128,6 +128,38 @@ async def test_a_new_limit_applies_to_the_same_slots_and_queue() -> None:
     assert order == [0, 1, 2] and admission.in_flight == 4 and admission.queued == 0
 
 
+@pytest.mark.fault("overload", "the limit and the queue: 429 and 503 with Retry-After")
+async def test_a_lowered_limit_applies_while_requests_are_queued() -> None:
+    """A lowered limit retires freed slots until in flight is within it; then the queue goes on in order."""
+    admission = Admission(4, max_queued=10, queue_timeout_s=5)
+    for _ in range(4):
+        assert admission.try_enter()
+    order: list[int] = []
+
+    async def wait(i: int) -> None:
+        await admission.enter("m")
+        order.append(i)
+
+    waiters = [asyncio.create_task(wait(i)) for i in range(6)]
+    await asyncio.sleep(0.01)
+    admission.set_limit(1)
+    in_flight: list[int] = []
+    for _ in range(4):
+        admission.leave()
+        await asyncio.sleep(0.01)
+        in_flight.append(admission.in_flight)
+    # Three slots retired (4 -> 1), then the fourth went to the first in the queue.
+    assert in_flight == [3, 2, 1, 1] and order == [0] and admission.queued == 5
+    for _ in range(5):
+        admission.leave()
+        await asyncio.sleep(0.01)
+        assert admission.in_flight == 1
+    await asyncio.gather(*waiters)
+    assert order == [0, 1, 2, 3, 4, 5] and admission.queued == 0
+    admission.leave()
+    assert admission.in_flight == 0
+
+
 async def test_retry_after_is_the_queues_drain_time_bounded() -> None:
     """Retry-After = waiting × mean time a slot is held / slots, in whole seconds from 1 to 60."""
     admission = Admission(2, max_queued=100, queue_timeout_s=5)

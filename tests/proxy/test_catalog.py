@@ -102,7 +102,31 @@ def test_a_static_upstream_s_route_is_rebuilt_on_any_change() -> None:
     """A static upstream has no children to keep: an alias change rebuilds its (cheap) route."""
     new = upstream("b", aliases=("gpt",))
     changes = plan_reload({"b": upstream("b")}, file(new), keep=())
-    assert changes == ReloadPlan(rebuilt=(new,), replaced=("b",))
+    assert changes == ReloadPlan(rebuilt=(new,), replaced=("b",), rerouted=("b",))
+
+
+def test_reload_of_a_static_upstream_is_not_reported_as_a_restart() -> None:
+    """A static upstream rebuilt (alias, limit, URL) is reported updated: it has no children to restart."""
+
+    def report(running: ModelConfig, wanted: ModelConfig) -> str:
+        changes = plan_reload({str(running.name): running}, file(wanted), keep=())
+        assert changes is not None
+        return changes.report()
+
+    assert report(upstream("b"), upstream("b", aliases=("gpt",))) == "updated b (static upstream)"
+    assert report(upstream("b"), upstream("b", max_in_flight=2)) == "updated b (static upstream)"
+    assert (
+        report(upstream("b"), upstream("b", url="http://127.0.0.1:9002/v1")) == "updated b (static upstream)"
+    )
+    # A static upstream turned into an engine model, or back: children start or stop.
+    assert report(upstream("b"), engine("b")) == "restarted b"
+    assert report(engine("b"), upstream("b")) == "restarted b"
+    running = {"a": engine("a"), "b": upstream("b"), "c": upstream("c")}
+    moved = dataclasses.replace(engine("a"), model="/models/other")
+    changes = plan_reload(
+        running, file(moved, upstream("b", aliases=("gpt",)), upstream("c", ttl_s=5.0)), keep=()
+    )
+    assert changes is not None and changes.report() == "restarted a; updated b, c (static upstream)"
 
 
 def test_an_engine_model_turned_into_a_static_upstream_is_rebuilt() -> None:
@@ -116,7 +140,7 @@ def test_naming_an_upstream_s_engine_rebuilds_its_route() -> None:
     """engine added beside an upstream changes its guards: the route is built again."""
     new = upstream("b", engine=MLX)
     assert plan_reload({"b": upstream("b")}, file(new), keep=()) == ReloadPlan(
-        rebuilt=(new,), replaced=("b",)
+        rebuilt=(new,), replaced=("b",), rerouted=("b",)
     )
 
 
