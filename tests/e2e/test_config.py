@@ -615,7 +615,9 @@ def test_reload_lowering_the_limit_applies_while_requests_are_queued(
         queued = []
         for index in range(6):
             queued.append(pool.submit(_ask_held, gateway.url, "a", f"queued {index}", "prefill=1"))
-            wait_until(lambda i=index: _gauge(gateway, http, "blazar_queue_depth", "a") == i + 1, "queued")
+            depth = index + 1
+            # B023: wait_until calls the lambda before the loop moves on.
+            wait_until(lambda: _gauge(gateway, http, "blazar_queue_depth", "a") == depth, "queued")  # noqa: B023
 
         write_config(path, model_table("a", fake) + "max-in-flight = 1\n")
         assert "updated a (static upstream)" in hang_up(gateway)
