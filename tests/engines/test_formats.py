@@ -263,7 +263,7 @@ def test_vocab_size_is_read_from_an_mlx_directory_s_config(tmp_path: Path) -> No
 
 
 def test_context_length_is_read_from_an_mlx_directory_s_config(tmp_path: Path) -> None:
-    """config.json's max_position_embeddings (or text_config's) is the model's context; else unknown (None)."""
+    """config.json's max_position_embeddings (or text_config's) is the model's context; else None."""
     (tmp_path / "config.json").write_text('{"vocab_size": 259, "max_position_embeddings": 32768}')
     assert context_length(tmp_path) == 32768
     (tmp_path / "config.json").write_text('{"text_config": {"max_position_embeddings": 8192}}')

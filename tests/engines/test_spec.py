@@ -91,8 +91,7 @@ def test_server_argv_fills_the_placeholders() -> None:
     argv = load(SHIPPED).server_argv(python="/v/bin/python", model="org/m", host="127.0.0.1", port=8123)
     assert argv == [
         "/v/bin/python",
-        "-m",
-        "mlx_lm.server",
+        str(Path(engines.__file__).resolve().parent / "mlx_lm_server.py"),
         "--model",
         "org/m",
         "--host",
