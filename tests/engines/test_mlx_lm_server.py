@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
-from engines.mlx_lm_server import leave_a_token
+import pytest
+
+from engines.mlx_lm_server import (
+    PromptPastContext,
+    answer_400,
+    context_length,
+    fit_the_context,
+    leave_a_token,
+)
 
 
 class Layer:
@@ -58,3 +68,53 @@ def test_other_answers_pass_as_they_are() -> None:
     assert leave_a_token(fetching(None, [1, 2]), can_trim, trim)(None, "m", [1, 2]) == (None, [1, 2])
     assert leave_a_token(fetching(cache, []), can_trim, trim)(None, "m", []) == (cache, [])
     assert cache[0].tokens == 2
+
+
+def test_the_context_is_read_from_the_config_of_the_model_argv_names(tmp_path: Path) -> None:
+    """--model DIR: DIR/config.json's max_position_embeddings (or text_config's); else None."""
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 32768}')
+    assert context_length(["--model", str(tmp_path), "--port", "1"]) == 32768
+    (tmp_path / "config.json").write_text('{"text_config": {"max_position_embeddings": 8192}}')
+    assert context_length(["--model", str(tmp_path)]) == 8192
+    (tmp_path / "config.json").write_text("[1]")
+    assert context_length(["--model", str(tmp_path)]) is None
+    assert context_length(["--model", str(tmp_path / "absent")]) is None
+    assert context_length(["--port", "1", "--model"]) is None
+
+
+def tokenizing(tokens: int) -> Any:
+    """A ResponseGenerator._tokenize that makes a prompt of ``tokens`` tokens."""
+
+    def tokenize(self: Any, tokenizer: Any, request: Any, args: Any) -> tuple[Any, ...]:
+        return [0] * tokens, [], [], "normal"
+
+    return tokenize
+
+
+def test_a_prompt_that_with_max_tokens_exceeds_the_context_raises_before_any_prefill() -> None:
+    """The 200,000-token prompt regression: prompt + max_tokens past the context raises; up to it, passes."""
+    with pytest.raises(PromptPastContext, match="context is 32768 tokens; the prompt is 200000 tokens"):
+        fit_the_context(tokenizing(200_000), 32768)(None, None, None, SimpleNamespace(max_tokens=4))
+    with pytest.raises(PromptPastContext):
+        fit_the_context(tokenizing(32700), 32768)(None, None, None, SimpleNamespace(max_tokens=69))
+    fitted = fit_the_context(tokenizing(32700), 32768)(None, None, None, SimpleNamespace(max_tokens=68))
+    assert len(fitted[0]) == 32700
+
+
+def test_the_handler_s_404_for_a_prompt_past_the_context_is_a_400_and_only_that_one() -> None:
+    """PromptPastContext out of generate turns the handler's next 404 into 400; other errors stay 404."""
+    sent: list[int] = []
+
+    def generate(self: Any, fail: Exception) -> None:
+        raise fail
+
+    def set_headers(self: Any, status_code: int = 200) -> None:
+        sent.append(status_code)
+
+    wrapped_generate, wrapped_headers = answer_400(generate, set_headers)
+    for fail in (PromptPastContext("long"), RuntimeError("generation thread died")):
+        with pytest.raises(type(fail)):
+            wrapped_generate(None, fail)
+        wrapped_headers(None, 404)
+    wrapped_headers(None)
+    assert sent == [400, 404, 200]
