@@ -410,6 +410,7 @@ def test_an_mlx_completion_prompt_of_one_space_is_taken_and_chat_ignores_prompt(
         {"padding": "max_length", "max_length": 200000},
         {"tokenize": True},
         {"tokenizer_kwargs": {"a": 1}},
+        {"conversations": "x"},
         {"enable_thinking": [False]},
         {"enable_thinking": {"a": 1}},
     ],
