@@ -49,10 +49,25 @@ def detect_format(path: str | Path) -> Format:
 def vocab_size(path: str | Path) -> int | None:
     """The vocabulary size an MLX model directory's config.json declares; None where it is unknown.
 
-    A token id a request names (logit_bias) must be below it: mlx_lm.server
-    0.32.0 writes the bias at that index unchecked, and past the end of the
-    logits its process dies. GGUF files and hub repos are not read (None).
+    A token id a request names (logit_bias, top_k) must be below it:
+    mlx_lm.server 0.32.0 writes the bias at that index unchecked, and past
+    the end of the logits its process dies. GGUF files and hub repos are not
+    read (None).
     """
+    return _config_size(path, "vocab_size")
+
+
+def context_length(path: str | Path) -> int | None:
+    """The context length (max_position_embeddings) an MLX directory's config.json gives; None if unknown.
+
+    A request's max_tokens may not exceed it (OpenAI answers 400 past a
+    model's limit; mlx_lm.server takes any number and generates for it).
+    """
+    return _config_size(path, "max_position_embeddings")
+
+
+def _config_size(path: str | Path, key: str) -> int | None:
+    """A positive integer of config.json, at its top or in its text_config (multimodal models)."""
     config = Path(path).expanduser() / "config.json"
     try:
         data = json.loads(config.read_text(encoding="utf-8"))
@@ -61,7 +76,7 @@ def vocab_size(path: str | Path) -> int | None:
     if not isinstance(data, dict):
         return None
     for table in (data, data.get("text_config")):
-        size = table.get("vocab_size") if isinstance(table, dict) else None
+        size = table.get(key) if isinstance(table, dict) else None
         if isinstance(size, int) and not isinstance(size, bool) and size > 0:
             return size
     return None

@@ -51,8 +51,38 @@ _NONSTREAM = {"table": "nonstream"}
 
 # What a request field's value may be (see RequestField.kind).
 FIELD_KINDS = frozenset(
-    {"boolean", "integer", "number", "float", "string", "strings", "object", "array", "token_bias", "bias"}
+    {
+        "boolean",
+        "integer",
+        "number",
+        "float",
+        "string",
+        "strings",
+        "object",
+        "scalars",
+        "array",
+        "token_bias",
+        "bias",
+    }
 )
+# Facts of a model a bound may name (``max = "vocab_size - 1"``): each a Guards
+# field set per route from the model's files, None where they do not say.
+MODEL_FACTS = ("vocab_size", "context_length")
+# A bound naming a model fact: the fact, optionally less a whole number.
+_FACT_BOUND = re.compile(r"(?P<fact>[a-z_]+)(?:\s*-\s*(?P<less>[0-9]+))?")
+# The keys of a field's rule, and the kinds each is for.
+_RULE_KEYS: dict[str, frozenset[str] | None] = {
+    "type": None,
+    "min": frozenset({"integer", "number", "float"}),
+    "max": frozenset({"integer", "number", "float"}),
+    "null": None,
+    "loads": None,
+    "min_length": frozenset({"string", "strings"}),
+    "max_length": frozenset({"string", "strings"}),
+    "max_items": frozenset({"strings", "array"}),
+    "refused_keys": frozenset({"object", "scalars"}),
+    "members": frozenset({"object"}),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,13 +98,28 @@ class RequestField:
     # boolean; integer; number (an integer or a float); float (a JSON number
     # written with a fraction or an exponent: Python's float only, as mlx
     # checks xtc_*); string; strings (a string or a list of strings); object;
-    # array; token_bias (an object of token ids, integers from 0 and below
-    # the model's vocab_size where it is known, to numbers); bias (an object
-    # of numbers).
+    # scalars (an object of strings, numbers, booleans and nulls: no lists or
+    # objects); array; token_bias (an object of token ids, canonical decimal
+    # integers from 0 and below the model's vocab_size where it is known, to
+    # numbers); bias (an object of numbers).
     kind: str
     # Inclusive bounds of a number.
     low: float | None = None
     high: float | None = None
+    # An upper bound from a fact of the model (MODEL_FACTS) less a number:
+    # ("vocab_size", 1) is "below the vocabulary". Applies where the model's
+    # files give the fact (the lower of it and ``high``).
+    high_fact: tuple[str, int] | None = None
+    # Each string's length in characters (string, strings), and the most
+    # items a list may have (strings, array).
+    min_length: int | None = None
+    max_length: int | None = None
+    max_items: int | None = None
+    # An object's keys the server must not be given (object, scalars).
+    refused_keys: frozenset[str] = frozenset()
+    # An object's members the server reads whenever the object is given: each
+    # must be there, of its kind (boolean, integer, number, string).
+    members: tuple[tuple[str, str], ...] = ()
     # The server takes null (its default). Otherwise a null is left out of the
     # body on its way (OpenAI's meaning of null: the default).
     takes_null: bool = False
@@ -124,6 +169,10 @@ class Guards:
     # config.json): token ids a request names (token_bias fields) must be
     # below it. Set per route, never from a spec.
     vocab_size: int | None = field(default=None, metadata=_PER_MODEL)
+    # The model's context length where it is known (config.json's
+    # max_position_embeddings): a bound fields may name (max_tokens). Set per
+    # route, never from a spec.
+    context_length: int | None = field(default=None, metadata=_PER_MODEL)
     # An engine that never notices a non-stream client has gone (it writes
     # the reply only at the end): ask it for a stream and build the
     # non-stream reply from its events (proxy/assembly.py) ...
@@ -144,6 +193,7 @@ class Guards:
                 len(self.fields),
                 self.allowed,
                 self.vocab_size,
+                self.context_length,
             )
         )
 
@@ -358,30 +408,92 @@ def _readiness(read: _Reader, table: dict[str, Any], health_path: str) -> Readin
 
 
 def _field(read: _Reader, name: str, rule: Any, where: str, endpoint: str) -> RequestField:
-    """One ``name = { type = ..., min = ..., max = ..., null = ..., loads = ... }`` of a field table."""
+    """One ``name = { type = ..., min = ..., max = ..., null = ..., loads = ..., ... }`` of a field table."""
     if not isinstance(rule, dict):
         raise SpecError(f"{read.source}: {where}{name} must be a table {{ type = ... }}")
-    unknown = set(rule) - {"type", "min", "max", "null", "loads"}
+    unknown = set(rule) - set(_RULE_KEYS)
     if unknown:
         raise SpecError(f"{read.source}: {where}{name}: unknown key {sorted(unknown)[0]!r}")
     kind = rule.get("type")
     if kind not in FIELD_KINDS:
         raise SpecError(f"{read.source}: {where}{name}.type must be one of {', '.join(sorted(FIELD_KINDS))}")
-    bounds = {key: rule[key] for key in ("min", "max") if key in rule}
-    if bounds and kind not in ("integer", "number", "float"):
-        raise SpecError(f"{read.source}: {where}{name}: min and max are for numbers, not {kind}")
-    for key, value in bounds.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise SpecError(f"{read.source}: {where}{name}.{key} must be a number")
+    for key, kinds in _RULE_KEYS.items():
+        if key in rule and kinds is not None and kind not in kinds:
+            raise SpecError(
+                f"{read.source}: {where}{name}: {key} is for {' and '.join(sorted(kinds))}, not {kind}"
+            )
+    at = f"{where}{name}."
+    low = _number_bound(read, rule, "min", at)
+    high, high_fact = _upper_bound(read, rule, at)
     return RequestField(
         name=name,
         kind=kind,
-        low=bounds.get("min"),
-        high=bounds.get("max"),
-        takes_null=read.flag(rule, "null", False, f"{where}{name}."),
-        loads=read.flag(rule, "loads", False, f"{where}{name}."),
+        low=low,
+        high=high,
+        high_fact=high_fact,
+        min_length=_count(read, rule, "min_length", at),
+        max_length=_count(read, rule, "max_length", at),
+        max_items=_count(read, rule, "max_items", at),
+        refused_keys=frozenset(_names(read, rule, "refused_keys", at)),
+        members=_members(read, rule, at),
+        takes_null=read.flag(rule, "null", False, at),
+        loads=read.flag(rule, "loads", False, at),
         endpoint=endpoint,
     )
+
+
+def _number_bound(read: _Reader, rule: dict[str, Any], key: str, at: str) -> float | None:
+    value = rule.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise SpecError(f"{read.source}: {at}{key} must be a number")
+    return value
+
+
+def _upper_bound(read: _Reader, rule: dict[str, Any], at: str) -> tuple[float | None, tuple[str, int] | None]:
+    """``max``: a number, a model fact (``"vocab_size - 1"``), or a list of one of each (the lower rules)."""
+    value = rule.get("max")
+    parts = value if isinstance(value, list) else [] if value is None else [value]
+    numbers = [p for p in parts if not isinstance(p, str)]
+    facts = [p for p in parts if isinstance(p, str)]
+    if len(numbers) > 1 or len(facts) > 1 or (isinstance(value, list) and not value):
+        raise SpecError(f"{read.source}: {at}max must be a number, a model fact, or one of each")
+    high = _number_bound(read, {"max": numbers[0]}, "max", at) if numbers else None
+    if not facts:
+        return high, None
+    match = _FACT_BOUND.fullmatch(facts[0].strip())
+    if match is None or match["fact"] not in MODEL_FACTS:
+        raise SpecError(
+            f"{read.source}: {at}max {facts[0]!r} must name a model fact ({', '.join(MODEL_FACTS)}), "
+            'optionally less a whole number ("vocab_size - 1")'
+        )
+    return high, (match["fact"], int(match["less"] or 0))
+
+
+def _count(read: _Reader, rule: dict[str, Any], key: str, at: str) -> int | None:
+    value = rule.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise SpecError(f"{read.source}: {at}{key} must be a whole number")
+    return value
+
+
+def _names(read: _Reader, rule: dict[str, Any], key: str, at: str) -> list[str]:
+    names = rule.get(key, [])
+    if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+        raise SpecError(f"{read.source}: {at}{key} must be a list of names")
+    return names
+
+
+# The kinds an object's member may be declared of (``members``).
+MEMBER_KINDS = frozenset({"boolean", "integer", "number", "string"})
+
+
+def _members(read: _Reader, rule: dict[str, Any], at: str) -> tuple[tuple[str, str], ...]:
+    table = rule.get("members", {})
+    if not isinstance(table, dict) or not all(k in MEMBER_KINDS for k in table.values()):
+        raise SpecError(
+            f"{read.source}: {at}members must be a table of member = kind ({', '.join(sorted(MEMBER_KINDS))})"
+        )
+    return tuple(table.items())
 
 
 def _fields(read: _Reader, data: dict[str, Any]) -> tuple[RequestField, ...]:

@@ -43,6 +43,18 @@ class RequestField(Protocol):
     @property
     def high(self) -> float | None: ...
     @property
+    def high_fact(self) -> tuple[str, int] | None: ...
+    @property
+    def min_length(self) -> int | None: ...
+    @property
+    def max_length(self) -> int | None: ...
+    @property
+    def max_items(self) -> int | None: ...
+    @property
+    def refused_keys(self) -> frozenset[str]: ...
+    @property
+    def members(self) -> tuple[tuple[str, str], ...]: ...
+    @property
     def takes_null(self) -> bool: ...
     @property
     def loads(self) -> bool: ...
@@ -72,6 +84,8 @@ class RequestGuards(Protocol):
     def allowed(self) -> frozenset[str]: ...
     @property
     def vocab_size(self) -> int | None: ...
+    @property
+    def context_length(self) -> int | None: ...
     @property
     def via_stream(self) -> bool: ...
     @property
@@ -202,7 +216,12 @@ def _is_integer(value: Any) -> bool:
 
 
 def _is_token_id(key: str) -> bool:
-    return key.isascii() and key.isdigit()
+    # Canonical decimal only: Python's int() also takes "+5", " 5", "1_0", "05" and other scripts' digits.
+    return key.isascii() and key.isdigit() and (key == "0" or key[0] != "0")
+
+
+def _is_scalar(value: Any) -> bool:
+    return value is None or isinstance(value, (str, int, float))
 
 
 _KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
@@ -217,6 +236,10 @@ _KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
         lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)),
     ),
     "object": ("an object", lambda v: isinstance(v, dict)),
+    "scalars": (
+        "an object of strings, numbers, booleans or nulls",
+        lambda v: isinstance(v, dict) and all(_is_scalar(m) for m in v.values()),
+    ),
     "array": ("a list", lambda v: isinstance(v, list)),
     "bias": (
         "an object of numbers",
@@ -230,7 +253,7 @@ _MAX_TOKEN_ID = 10**18 - 1
 
 
 def _token_bias(vocab_size: int | None) -> tuple[str, Callable[[Any], bool]]:
-    """Token ids (decimal integers from 0, below the model's vocabulary where known) to numbers."""
+    """Token ids (canonical decimal integers from 0, below the model's vocabulary where known) to numbers."""
     limit = _MAX_TOKEN_ID if vocab_size is None else vocab_size - 1
     digits = len(str(limit))
 
@@ -241,21 +264,100 @@ def _token_bias(vocab_size: int | None) -> tuple[str, Callable[[Any], bool]]:
         )
 
     if vocab_size is None:
-        return "an object of token ids (integers from 0) to numbers", ok
-    return f"an object of token ids (integers from 0 to {limit}, the model's) to numbers", ok
+        return "an object of token ids (integers from 0, written 0, 1, 2, ...) to numbers", ok
+    return (
+        f"an object of token ids (integers from 0 to {limit}, the model's, written 0, 1, 2, ...) to numbers",
+        ok,
+    )
 
 
-def _check_of(rule: RequestField, vocab_size: int | None) -> _Check:
-    expected, ok = _token_bias(vocab_size) if rule.kind == "token_bias" else _KINDS[rule.kind]
-    low, high = rule.low, rule.high
+def _shown(number: float) -> str:
+    return str(number) if isinstance(number, int) else f"{number:g}"
+
+
+def _high(rule: RequestField, guards: RequestGuards) -> float | None:
+    """The field's upper bound: its own, or the model's fact less its offset where lower (and known)."""
+    if rule.high_fact is None:
+        return rule.high
+    fact, less = rule.high_fact
+    known = {"vocab_size": guards.vocab_size, "context_length": guards.context_length}.get(fact)
+    if known is None:
+        return rule.high
+    return known - less if rule.high is None else min(rule.high, known - less)
+
+
+def _lengths(rule: RequestField) -> tuple[str, Callable[[Any], bool]] | None:
+    """The rule's string lengths and list size, as words and a test; None if it sets none."""
+    shortest, longest, most = rule.min_length, rule.max_length, rule.max_items
+    if shortest is None and longest is None and most is None:
+        return None
+    words = []
+    if most is not None:
+        words.append(f"at most {most} in a list")
+    if shortest is not None:
+        words.append("not empty" if shortest == 1 else f"at least {shortest} characters each")
+    if longest is not None:
+        words.append(f"at most {longest} characters each")
+
+    def fits(text: str) -> bool:
+        return (shortest is None or len(text) >= shortest) and (longest is None or len(text) <= longest)
+
+    def ok(value: Any) -> bool:
+        if isinstance(value, str):
+            return fits(value)
+        return (most is None or len(value) <= most) and all(not isinstance(v, str) or fits(v) for v in value)
+
+    return ", ".join(words), ok
+
+
+_MEMBER_TESTS: dict[str, Callable[[Any], bool]] = {
+    "boolean": lambda v: isinstance(v, bool),
+    "integer": _is_integer,
+    "number": _is_number,
+    "string": lambda v: isinstance(v, str),
+}
+
+
+def _keys(rule: RequestField) -> tuple[str, Callable[[Any], bool]] | None:
+    """The rule's refused keys and required members of an object, as words and a test; None if none."""
+    refused, members = rule.refused_keys, rule.members
+    if not refused and not members:
+        return None
+    words = []
+    if members:
+        words.append(", ".join(f"{name} {_KINDS[kind][0]}" for name, kind in members))
+    if refused:
+        words.append(f"none of the keys {', '.join(sorted(refused))}")
+
+    def ok(value: Any) -> bool:
+        return refused.isdisjoint(value) and all(
+            name in value and _MEMBER_TESTS[kind](value[name]) for name, kind in members
+        )
+
+    return "; ".join(words), ok
+
+
+def _check_of(rule: RequestField, guards: RequestGuards) -> _Check:
+    expected, ok = _token_bias(guards.vocab_size) if rule.kind == "token_bias" else _KINDS[rule.kind]
+    extra = [found for found in (_lengths(rule), _keys(rule)) if found is not None]
+    if extra:
+        of_kind = ok
+        expected = f"{expected} ({'; '.join(words for words, _ in extra)})"
+        tests = [test for _, test in extra]
+
+        def shaped(value: Any) -> bool:
+            return of_kind(value) and all(test(value) for test in tests)
+
+        ok = shaped
+    low, high = rule.low, _high(rule, guards)
     if low is None and high is None:
         return expected, ok, rule
     if high is None:
-        expected = f"{expected} of at least {low:g}"
+        expected = f"{expected} of at least {_shown(low or 0)}"
     elif low is None:
-        expected = f"{expected} of at most {high:g}"
+        expected = f"{expected} of at most {_shown(high)}"
     else:
-        expected = f"{expected} from {low:g} to {high:g}"
+        expected = f"{expected} from {_shown(low)} to {_shown(high)}"
 
     def in_range(value: Any) -> bool:
         return ok(value) and (low is None or value >= low) and (high is None or value <= high)
@@ -267,9 +369,9 @@ def _check_of(rule: RequestField, vocab_size: int | None) -> _Check:
 @functools.lru_cache(maxsize=1024)
 def _checks(guards: RequestGuards, endpoint: bytes) -> dict[str, _Check]:
     """The checks of an endpoint: every endpoint's fields, then those of this one only."""
-    name, vocab = endpoint.decode(), guards.vocab_size
-    checks = {r.name: _check_of(r, vocab) for r in guards.fields if not r.endpoint}
-    checks.update((r.name, _check_of(r, vocab)) for r in guards.fields if r.endpoint == name)
+    name = endpoint.decode()
+    checks = {r.name: _check_of(r, guards) for r in guards.fields if not r.endpoint}
+    checks.update((r.name, _check_of(r, guards)) for r in guards.fields if r.endpoint == name)
     return checks
 
 

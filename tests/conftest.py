@@ -148,7 +148,13 @@ def _orphans() -> int:
     return count
 
 
-_ENGINE_PROGRAMS = (b"tests.fake_engine", b"mlx_lm.server", b"llama_cpp.server", b"llamacpp_server.py")
+_ENGINE_PROGRAMS = (
+    b"tests.fake_engine",
+    b"mlx_lm.server",
+    b"mlx_lm_server.py",
+    b"llama_cpp.server",
+    b"llamacpp_server.py",
+)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

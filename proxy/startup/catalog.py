@@ -29,7 +29,7 @@ from engines import install as installing
 from engines import spec as specs
 from engines.child import Child
 from engines.environment import ServedNameError
-from engines.formats import FormatError, check_model, describe, pick_engine, vocab_size
+from engines.formats import FormatError, check_model, context_length, describe, pick_engine, vocab_size
 from engines.home import Home
 from engines.plan import PlanError, PlannedChild, check_engine_args, free_port, plan
 from engines.registry import Registry
@@ -56,6 +56,8 @@ class _Prepared:
     planned: tuple[PlannedChild, ...]
     # The model's vocabulary size where its files say (an MLX directory), for the token-id check.
     vocab_size: int | None = None
+    # Its context length where its files say, for the max_tokens check.
+    context_length: int | None = None
 
 
 class Catalog:
@@ -163,7 +165,12 @@ class Catalog:
             child = dataclasses.replace(child, name=name, log_path=child.log_path.with_name(f"{name}.log"))
             planned.append(dataclasses.replace(one, config=child))
         return _Prepared(
-            config, planned[0].config.served_model, spec, tuple(planned), vocab_size=vocab_size(model)
+            config,
+            planned[0].config.served_model,
+            spec,
+            tuple(planned),
+            vocab_size=vocab_size(model),
+            context_length=context_length(model),
         )
 
     def _port(self, free_port: Callable[..., int]) -> int:
@@ -200,7 +207,12 @@ class Catalog:
             model=prepared.name,
             upstream=UpstreamAddress(first.config.host, first.config.port),
             gate=served,
-            guards=guards_of(dataclasses.replace(spec.guards, vocab_size=prepared.vocab_size), config),
+            guards=guards_of(
+                dataclasses.replace(
+                    spec.guards, vocab_size=prepared.vocab_size, context_length=prepared.context_length
+                ),
+                config,
+            ),
             # The engines generate this many at once; more would only queue inside them.
             max_in_flight=config.max_in_flight or self.max_in_flight or batch,
             aliases=config.aliases,

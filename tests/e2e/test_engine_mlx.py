@@ -159,7 +159,10 @@ def test_startup_line_names_engine_variant_venv_and_port(mlx_gateway: EngineGate
     assert "CUDA_HOME -" in line
     child_cmdline = Path(f"/proc/{mlx_gateway.child_pid}/cmdline").read_bytes().split(b"\0")
     assert child_cmdline[0] == str(engine_home() / "engines" / ENGINE / "venv" / "bin" / "python").encode()
-    assert b"mlx_lm.server" in child_cmdline
+    # mlx_lm.server through engines/mlx_lm_server.py (an exact prompt-cache hit leaves a token to prefill).
+    assert (
+        child_cmdline[1] == str(Path(__file__).resolve().parents[2] / "engines" / "mlx_lm_server.py").encode()
+    )
 
 
 def test_openai_client_chat_through_gateway(mlx_gateway: EngineGateway) -> None:

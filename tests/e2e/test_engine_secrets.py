@@ -23,7 +23,7 @@ def test_the_api_key_never_reaches_an_engine_childs_environment(
     monkeypatch.setenv("BLAZAR_CORS_ORIGIN", "https://app.example.com")
     gateway = start_engine_gateway(logs_dir)
     try:
-        assert b"mlx_lm.server" in Path(f"/proc/{gateway.child_pid}/cmdline").read_bytes()
+        assert b"mlx_lm_server.py" in Path(f"/proc/{gateway.child_pid}/cmdline").read_bytes()
         environ = Path(f"/proc/{gateway.child_pid}/environ").read_bytes()
         names = {entry.split(b"=", 1)[0] for entry in environ.split(b"\0") if entry}
         # What the child needs still reaches it: its venv's PATH, the test run's mark.

@@ -155,6 +155,6 @@ def engine_running(model: str) -> bool:
             cmdline = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"mlx_lm.server" in cmdline and model.encode() in cmdline:
+        if any(arg.endswith(b"mlx_lm_server.py") for arg in cmdline) and model.encode() in cmdline:
             return True
     return False

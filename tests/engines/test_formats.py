@@ -11,6 +11,7 @@ import pytest
 from engines.formats import (
     FormatError,
     check_model,
+    context_length,
     describe,
     detect_format,
     is_hub_repo_id,
@@ -259,3 +260,15 @@ def test_vocab_size_is_read_from_an_mlx_directory_s_config(tmp_path: Path) -> No
         assert vocab_size(tmp_path) is None, text
     assert vocab_size(tmp_path / "absent") is None
     assert vocab_size("org/repo") is None
+
+
+def test_context_length_is_read_from_an_mlx_directory_s_config(tmp_path: Path) -> None:
+    """config.json's max_position_embeddings (or text_config's) is the model's context; else None."""
+    (tmp_path / "config.json").write_text('{"vocab_size": 259, "max_position_embeddings": 32768}')
+    assert context_length(tmp_path) == 32768
+    (tmp_path / "config.json").write_text('{"text_config": {"max_position_embeddings": 8192}}')
+    assert context_length(tmp_path) == 8192
+    for text in ('{"max_position_embeddings": 0}', '{"vocab_size": 259}', "not json"):
+        (tmp_path / "config.json").write_text(text)
+        assert context_length(tmp_path) is None, text
+    assert context_length("org/repo") is None

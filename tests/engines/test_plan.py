@@ -204,8 +204,7 @@ def test_mlx_plan_is_unchanged(home: Home, tmp_path: Path) -> None:
     assert config.served_model == "Qwen2-tiny"
     assert config.argv == (
         str(home.venv(MLX) / "bin" / "python"),
-        "-m",
-        "mlx_lm.server",
+        str(Path(__file__).resolve().parents[2] / "engines" / "mlx_lm_server.py"),
         "--model",
         "Qwen2-tiny",
         "--host",

@@ -91,8 +91,7 @@ def test_server_argv_fills_the_placeholders() -> None:
     argv = load(SHIPPED).server_argv(python="/v/bin/python", model="org/m", host="127.0.0.1", port=8123)
     assert argv == [
         "/v/bin/python",
-        "-m",
-        "mlx_lm.server",
+        str(Path(engines.__file__).resolve().parent / "mlx_lm_server.py"),
         "--model",
         "org/m",
         "--host",
@@ -125,13 +124,45 @@ def test_guards_are_read_from_the_toml() -> None:
 
 def test_fields_are_read_from_the_toml_as_mlx_s_source_declares_them() -> None:
     """[fields] holds what mlx_lm/server.py 0.32.0 validates: xtc_* floats only, seeds from 0, the loaders."""
-    by_name = {f.name: f for f in load(SHIPPED).guards.fields}
+    by_name = {f.name: f for f in load(SHIPPED).guards.fields if not f.endpoint}
     assert by_name["xtc_probability"] == RequestField("xtc_probability", "float", 0, 1)
-    assert by_name["repetition_context_size"] == RequestField("repetition_context_size", "integer", 0)
+    assert by_name["xtc_threshold"] == RequestField("xtc_threshold", "float", 0, 0.5)
+    assert by_name["repetition_context_size"] == RequestField(
+        "repetition_context_size", "integer", 0, 2**31 - 1
+    )
     assert by_name["top_logprobs"] == RequestField("top_logprobs", "integer", -1, 11)
-    assert by_name["seed"] == RequestField("seed", "integer", 0, takes_null=True)
+    assert by_name["seed"] == RequestField("seed", "integer", 0, 2**64 - 1, takes_null=True)
     assert {f.name for f in by_name.values() if f.loads} == {"draft_model", "adapters"}
-    assert all(f.endpoint == "" for f in by_name.values())
+    assert [f.name for f in load(SHIPPED).guards.fields if f.endpoint] == ["prompt"]
+
+
+def test_mlx_bounds_what_kills_its_generation_thread() -> None:
+    """top_k below the vocabulary, max_tokens to the context length, 4 stops, a non-empty string prompt."""
+    fields = load(SHIPPED).guards.fields
+    by_name = {f.name: f for f in fields if not f.endpoint}
+    assert (by_name["top_k"].high, by_name["top_k"].high_fact) == (2**31 - 1, ("vocab_size", 1))
+    assert by_name["max_tokens"].high_fact == ("context_length", 0)
+    assert by_name["max_completion_tokens"].high_fact == ("context_length", 0)
+    for name in ("presence_context_size", "frequency_context_size"):
+        assert by_name[name].high == 2**31 - 1
+    assert (by_name["stop"].max_items, by_name["stop"].max_length) == (4, 1000)
+    assert by_name["chat_template_kwargs"].kind == "scalars"
+    assert {"chat_template", "return_tensors", "padding", "max_length"} <= by_name[
+        "chat_template_kwargs"
+    ].refused_keys
+    assert by_name["stream_options"].members == (("include_usage", "boolean"),)
+    prompt = [f for f in fields if f.endpoint == "/completions"]
+    assert prompt == [RequestField("prompt", "string", min_length=1, endpoint="/completions")]
+
+
+def test_a_bound_names_a_model_fact_less_a_whole_number() -> None:
+    """max = "vocab_size - 1" and max = ["context_length", 100] parse into the fact, its offset, a number."""
+    data = shipped_table()
+    data["fields"]["top_k"] = {"type": "integer", "max": "vocab_size - 1"}
+    data["fields"]["max_tokens"] = {"type": "integer", "max": ["context_length", 100]}
+    by_name = {f.name: f for f in parse(data, source="mlx-0.32.0.toml").guards.fields}
+    assert (by_name["top_k"].high, by_name["top_k"].high_fact) == (None, ("vocab_size", 1))
+    assert (by_name["max_tokens"].high, by_name["max_tokens"].high_fact) == (100, ("context_length", 0))
 
 
 def test_llamacpp_declares_its_legacy_completions_fields_apart() -> None:
@@ -146,8 +177,25 @@ def test_llamacpp_declares_its_legacy_completions_fields_apart() -> None:
     ("rule", "message"),
     [
         ({"type": "colour"}, "type must be one of"),
-        ({"type": "string", "min": 0}, "min and max are for numbers"),
-        ({"type": "integer", "max": "9"}, "max must be a number"),
+        ({"type": "string", "min": 0}, "min is for float and integer and number, not string"),
+        ({"type": "integer", "min": "9"}, "min must be a number"),
+        ({"type": "integer", "max": "9"}, "max '9' must name a model fact"),
+        ({"type": "integer", "max": "vocab - 1"}, "must name a model fact .vocab_size, context_length"),
+        ({"type": "integer", "max": "vocab_size + 1"}, "must name a model fact"),
+        ({"type": "integer", "max": [1, 2]}, "max must be a number, a model fact, or one of each"),
+        ({"type": "integer", "max": ["vocab_size", "context_length"]}, "one of each"),
+        ({"type": "integer", "max": []}, "one of each"),
+        ({"type": "integer", "max_length": 4}, "max_length is for string and strings, not integer"),
+        ({"type": "string", "max_items": 4}, "max_items is for array and strings, not string"),
+        ({"type": "strings", "max_items": -1}, "max_items must be a whole number"),
+        ({"type": "strings", "min_length": True}, "min_length must be a whole number"),
+        ({"type": "array", "refused_keys": ["a"]}, "refused_keys is for object and scalars"),
+        ({"type": "scalars", "refused_keys": "padding"}, "refused_keys must be a list of names"),
+        (
+            {"type": "object", "members": {"include_usage": "bool"}},
+            "members must be a table of member = kind",
+        ),
+        ({"type": "scalars", "members": {"include_usage": "boolean"}}, "members is for object, not scalars"),
         ({"type": "integer", "nul": True}, "unknown key 'nul'"),
         ({"type": "integer", "loads": "yes"}, "loads must be true or false"),
         ("integer", "must be a table"),
@@ -183,14 +231,14 @@ def test_readiness_and_server_values_are_read_from_the_toml() -> None:
 def test_parse_defaults_guards_when_absent() -> None:
     """A spec without a guards or a nonstream table gets the permissive defaults."""
     data = shipped_table()
-    del data["guards"], data["nonstream"], data["fields"]
+    del data["guards"], data["nonstream"], data["fields"], data["completion_fields"]
     assert parse(data, source=f"{SHIPPED}.toml").guards == Guards()
 
 
 def test_each_guard_is_read_from_its_own_table() -> None:
     """[nonstream] fills via_stream and stream_cannot_carry, [guards] the checks; neither reads the other."""
     data = shipped_table()
-    del data["fields"]
+    del data["fields"], data["completion_fields"]
     guards, nonstream = data.pop("guards"), data.pop("nonstream")
     data["guards"], data["nonstream"] = nonstream, guards
     with pytest.raises(SpecError, match=r"guards\.stream_cannot_carry: unknown guard"):

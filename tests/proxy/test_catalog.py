@@ -257,13 +257,18 @@ def prepared(tmp_path: Path, name: str, child_name: str, replicas: int = 1, **se
         for i in range(replicas)
     )
     return _Prepared(
-        engine(name, replicas=replicas, **settings), name, specs.load(MLX), planned, vocab_size=259
+        engine(name, replicas=replicas, **settings),
+        name,
+        specs.load(MLX),
+        planned,
+        vocab_size=259,
+        context_length=32768,
     )
 
 
 def test_an_engine_model_becomes_a_gated_route_over_its_replicas(tmp_path: Path) -> None:
     """assemble makes one child per replica, a ServedModel kept by the registry, and the spec's guards
-    with the model's vocabulary size."""
+    with the model's vocabulary size and context length."""
     registry = Registry()
     catalog = Catalog(home=None, registry=registry)
     spec = specs.load(MLX)
@@ -277,8 +282,9 @@ def test_an_engine_model_becomes_a_gated_route_over_its_replicas(tmp_path: Path)
     assert [r.upstream.port for r in route.replicas] == [c.config.port for c in served.children]
     # The engines generate batch_size each at once: more would only queue inside them.
     assert route.max_in_flight == spec.batch_size * 2
-    # The spec's guards, with the model's vocabulary for the token-id check.
-    assert route.guards == dataclasses.replace(spec.guards, vocab_size=259) and route.guards.via_stream
+    # The spec's guards, with the model's vocabulary and context for the bounds that name them.
+    assert route.guards == dataclasses.replace(spec.guards, vocab_size=259, context_length=32768)
+    assert route.guards.via_stream
 
 
 def test_two_models_never_share_a_child_name_and_its_log(tmp_path: Path) -> None:

@@ -315,3 +315,161 @@ def test_token_ids_are_non_negative_and_below_the_model_s_vocabulary_where_known
     with pytest.raises(HTTPError) as info:
         model_of(body_of(model="m", logit_bias={"259": 1}), b"/chat/completions", tiny)
     assert "0 to 258" in info.value.message
+
+
+# The built-in tiny model's facts (its config.json): 259 token ids, a 32768-token context.
+TINY = dataclasses.replace(MLX, vocab_size=259, context_length=32768)
+
+
+def refused_by_tiny(endpoint: bytes = b"/chat/completions", /, **fields: Any) -> HTTPError:
+    """The 400 the tiny mlx model's route answers for a body with fields, checked to name the one field."""
+    with pytest.raises(HTTPError) as info:
+        model_of(body_of(model="m", prompt="p", **fields), endpoint, TINY)
+    assert info.value.status == 400
+    assert info.value.param == next(iter(fields))
+    return info.value
+
+
+def taken_by_tiny(endpoint: bytes = b"/chat/completions", /, **fields: Any) -> None:
+    """The tiny mlx model's route takes a body with fields."""
+    assert model_of(body_of(model="m", prompt="p", **fields), endpoint, TINY) == "m"
+
+
+@pytest.mark.parametrize("top_k", [259, 260, 2**31, 2**63, True])
+def test_top_k_at_or_past_the_vocabulary_is_refused(top_k: Any) -> None:
+    """mlx's apply_top_k kills the generation thread for top_k >= the logits' width: refused from 259."""
+    assert "from 0 to 258" in refused_by_tiny(top_k=top_k).message
+
+
+def test_top_k_below_the_vocabulary_is_taken_and_bounded_without_one() -> None:
+    """top_k 0 and 258 pass; a model of unknown vocabulary still bounds it to 2**31 - 1."""
+    taken_by_tiny(top_k=0)
+    taken_by_tiny(top_k=258)
+    assert model_of(body_of(model="m", top_k=10**6), b"/chat/completions", MLX) == "m"
+    with pytest.raises(HTTPError, match="from 0 to 2147483647"):
+        model_of(body_of(model="m", top_k=2**31), b"/chat/completions", MLX)
+
+
+@pytest.mark.parametrize("threshold", [0.9, 0.5000001, 1.0])
+def test_xtc_threshold_past_a_half_is_refused(threshold: float) -> None:
+    """mlx's apply_xtc kills the thread past 0.5 (its handler allows 1): refused."""
+    assert "from 0 to 0.5" in refused_by_tiny(xtc_threshold=threshold).message
+
+
+def test_xtc_threshold_up_to_a_half_is_taken() -> None:
+    """0.0, 1e-300 and 0.5 pass."""
+    for threshold in (0.0, 1e-300, 0.5):
+        taken_by_tiny(xtc_threshold=threshold)
+
+
+@pytest.mark.parametrize(
+    "key", ["+5", " 5", "5 ", "1_0", "05", "00", "-1", "-300", "\u0665", "5.0", "", "259", "2147483647"]
+)
+def test_logit_bias_ids_must_be_canonical_decimals_below_the_vocabulary(key: str) -> None:
+    """Each id Python's int() takes that is not written 0, 1, 2, ... (or is past the vocabulary): refused."""
+    refused_by_tiny(logit_bias={key: 1})
+
+
+def test_logit_bias_values_must_be_json_numbers() -> None:
+    """Biases "nan", "inf" (float() takes them), a bool or null are refused; 0, -100 and 1e308 are taken."""
+    for value in ("nan", "inf", True, None):
+        refused_by_tiny(logit_bias={"5": value})
+    taken_by_tiny(logit_bias={"0": 0, "5": -100, "258": 1e308})
+
+
+@pytest.mark.parametrize(
+    "field", ["repetition_context_size", "presence_context_size", "frequency_context_size"]
+)
+def test_context_sizes_past_31_bits_are_refused(field: str) -> None:
+    """mlx slices tokens[-size:], which raises past 2**31 - 1 in the batch step: refused; 2**31 - 1 taken."""
+    refused_by_tiny(**{field: 2**31})
+    refused_by_tiny(**{field: 2**64 - 1})
+    taken_by_tiny(**{field: 2**31 - 1})
+
+
+@pytest.mark.parametrize("prompt", ["", ["ab", "cd"], ["ab"], [["a", "b"]], [1, 2, 3], []])
+def test_an_mlx_completion_prompt_is_a_non_empty_string(prompt: Any) -> None:
+    """An empty prompt or a list (mlx has no token-id prompts; strings in a list kill the thread): refused."""
+    with pytest.raises(HTTPError) as info:
+        model_of(orjson.dumps({"model": "m", "prompt": prompt}), b"/completions", TINY)
+    assert (info.value.status, info.value.param) == (400, "prompt")
+
+
+def test_an_mlx_completion_prompt_of_one_space_is_taken_and_chat_ignores_prompt() -> None:
+    """ " " is a prompt; a chat request's stray prompt field is not the completion endpoint's to check."""
+    assert model_of(orjson.dumps({"model": "m", "prompt": " "}), b"/completions", TINY) == "m"
+    assert model_of(body_of(model="m", prompt=""), b"/chat/completions", TINY) == "m"
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"return_tensors": "np"},
+        {"truncation": True, "max_length": 0},
+        {"chat_template": "{% if false %}x{% endif %}"},
+        {"padding": "max_length", "max_length": 200000},
+        {"tokenize": True},
+        {"tokenizer_kwargs": {"a": 1}},
+        {"conversations": "x"},
+        {"enable_thinking": [False]},
+        {"enable_thinking": {"a": 1}},
+    ],
+)
+def test_chat_template_kwargs_that_reconfigure_apply_chat_template_are_refused(
+    kwargs: dict[str, Any],
+) -> None:
+    """apply_chat_template's own parameters, or values that are lists or objects, are refused."""
+    assert "none of the keys" in refused_by_tiny(chat_template_kwargs=kwargs).message
+
+
+def test_chat_template_kwargs_of_scalars_for_the_template_are_taken() -> None:
+    """What templates read (enable_thinking: false, a string, a number, null) passes."""
+    taken_by_tiny(chat_template_kwargs={"enable_thinking": False, "name": "x", "n": 2, "none": None})
+    taken_by_tiny(chat_template_kwargs={})
+
+
+@pytest.mark.parametrize(
+    "stop", [["a", "b", "c", "d", "e"], "x" * 1001, ["ok", "x" * 1001], [f"w{i}" for i in range(20000)]]
+)
+def test_stop_past_four_strings_or_a_thousand_characters_is_refused(stop: Any) -> None:
+    """mlx builds a trie and automata per stop word (101 kept): over 4, or over 1000 characters, refused."""
+    assert "at most 4 in a list, at most 1000 characters each" in refused_by_tiny(stop=stop).message
+
+
+def test_stop_within_the_limits_is_taken() -> None:
+    """A string, four strings of 1000 characters, an empty one and an empty list pass."""
+    for stop in ("x" * 1000, ["x" * 1000] * 4, [""], "", []):
+        taken_by_tiny(stop=stop)
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_token_limits_past_the_model_s_context_length_are_refused(field: str) -> None:
+    """Past config.json's max_position_embeddings is refused; up to it, taken; where unknown, unbounded."""
+    assert "from 0 to 32768" in refused_by_tiny(**{field: 32769}).message
+    refused_by_tiny(**{field: 10**18})
+    taken_by_tiny(**{field: 32768})
+    assert model_of(body_of(model="m", **{field: 10**9}), b"/chat/completions", MLX) == "m"
+
+
+def test_seed_is_a_64_bit_unsigned_integer() -> None:
+    """mx.random.seed takes a uint64: 0 and 2**64 - 1 pass; -1 and 2**64 are refused."""
+    taken_by_tiny(seed=0)
+    taken_by_tiny(seed=2**64 - 1)
+    refused_by_tiny(seed=-1)
+    with pytest.raises(HTTPError) as info:
+        model_of(b'{"model":"m","prompt":"p","seed":18446744073709551616}', b"/completions", TINY)
+    assert info.value.param == "seed"
+
+
+@pytest.mark.parametrize("options", [{}, {"include_usage": 1}, {"include_usage": None}, {"x": True}, []])
+def test_stream_options_without_a_boolean_include_usage_are_refused(options: Any) -> None:
+    """mlx reads stream_options["include_usage"] whenever the object is given: without a boolean, refused."""
+    with pytest.raises(HTTPError) as info:
+        model_of(body_of(model="m", stream=True, stream_options=options), b"/chat/completions", TINY)
+    assert info.value.param == "stream_options"
+
+
+def test_stream_options_with_include_usage_or_null_are_taken() -> None:
+    """{"include_usage": true}, {"include_usage": false, "other": 1} and null pass."""
+    for options in ({"include_usage": True}, {"include_usage": False, "other": 1}, None):
+        taken_by_tiny(stream_options=options)
