@@ -33,6 +33,13 @@ This file, run with the engine venv's Python in place of
   failed request 404, server.py:1426) naming the lengths, as OpenAI's
   ``context_length_exceeded``.
 
+- wraps ``ResponseGenerator._run_generate`` (server.py:446): when the
+  generation thread dies of an error the wraps above do not foresee, the
+  process exits (status 70) instead of serving on with ``/health`` 503 and
+  every request a 404 "generation thread died" until the gateway's health
+  checks notice (three failed checks, 5 s apart): the gateway sees the exit
+  at once, answers 503 while it starts the child again, and logs why.
+
 Everything else is mlx_lm.server itself. It may use only the standard library and what mlx-lm
 installs; it imports nothing from this repository. It is written for 0.32.0
 and checked there by tests/e2e/test_engine_mlx_hostile.py (the exact hit) and
@@ -137,6 +144,24 @@ def answer_400(
     return wrapped_generate, wrapped_set_headers
 
 
+GENERATION_DIED = 70  # EX_SOFTWARE
+
+
+def exit_when_generation_dies(
+    run: Callable[[Any], None], exit_now: Callable[[int], None]
+) -> Callable[[Any], None]:
+    """Wrap ``ResponseGenerator._run_generate``: a generation thread that died (not stopped) exits."""
+
+    def _run_generate(self: Any) -> None:
+        run(self)
+        if getattr(self, "_generation_failed", False) and not getattr(self, "_stop", False):
+            # run() has logged the traceback; the gateway restarts a child that exits.
+            print("mlx_lm_server: the generation thread died: exiting", file=sys.stderr, flush=True)
+            exit_now(GENERATION_DIED)
+
+    return _run_generate
+
+
 def main() -> None:
     # Run as a script, this file's folder is first on sys.path: its modules
     # (engines/*.py) must not shadow what mlx_lm imports.
@@ -149,9 +174,11 @@ def main() -> None:
     lru.fetch_nearest_cache = leave_a_token(
         lru.fetch_nearest_cache, cache.can_trim_prompt_cache, cache.trim_prompt_cache
     )
+    generator = server.ResponseGenerator
+    generator._run_generate = exit_when_generation_dies(generator._run_generate, os._exit)
     context = context_length(sys.argv)
     if context is not None:
-        generator, handler = server.ResponseGenerator, server.APIHandler
+        handler = server.APIHandler
         generator._tokenize = fit_the_context(generator._tokenize, context)
         generator.generate, handler._set_completion_headers = answer_400(
             generator.generate, handler._set_completion_headers

@@ -378,3 +378,32 @@ def test_two_models_never_share_a_child_name_or_log(demo_model: Path, tmp_path: 
     )
     assert result.returncode != 0
     assert "would share the child name" in result.stderr and "'m-0'" in result.stderr, result.stderr
+
+
+@pytest.mark.fault("engines", "a child that crashes, hangs or turns unhealthy")
+def test_a_child_whose_generation_thread_dies_exits_and_is_started_again(
+    demo_model: Path, tmp_path: Path, gateway_factory: list[ConfigGateway]
+) -> None:
+    """An mlx child whose generation thread dies exits at once, and the gateway starts it again.
+
+    Its default max_tokens of 0 (engine-args) kills the thread on the first request that names
+    none, as an exact prompt-cache hit did: mlx_lm.server alone would serve on with /health 503
+    and every request a 404 "generation thread died" until three health checks (5 s apart) failed.
+    """
+    config = _model_table("z", demo_model, always_loaded=True, engine_args=["--max-tokens", "0"])
+    gateway = ConfigGateway(config, tmp_path)
+    gateway_factory.append(gateway)
+    gateway.wait_state("z", "loaded", timeout_s=_READY_TIMEOUT_S)
+    old = _replica_pids(gateway, "z", 1)[0]
+    killer = gateway.http.post(_CHAT, json={"model": "z", "messages": [{"role": "user", "content": "hi"}]})
+    assert killer.status_code >= 500, killer.text
+    assert set(killer.json()["error"]) == {"message", "type", "param", "code"}, killer.text
+    # Well before the first of the health checks that would have noticed (5 s apart, three in a row).
+    deadline = time.monotonic() + 4
+    while _pid_alive(old):
+        assert time.monotonic() < deadline, "the child serves on with a dead generation thread"
+        time.sleep(0.05)
+    gateway.wait_state("z", "loaded", timeout_s=_READY_TIMEOUT_S)
+    assert gateway.chat("z").status_code == 200
+    assert _replica_pids(gateway, "z", 1)[0] != old
+    assert "status 70" in gateway.log() or "code 70" in gateway.log(), gateway.log()

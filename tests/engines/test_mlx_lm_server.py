@@ -9,9 +9,11 @@ from typing import Any
 import pytest
 
 from engines.mlx_lm_server import (
+    GENERATION_DIED,
     PromptPastContext,
     answer_400,
     context_length,
+    exit_when_generation_dies,
     fit_the_context,
     leave_a_token,
 )
@@ -118,3 +120,19 @@ def test_the_handler_s_404_for_a_prompt_past_the_context_is_a_400_and_only_that_
         wrapped_headers(None, 404)
     wrapped_headers(None)
     assert sent == [400, 404, 200]
+
+
+@pytest.mark.parametrize(
+    ("failed", "stopped", "exits"), [(True, False, [GENERATION_DIED]), (False, True, []), (False, False, [])]
+)
+def test_a_generation_thread_that_died_ends_the_process_and_one_stopped_does_not(
+    failed: bool, stopped: bool, exits: list[int]
+) -> None:
+    """After the thread's run: the process exits when it failed, not when it was stopped or returned."""
+    seen: list[int] = []
+
+    def run(self: Any) -> None:
+        self._generation_failed, self._stop = failed, stopped
+
+    exit_when_generation_dies(run, seen.append)(SimpleNamespace())
+    assert seen == exits
