@@ -12,9 +12,7 @@ the gateway makes to it are spliced in by ``proxy.splice``.
 from __future__ import annotations
 
 import functools
-from array import array
 from collections.abc import Callable
-from itertools import accumulate
 from typing import Any, Protocol
 
 import orjson
@@ -87,27 +85,29 @@ def _too_deep() -> HTTPError:
     )
 
 
-# For nesting_depth: brackets as steps up (1) and down (-1 as a signed byte); every other byte deleted.
-_STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
-_NOT_BRACKETS = bytes(set(range(256)) - set(b"[]{}"))
+# What orjson parses arrays and objects to.
+_NESTS = (dict, list)
 
 
-def nesting_depth(body: bytes | bytearray) -> int:
-    """How deep the arrays and objects of the JSON text ``body`` nest (brackets in strings not counted).
+def nesting_depth(body: bytes | bytearray, doc: Any) -> int:
+    """How deep the arrays and objects of ``doc``, parsed from ``body``, nest, counted up to MAX_DEPTH + 1.
 
-    Exact for valid JSON, which is all it is asked about. Cheap where it
-    cannot matter: a body with at most MAX_DEPTH brackets in all is not
-    walked (its count is returned, a bound on its depth).
+    Cheap where it cannot matter: a body with at most MAX_DEPTH brackets in
+    all is not walked (its count is returned, a bound on its depth). Others
+    are walked a level at a time, over their arrays and objects only.
     """
     opened = body.count(b"[") + body.count(b"{")
     if opened <= MAX_DEPTH:
         return opened
-    if b"\\" in body:
-        # Escapes cannot hide a quote from the split: \\ and \" become two other bytes.
-        body = body.replace(b"\\\\", b"__").replace(b'\\"', b"__")
-    outside_strings = b"".join(body.split(b'"')[::2])
-    steps = array("b", outside_strings.translate(_STEPS, _NOT_BRACKETS))
-    return max(accumulate(steps), default=0)
+    depth = 0
+    level = [doc] if type(doc) in _NESTS else []
+    while level and depth <= MAX_DEPTH:
+        depth += 1
+        below: list[Any] = []
+        for node in level:
+            below.extend(c for c in (node.values() if type(node) is dict else node) if type(c) in _NESTS)
+        level = below
+    return depth
 
 
 def parse_request(body: bytes | bytearray) -> tuple[str, dict[str, Any]]:
@@ -120,7 +120,7 @@ def parse_request(body: bytes | bytearray) -> tuple[str, dict[str, Any]]:
         if str(exc).startswith("depth limit exceeded"):
             raise _too_deep() from None
         raise HTTPError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
-    if nesting_depth(body) > MAX_DEPTH:
+    if nesting_depth(body, doc) > MAX_DEPTH:
         raise _too_deep()
     if not isinstance(doc, dict):
         raise HTTPError(400, "request body must be a JSON object", code="invalid_json")
