@@ -11,7 +11,6 @@ the gateway makes to it are spliced in by ``proxy.splice``.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -57,7 +56,7 @@ class RequestGuards(Protocol):
     that the one fits the other).
     """
 
-    # Hashable, as a frozen dataclass is: the field checks are built once per guards and endpoint.
+    # Hashable, as a frozen dataclass is: routes are compared and looked up by value on a reload.
     def __hash__(self) -> int: ...
 
     @property
@@ -152,8 +151,13 @@ def ask_for_stream(doc: dict[str, Any], endpoint: bytes, guards: RequestGuards) 
 _GENERATION_ENDPOINTS = frozenset({b"/chat/completions", b"/completions"})
 
 
-def check_request(doc: dict[str, Any], endpoint: bytes, guards: RequestGuards) -> tuple[str, ...]:
-    """Raise a 400 for what the route's engine must not receive; the null fields to leave out."""
+def check_request(
+    doc: dict[str, Any], endpoint: bytes, guards: RequestGuards, fields: FieldChecks | None = None
+) -> tuple[str, ...]:
+    """Raise a 400 for what the route's engine must not receive; the null fields to leave out.
+
+    ``fields`` are the guards' field checks, built once per route (built here if not given).
+    """
     for field in _TOKEN_LIMIT_FIELDS:
         value = doc.get(field)
         if value is not None and (
@@ -169,7 +173,7 @@ def check_request(doc: dict[str, Any], endpoint: bytes, guards: RequestGuards) -
         _check_input(doc, endpoint)
     if not guards.fields:
         return ()
-    return check_fields(doc, endpoint, guards)
+    return check_fields(doc, endpoint, guards, FieldChecks(guards) if fields is None else fields)
 
 
 def _check_input(doc: dict[str, Any], endpoint: bytes) -> None:
@@ -263,17 +267,29 @@ def _check_of(rule: RequestField, vocab_size: int | None) -> _Check:
     return expected, in_range, rule
 
 
-# A route's guards are one object per model (its allowed fields and vocabulary are its own).
-@functools.lru_cache(maxsize=1024)
-def _checks(guards: RequestGuards, endpoint: bytes) -> dict[str, _Check]:
-    """The checks of an endpoint: every endpoint's fields, then those of this one only."""
-    name, vocab = endpoint.decode(), guards.vocab_size
-    checks = {r.name: _check_of(r, vocab) for r in guards.fields if not r.endpoint}
-    checks.update((r.name, _check_of(r, vocab)) for r in guards.fields if r.endpoint == name)
-    return checks
+class FieldChecks:
+    """A route's field checks, by endpoint: built once from its guards, with its route's entry."""
+
+    __slots__ = ("_by_endpoint", "_every")
+
+    def __init__(self, guards: RequestGuards) -> None:
+        vocab = guards.vocab_size
+        # Every endpoint's fields, then, for an endpoint that has its own, those too.
+        self._every = {r.name: _check_of(r, vocab) for r in guards.fields if not r.endpoint}
+        self._by_endpoint: dict[bytes, dict[str, _Check]] = {}
+        for rule in guards.fields:
+            if rule.endpoint:
+                own = self._by_endpoint.setdefault(rule.endpoint.encode(), dict(self._every))
+                own[rule.name] = _check_of(rule, vocab)
+
+    def of(self, endpoint: bytes) -> dict[str, _Check]:
+        """The checks of the fields ``endpoint`` takes."""
+        return self._by_endpoint.get(endpoint, self._every)
 
 
-def check_fields(doc: dict[str, Any], endpoint: bytes, guards: RequestGuards) -> tuple[str, ...]:
+def check_fields(
+    doc: dict[str, Any], endpoint: bytes, guards: RequestGuards, fields: FieldChecks
+) -> tuple[str, ...]:
     """A 400 naming the first declared field the engine cannot take; the null fields to leave out.
 
     A field that makes the engine load something is refused unless the
@@ -281,7 +297,7 @@ def check_fields(doc: dict[str, Any], endpoint: bytes, guards: RequestGuards) ->
     some thirty declared), in the client's order, a dict lookup each.
     """
     nulls: list[str] = []
-    checks = _checks(guards, endpoint)
+    checks = fields.of(endpoint)
     for field, value in doc.items():
         check = checks.get(field)
         if check is None:

@@ -11,7 +11,14 @@ import pytest
 
 from engines.spec import Guards, load
 from proxy.errors import HTTPError
-from proxy.payload import MAX_DEPTH, RequestGuards, check_request, extract_model, nesting_depth
+from proxy.payload import (
+    MAX_DEPTH,
+    FieldChecks,
+    RequestGuards,
+    check_request,
+    extract_model,
+    nesting_depth,
+)
 
 # A route with no engine named: the spec's defaults.
 NO_ENGINE = Guards()
@@ -335,3 +342,14 @@ def test_the_walk_of_the_parsed_body_finds_its_depth_exactly_up_to_one_past_the_
         assert body.count(b"[") + body.count(b"{") > MAX_DEPTH
         doc = orjson.loads(body)
         assert nesting_depth(body, doc) == min(deepest(doc), MAX_DEPTH + 1)
+
+
+def test_field_checks_built_once_for_a_route_check_each_endpoint_s_own_fields() -> None:
+    """A route's FieldChecks, built once, check /completions' own logprobs count there and nowhere else."""
+    fields = FieldChecks(LLAMACPP)
+    completion = {"model": "m", "prompt": "hi", "logprobs": 2}
+    assert check_request(completion, b"/completions", LLAMACPP, fields) == ()
+    with pytest.raises(HTTPError) as info:
+        check_request({**completion, "messages": [{"role": "user"}]}, b"/chat/completions", LLAMACPP, fields)
+    assert info.value.param == "logprobs"
+    assert fields.of(b"/embeddings") is fields.of(b"/chat/completions")  # no fields of their own
