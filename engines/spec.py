@@ -182,9 +182,8 @@ class Guards:
     stream_cannot_carry: tuple[str, ...] = field(default=(), metadata=_NONSTREAM)
 
     def __hash__(self) -> int:
-        # The request path looks up its field checks by these guards on every
-        # request: hashing the whole fields tuple cost 5 µs, this a tenth.
-        # Equal guards hash equal; the cache compares by identity first.
+        # A reload compares routes, guards included, by value: hashing the whole
+        # fields tuple cost 5 µs, this a tenth. Equal guards hash equal.
         return hash(
             (
                 self.min_max_tokens,

@@ -11,10 +11,7 @@ the gateway makes to it are spliced in by ``proxy.splice``.
 
 from __future__ import annotations
 
-import functools
-from array import array
 from collections.abc import Callable
-from itertools import accumulate
 from typing import Any, Protocol
 
 import orjson
@@ -71,7 +68,7 @@ class RequestGuards(Protocol):
     that the one fits the other).
     """
 
-    # Hashable, as a frozen dataclass is: the field checks are built once per guards and endpoint.
+    # Hashable, as a frozen dataclass is: routes are compared and looked up by value on a reload.
     def __hash__(self) -> int: ...
 
     @property
@@ -101,27 +98,29 @@ def _too_deep() -> HTTPError:
     )
 
 
-# For nesting_depth: brackets as steps up (1) and down (-1 as a signed byte); every other byte deleted.
-_STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
-_NOT_BRACKETS = bytes(set(range(256)) - set(b"[]{}"))
+# What orjson parses arrays and objects to.
+_NESTS = (dict, list)
 
 
-def nesting_depth(body: bytes | bytearray) -> int:
-    """How deep the arrays and objects of the JSON text ``body`` nest (brackets in strings not counted).
+def nesting_depth(body: bytes | bytearray, doc: Any) -> int:
+    """How deep the arrays and objects of ``doc``, parsed from ``body``, nest, counted up to MAX_DEPTH + 1.
 
-    Exact for valid JSON, which is all it is asked about. Cheap where it
-    cannot matter: a body with at most MAX_DEPTH brackets in all is not
-    walked (its count is returned, a bound on its depth).
+    Cheap where it cannot matter: a body with at most MAX_DEPTH brackets in
+    all is not walked (its count is returned, a bound on its depth). Others
+    are walked a level at a time, over their arrays and objects only.
     """
     opened = body.count(b"[") + body.count(b"{")
     if opened <= MAX_DEPTH:
         return opened
-    if b"\\" in body:
-        # Escapes cannot hide a quote from the split: \\ and \" become two other bytes.
-        body = body.replace(b"\\\\", b"__").replace(b'\\"', b"__")
-    outside_strings = b"".join(body.split(b'"')[::2])
-    steps = array("b", outside_strings.translate(_STEPS, _NOT_BRACKETS))
-    return max(accumulate(steps), default=0)
+    depth = 0
+    level = [doc] if type(doc) in _NESTS else []
+    while level and depth <= MAX_DEPTH:
+        depth += 1
+        below: list[Any] = []
+        for node in level:
+            below.extend(c for c in (node.values() if type(node) is dict else node) if type(c) in _NESTS)
+        level = below
+    return depth
 
 
 def parse_request(body: bytes | bytearray) -> tuple[str, dict[str, Any]]:
@@ -134,7 +133,7 @@ def parse_request(body: bytes | bytearray) -> tuple[str, dict[str, Any]]:
         if str(exc).startswith("depth limit exceeded"):
             raise _too_deep() from None
         raise HTTPError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
-    if nesting_depth(body) > MAX_DEPTH:
+    if nesting_depth(body, doc) > MAX_DEPTH:
         raise _too_deep()
     if not isinstance(doc, dict):
         raise HTTPError(400, "request body must be a JSON object", code="invalid_json")
@@ -166,8 +165,13 @@ def ask_for_stream(doc: dict[str, Any], endpoint: bytes, guards: RequestGuards) 
 _GENERATION_ENDPOINTS = frozenset({b"/chat/completions", b"/completions"})
 
 
-def check_request(doc: dict[str, Any], endpoint: bytes, guards: RequestGuards) -> tuple[str, ...]:
-    """Raise a 400 for what the route's engine must not receive; the null fields to leave out."""
+def check_request(
+    doc: dict[str, Any], endpoint: bytes, guards: RequestGuards, fields: FieldChecks | None = None
+) -> tuple[str, ...]:
+    """Raise a 400 for what the route's engine must not receive; the null fields to leave out.
+
+    ``fields`` are the guards' field checks, built once per route (built here if not given).
+    """
     for field in _TOKEN_LIMIT_FIELDS:
         value = doc.get(field)
         if value is not None and (
@@ -183,7 +187,7 @@ def check_request(doc: dict[str, Any], endpoint: bytes, guards: RequestGuards) -
         _check_input(doc, endpoint)
     if not guards.fields:
         return ()
-    return check_fields(doc, endpoint, guards)
+    return check_fields(doc, endpoint, guards, FieldChecks(guards) if fields is None else fields)
 
 
 def _check_input(doc: dict[str, Any], endpoint: bytes) -> None:
@@ -365,17 +369,28 @@ def _check_of(rule: RequestField, guards: RequestGuards) -> _Check:
     return expected, in_range, rule
 
 
-# A route's guards are one object per model (its allowed fields and vocabulary are its own).
-@functools.lru_cache(maxsize=1024)
-def _checks(guards: RequestGuards, endpoint: bytes) -> dict[str, _Check]:
-    """The checks of an endpoint: every endpoint's fields, then those of this one only."""
-    name = endpoint.decode()
-    checks = {r.name: _check_of(r, guards) for r in guards.fields if not r.endpoint}
-    checks.update((r.name, _check_of(r, guards)) for r in guards.fields if r.endpoint == name)
-    return checks
+class FieldChecks:
+    """A route's field checks, by endpoint: built once from its guards, with its route's entry."""
+
+    __slots__ = ("_by_endpoint", "_every")
+
+    def __init__(self, guards: RequestGuards) -> None:
+        # Every endpoint's fields, then, for an endpoint that has its own, those too.
+        self._every = {r.name: _check_of(r, guards) for r in guards.fields if not r.endpoint}
+        self._by_endpoint: dict[bytes, dict[str, _Check]] = {}
+        for rule in guards.fields:
+            if rule.endpoint:
+                own = self._by_endpoint.setdefault(rule.endpoint.encode(), dict(self._every))
+                own[rule.name] = _check_of(rule, guards)
+
+    def of(self, endpoint: bytes) -> dict[str, _Check]:
+        """The checks of the fields ``endpoint`` takes."""
+        return self._by_endpoint.get(endpoint, self._every)
 
 
-def check_fields(doc: dict[str, Any], endpoint: bytes, guards: RequestGuards) -> tuple[str, ...]:
+def check_fields(
+    doc: dict[str, Any], endpoint: bytes, guards: RequestGuards, fields: FieldChecks
+) -> tuple[str, ...]:
     """A 400 naming the first declared field the engine cannot take; the null fields to leave out.
 
     A field that makes the engine load something is refused unless the
@@ -383,7 +398,7 @@ def check_fields(doc: dict[str, Any], endpoint: bytes, guards: RequestGuards) ->
     some thirty declared), in the client's order, a dict lookup each.
     """
     nulls: list[str] = []
-    checks = _checks(guards, endpoint)
+    checks = fields.of(endpoint)
     for field, value in doc.items():
         check = checks.get(field)
         if check is None:

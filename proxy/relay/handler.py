@@ -147,7 +147,7 @@ class Relay:
         endpoint = ENDPOINTS[path]
         guards = entry.guards
         # Nulls the engine cannot take: left out (OpenAI's null is the default).
-        drop = check_request(doc, endpoint, guards)
+        drop = check_request(doc, endpoint, guards, entry.fields)
         put: dict[str, Any] = {}
         outcome.stream = streamed = doc.get("stream") is True
         # An engine that cannot tell that a non-stream client left is asked for a stream.

@@ -14,7 +14,7 @@ from proxy.admission import Admission
 from proxy.affinity import Affinity
 from proxy.health import Checked, HealthChecks, PeerHealth, Probe
 from proxy.metrics import Metrics, ModelMetrics, ReplicaSample
-from proxy.payload import RequestGuards
+from proxy.payload import FieldChecks, RequestGuards
 from proxy.pool import Pool
 from proxy.relay.settings import RelaySettings
 from proxy.routing import Gate, ReplicaGate, Route, RoutingTable, UpstreamAddress
@@ -116,6 +116,8 @@ class RouteEntry(NamedTuple):
     peers: tuple[Peer, ...]
     gate: Gate | None
     guards: RequestGuards
+    # The field checks of its guards, built with the entry (not per request).
+    fields: FieldChecks
     admission: Admission
     stats: ModelMetrics | None
     # For an alias: the model's own name, put in the body sent upstream.
@@ -254,6 +256,7 @@ class Routes:
             tuple(peers),
             route.gate,
             route.guards,
+            FieldChecks(route.guards),
             Admission(
                 route.max_in_flight,
                 max_queued=self._settings.max_queued,

@@ -175,3 +175,30 @@ def test_a_body_nested_too_deep_is_one_clear_400_on_every_path(
     assert sent(mlx_fake) == []
     at_limit = post(http, gateway, deep(model, MAX_DEPTH - 3, **extra))
     assert at_limit.status_code == 200, at_limit.text
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """A process's peak resident memory (VmHWM)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+@pytest.mark.fault("overload", "request bodies past the gateway's budget")
+def test_splice_of_an_emoji_body_does_not_multiply_the_gateway_s_memory(
+    gateway: Running, mlx_fake: FakeEngine, http: httpx.Client
+) -> None:
+    """A 12 MB chat with an emoji and "stream": false, sent to an alias of an mlx model, is spliced
+    without the gateway's peak memory growing past 10x the body (the whole-str splice grew it ~20x)."""
+    content = "x" * 12_000_000 + "😀"
+    body = orjson.dumps({"model": "a", "stream": False, "messages": [{"role": "user", "content": content}]})
+    post(http, gateway, chat())  # the gateway's own start-up peak, before the measure
+    before = peak_rss_bytes(gateway.proc.pid)
+    response = post(http, gateway, body)
+    grown = peak_rss_bytes(gateway.proc.pid) - before
+    assert response.status_code == 200, response.text
+    received = orjson.loads(sent(mlx_fake)[-1])
+    assert (received["model"], received["stream"]) == ("m", True)
+    assert received["messages"][0]["content"] == content
+    assert grown < 10 * len(body), f"the gateway's peak grew {grown / len(body):.1f}x the body"

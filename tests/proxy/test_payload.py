@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 from typing import Any
 
 import orjson
@@ -10,7 +11,14 @@ import pytest
 
 from engines.spec import Guards, load
 from proxy.errors import HTTPError
-from proxy.payload import MAX_DEPTH, RequestGuards, check_request, extract_model, nesting_depth
+from proxy.payload import (
+    MAX_DEPTH,
+    FieldChecks,
+    RequestGuards,
+    check_request,
+    extract_model,
+    nesting_depth,
+)
 
 # A route with no engine named: the spec's defaults.
 NO_ENGINE = Guards()
@@ -270,7 +278,7 @@ def nested(depth: int) -> bytes:
 def test_bodies_up_to_the_depth_limit_pass(depth: int) -> None:
     """A body nested up to MAX_DEPTH levels passes, whatever its brackets inside strings."""
     assert model_of(nested(depth)) == "m"
-    assert nesting_depth(nested(depth)) <= MAX_DEPTH
+    assert nesting_depth(nested(depth), orjson.loads(nested(depth))) <= MAX_DEPTH
 
 
 @pytest.mark.parametrize("depth", [MAX_DEPTH - 2, 300, 1000, 1030])
@@ -284,7 +292,7 @@ def test_brackets_and_escaped_quotes_in_strings_do_not_count_as_depth() -> None:
     """Depth counts only the structure: brackets inside strings, behind escaped quotes, are text."""
     text = '\\"' + "[" * 500 + '"' + "{" * 300
     body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": text}], "x": [[["\\"]]]})
-    assert nesting_depth(body) == 4
+    assert nesting_depth(body, orjson.loads(body)) == 4
     assert model_of(body) == "m"
 
 
@@ -473,3 +481,33 @@ def test_stream_options_with_include_usage_or_null_are_taken() -> None:
     """{"include_usage": true}, {"include_usage": false, "other": 1} and null pass."""
     for options in ({"include_usage": True}, {"include_usage": False, "other": 1}, None):
         taken_by_tiny(stream_options=options)
+
+
+def test_the_walk_of_the_parsed_body_finds_its_depth_exactly_up_to_one_past_the_limit() -> None:
+    """Bodies with more brackets than the limit: their depth, or MAX_DEPTH + 1 past it, at every depth."""
+    rnd = random.Random(7)
+
+    def deepest(value: Any) -> int:
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        return (1 + max(map(deepest, children), default=0)) if isinstance(value, (dict, list)) else 0
+
+    for depth in (*range(MAX_DEPTH - 3, MAX_DEPTH + 4), 60, 200, 250):
+        value: Any = "[{"
+        for level in range(depth):
+            siblings = [[{"x": "]"}] for _ in range(rnd.randint(0, 2))]
+            value = {"k": value, "s": siblings} if level % 2 else [*siblings, value]
+        body = orjson.dumps({"model": "m", "v": value})
+        assert body.count(b"[") + body.count(b"{") > MAX_DEPTH
+        doc = orjson.loads(body)
+        assert nesting_depth(body, doc) == min(deepest(doc), MAX_DEPTH + 1)
+
+
+def test_field_checks_built_once_for_a_route_check_each_endpoint_s_own_fields() -> None:
+    """A route's FieldChecks, built once, check /completions' own logprobs count there and nowhere else."""
+    fields = FieldChecks(LLAMACPP)
+    completion = {"model": "m", "prompt": "hi", "logprobs": 2}
+    assert check_request(completion, b"/completions", LLAMACPP, fields) == ()
+    with pytest.raises(HTTPError) as info:
+        check_request({**completion, "messages": [{"role": "user"}]}, b"/chat/completions", LLAMACPP, fields)
+    assert info.value.param == "logprobs"
+    assert fields.of(b"/embeddings") is fields.of(b"/chat/completions")  # no fields of their own

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tracemalloc
 from typing import Any
 
 import orjson
@@ -12,7 +13,7 @@ from proxy.splice import splice
 BIG = b"123456789012345678901234567890"
 
 
-def spliced(body: bytes, drop: tuple[str, ...] = (), **put: Any) -> bytes:
+def spliced(body: bytes | bytearray, drop: tuple[str, ...] = (), **put: Any) -> bytes:
     """``splice`` with the parsed body's keys, as the relay calls it."""
     return splice(body, orjson.loads(body).keys(), drop, put)
 
@@ -68,3 +69,83 @@ def test_values_of_every_kind_are_skipped_whole(value: bytes) -> None:
     """Strings with braces and escaped quotes, nested arrays, numbers and literals are walked over intact."""
     body = b'{"a": ' + value + b', "model": "m", "b": ' + value + b"}"
     assert spliced(body, model="n") == body.replace(b'"model": "m"', b'"model": "n"')
+
+
+@pytest.mark.parametrize(
+    ("body", "drop", "put", "expected"),
+    [
+        (
+            b' \r\n{ \t"model" \n: \t"a" \r, "stream"\t:\nfalse\n }\n ',
+            (),
+            {"model": "b", "stream": True},
+            b' \r\n{ \t"model" \n: \t"b" \r, "stream"\t:\ntrue\n }\n ',
+        ),
+        (
+            b'{"stream":false,"model":"m","stream":false}',
+            (),
+            {"stream": True},
+            b'{"model":"m","stream":true}',
+        ),
+        (b'{"m\\u006fdel":"a","x":1}', (), {"model": "b"}, b'{"m\\u006fdel":"b","x":1}'),
+        (
+            '{"modèle":"é😀","model":"a","😀":["ü"]}'.encode(),
+            (),
+            {"model": "ñ"},
+            '{"modèle":"é😀","model":"ñ","😀":["ü"]}'.encode(),
+        ),
+        (
+            b'{"temperature":null,"model":"a","seed":' + BIG + b"}",
+            ("temperature",),
+            {"model": "b"},
+            b'{"model":"b","seed":' + BIG + b"}",
+        ),
+        (
+            '{"model":"a","messages":[{"role":"user","content":"x😀\\"}"}],"stream":false}'.encode(),
+            (),
+            {"stream": True, "stream_options": {"include_usage": True}},
+            '{"model":"a","messages":[{"role":"user","content":"x😀\\"}"}],"stream":true,'
+            '"stream_options":{"include_usage":true}}'.encode(),
+        ),
+    ],
+    ids=["whitespace", "duplicate", "escaped-key", "utf8", "null-and-rename", "emoji"],
+)
+def test_tricky_bodies_keep_every_byte_the_gateway_does_not_change(
+    body: bytes, drop: tuple[str, ...], put: dict[str, Any], expected: bytes
+) -> None:
+    """White space everywhere, a repeated key, escaped and UTF-8 keys, big integers and emoji: only the
+    named members change."""
+    assert spliced(body, drop, **put) == expected
+    assert spliced(bytearray(body), drop, **put) == expected
+
+
+@pytest.mark.parametrize("depth", [20, 100])
+def test_values_nested_deeper_than_one_match_takes_are_walked_whole(depth: int) -> None:
+    """Arrays and objects nested past what one match skips, with long and escaped strings, stay intact."""
+    long = b'"' + b"y" * 300 + b'\\"]}"'
+    inner = b"[" * depth + long + b', {"a": [1, "b"]}' + b"]" * depth
+    body = b'{"v": ' + inner + b', "model" : "m", "w": {"k": ' + inner + b"}}"
+    assert spliced(body, model="n") == body.replace(b'"model" : "m"', b'"model" : "n"')
+
+
+def test_splice_holds_about_one_more_body_whatever_its_characters() -> None:
+    """A 5 MB chat with one emoji and "stream": false is spliced holding under 3x the body at peak.
+
+    Decoding it to a str (4 bytes a character with an emoji) and building
+    each value again held 20x.
+    """
+    body = orjson.dumps(
+        {"model": "m", "stream": False, "messages": [{"role": "user", "content": "x" * 5_000_000 + "😀"}]}
+    )
+    present = orjson.loads(body).keys()
+    tracemalloc.start()
+    try:
+        out = splice(body, present, (), {"stream": True, "stream_options": {"include_usage": True}})
+        peak_bytes = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert (
+        out
+        == body.replace(b'"stream":false', b'"stream":true')[:-1]
+        + b',"stream_options":{"include_usage":true}}'
+    )
+    assert peak_bytes < 3 * len(body)
