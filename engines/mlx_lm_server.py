@@ -77,7 +77,7 @@ def leave_a_token(fetch: Fetch, can_trim: Callable[[Any], bool], trim: Callable[
 
 
 class PromptPastContext(ValueError):
-    """A prompt whose tokens and max_tokens do not fit the model's context."""
+    """A prompt that cannot be generated from: empty, or with max_tokens past the model's context."""
 
 
 def context_length(argv: list[str]) -> int | None:
@@ -100,13 +100,18 @@ def context_length(argv: list[str]) -> int | None:
 Tokenize = Callable[[Any, Any, Any, Any], tuple[Any, ...]]
 
 
-def fit_the_context(tokenize: Tokenize, context: int) -> Tokenize:
-    """Wrap ``ResponseGenerator._tokenize``: a prompt that with its max_tokens exceeds ``context`` raises."""
+def fit_the_context(tokenize: Tokenize, context: int | None) -> Tokenize:
+    """Wrap ``ResponseGenerator._tokenize``: an empty prompt, or one that with its max_tokens exceeds
+    ``context`` (where known), raises."""
 
     def _tokenize(self: Any, tokenizer: Any, request: Any, args: Any) -> tuple[Any, ...]:
         tokenized = tokenize(self, tokenizer, request, args)
         prompt_tokens, max_tokens = len(tokenized[0]), int(args.max_tokens or 0)
-        if prompt_tokens + max_tokens > context:
+        if prompt_tokens == 0:
+            # insert_segments raises on it outside any try (generate.py:1669): a model without a
+            # chat template renders messages of blanks with role_mapping {"stop": ""} as "".
+            raise PromptPastContext("the prompt is empty once rendered: send some text")
+        if context is not None and prompt_tokens + max_tokens > context:
             raise PromptPastContext(
                 f"this model's context is {context} tokens; the prompt is {prompt_tokens} tokens "
                 f"and max_tokens {max_tokens}: shorten the prompt or lower max_tokens"
@@ -176,13 +181,11 @@ def main() -> None:
     )
     generator = server.ResponseGenerator
     generator._run_generate = exit_when_generation_dies(generator._run_generate, os._exit)
-    context = context_length(sys.argv)
-    if context is not None:
-        handler = server.APIHandler
-        generator._tokenize = fit_the_context(generator._tokenize, context)
-        generator.generate, handler._set_completion_headers = answer_400(
-            generator.generate, handler._set_completion_headers
-        )
+    handler = server.APIHandler
+    generator._tokenize = fit_the_context(generator._tokenize, context_length(sys.argv))
+    generator.generate, handler._set_completion_headers = answer_400(
+        generator.generate, handler._set_completion_headers
+    )
     server.main()
 
 

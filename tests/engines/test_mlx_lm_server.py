@@ -136,3 +136,14 @@ def test_a_generation_thread_that_died_ends_the_process_and_one_stopped_does_not
 
     exit_when_generation_dies(run, seen.append)(SimpleNamespace())
     assert seen == exits
+
+
+@pytest.mark.parametrize("context", [32768, None])
+def test_an_empty_prompt_raises_per_request_whatever_the_context(context: int | None) -> None:
+    """A prompt rendered to no tokens (role_mapping {"stop": ""} and blank messages, without a chat
+    template) raises in the request's own try, not in insert_segments; a model of unknown context too."""
+    with pytest.raises(PromptPastContext, match="empty"):
+        fit_the_context(tokenizing(0), context)(None, None, None, SimpleNamespace(max_tokens=4))
+    assert (
+        len(fit_the_context(tokenizing(5), None)(None, None, None, SimpleNamespace(max_tokens=10**9))[0]) == 5
+    )
