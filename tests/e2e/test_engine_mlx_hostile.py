@@ -76,6 +76,10 @@ KILLERS: dict[str, tuple[str, dict[str, Any]]] = {
     # sample_utils.apply_top_k raises in the batch step: top_k must be below the vocabulary.
     "top_k_equal_to_vocab_kills_thread": (CHAT, chat(top_k=VOCAB, temperature=1.0)),
     "top_k_past_int64_kills_thread": (CHAT, chat(top_k=10**30, temperature=1.0)),
+    # categorical_sampling and the penalties' logits updates cast to int64: std::bad_cast from 2**63.
+    # A literal past 64 bits is a float to orjson and an int to the engine's json.loads.
+    "temperature_past_int64_kills_thread": (CHAT, chat(temperature=2**63)),
+    "presence_penalty_literal_past_64_bits_kills_thread": (CHAT, chat(presence_penalty=-(10**30))),
     # sample_utils.apply_xtc raises for a threshold past 0.5; the server allows up to 1.
     "xtc_threshold_above_half_kills_thread": (
         CHAT,

@@ -18,6 +18,7 @@ from proxy.payload import (
     check_request,
     extract_model,
     nesting_depth,
+    parse_request,
 )
 
 # A route with no engine named: the spec's defaults.
@@ -278,7 +279,7 @@ def nested(depth: int) -> bytes:
 def test_bodies_up_to_the_depth_limit_pass(depth: int) -> None:
     """A body nested up to MAX_DEPTH levels passes, whatever its brackets inside strings."""
     assert model_of(nested(depth)) == "m"
-    assert nesting_depth(nested(depth), orjson.loads(nested(depth))) <= MAX_DEPTH
+    assert nesting_depth(nested(depth)) <= MAX_DEPTH
 
 
 @pytest.mark.parametrize("depth", [MAX_DEPTH - 2, 300, 1000, 1030])
@@ -292,7 +293,7 @@ def test_brackets_and_escaped_quotes_in_strings_do_not_count_as_depth() -> None:
     """Depth counts only the structure: brackets inside strings, behind escaped quotes, are text."""
     text = '\\"' + "[" * 500 + '"' + "{" * 300
     body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": text}], "x": [[["\\"]]]})
-    assert nesting_depth(body, orjson.loads(body)) == 4
+    assert nesting_depth(body) == 4
     assert model_of(body) == "m"
 
 
@@ -483,8 +484,8 @@ def test_stream_options_with_include_usage_or_null_are_taken() -> None:
         taken_by_tiny(stream_options=options)
 
 
-def test_the_walk_of_the_parsed_body_finds_its_depth_exactly_up_to_one_past_the_limit() -> None:
-    """Bodies with more brackets than the limit: their depth, or MAX_DEPTH + 1 past it, at every depth."""
+def test_the_depth_of_a_body_with_more_brackets_than_the_limit_is_exact() -> None:
+    """Bodies with more brackets than the limit (some in strings): their depth, at every depth."""
     rnd = random.Random(7)
 
     def deepest(value: Any) -> int:
@@ -499,7 +500,7 @@ def test_the_walk_of_the_parsed_body_finds_its_depth_exactly_up_to_one_past_the_
         body = orjson.dumps({"model": "m", "v": value})
         assert body.count(b"[") + body.count(b"{") > MAX_DEPTH
         doc = orjson.loads(body)
-        assert nesting_depth(body, doc) == min(deepest(doc), MAX_DEPTH + 1)
+        assert nesting_depth(body) == deepest(doc)
 
 
 def test_field_checks_built_once_for_a_route_check_each_endpoint_s_own_fields() -> None:
@@ -511,3 +512,40 @@ def test_field_checks_built_once_for_a_route_check_each_endpoint_s_own_fields() 
         check_request({**completion, "messages": [{"role": "user"}]}, b"/chat/completions", LLAMACPP, fields)
     assert info.value.param == "logprobs"
     assert fields.of(b"/embeddings") is fields.of(b"/chat/completions")  # no fields of their own
+
+
+def test_a_key_given_twice_cannot_hide_its_first_value_s_depth() -> None:
+    """orjson keeps the last of two "messages"; the engine's parser reads the first, 1000 deep, too: 400."""
+    deep = b"[" * 1000 + b"]" * 1000
+    body = b'{"model":"m","messages":' + deep + b',"messages":[{"role":"user","content":"hi"}]}'
+    assert orjson.loads(body)["messages"] == [{"role": "user", "content": "hi"}]
+    with pytest.raises(HTTPError) as info:
+        parse_request(body)
+    assert info.value.code == "nested_too_deep"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model":"m","prompt":"p","temperature":9223372036854775808}',
+        b'{"model":"m","prompt":"p","temperature":1000000000000000000000000000000}',
+        b'{"model":"m","prompt":"p","presence_penalty":-1000000000000000000000000000000}',
+        b'{"model":"m","prompt":"p","frequency_penalty":18446744073709551615}',
+        b'{"model":"m","prompt":"p","repetition_penalty":9007199254740993}',
+    ],
+)
+def test_a_number_field_past_2_to_the_53_is_refused(body: bytes) -> None:
+    """Numbers mlx's batch step casts (std::bad_cast from 2**63), and literals orjson reads as floats
+    but an engine's json.loads as ints: refused past 2**53 where the spec sets no bound of its own."""
+    with pytest.raises(HTTPError) as info:
+        model_of(body, b"/completions", TINY)
+    assert info.value.status == 400
+    assert "9007199254740992" in info.value.message
+
+
+def test_numbers_up_to_2_to_the_53_and_bounded_integers_are_taken() -> None:
+    """A temperature of 2, a penalty of -2**53, a seed of 2**64 - 1; max_tokens past 2**31 - 1 is refused
+    for a model whose context is unknown."""
+    taken_by_tiny(temperature=2.0, presence_penalty=-(2**53), seed=2**64 - 1)
+    with pytest.raises(HTTPError, match="2147483647"):
+        model_of(body_of(model="m", max_tokens=2**31), b"/chat/completions", MLX)
