@@ -87,6 +87,20 @@ def test_wrong_types_mlx_would_drop_the_socket_on_are_400s_before_the_engine(
 
 
 @pytest.mark.fault("engines", "requests that would break the engine")
+def test_logit_bias_is_refused_where_the_model_s_vocabulary_is_unknown(
+    gateway: Running, mlx_fake: FakeEngine, http: httpx.Client
+) -> None:
+    """A static upstream named an mlx engine has no config.json to read: an id past its vocabulary
+    would SIGSEGV mlx_lm.server, and none can be checked, so a non-empty logit_bias is a 400; {} passes."""
+    response = post(http, gateway, chat(stream=True, logit_bias={"2147483647": 5}))
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "logit_bias"
+    assert "vocabulary size is unknown" in response.json()["error"]["message"]
+    assert sent(mlx_fake) == []
+    assert post(http, gateway, chat(stream=True, max_tokens=2, logit_bias={})).status_code == 200
+
+
+@pytest.mark.fault("engines", "requests that would break the engine")
 @pytest.mark.parametrize("field", ["draft_model", "adapters"])
 def test_fields_that_make_mlx_load_something_are_refused_unless_the_model_allows_them(
     gateway: Running, mlx_fake: FakeEngine, http: httpx.Client, field: str

@@ -207,7 +207,7 @@ def test_well_typed_fields_pass_the_type_check() -> None:
         draft_model=None,
         adapters=None,
     )
-    assert model_of(body, b"/chat/completions", MLX) == "m"
+    assert model_of(body, b"/chat/completions", dataclasses.replace(MLX, vocab_size=259)) == "m"
     assert model_of(
         body_of(model="m", temperature=0, logit_bias={"hello": 1}), b"/chat/completions", LLAMACPP
     )
@@ -312,13 +312,19 @@ def test_a_loading_field_is_refused_however_it_is_spelled(body: bytes) -> None:
     assert info.value.code == "field_not_allowed"
 
 
-def test_token_ids_are_non_negative_and_below_the_model_s_vocabulary_where_known() -> None:
-    """logit_bias ids: -1 or a 5000-digit id are refused; past vocab_size too once the route knows it."""
+def test_token_ids_are_non_negative_and_below_the_model_s_vocabulary_and_refused_where_it_is_unknown() -> (
+    None
+):
+    """logit_bias ids: -1 or a 5000-digit id are refused; past vocab_size too; any id where it is unknown."""
     for bias in ({"-1": 1}, {"9" * 5000: 1}, {"1.5": 1}):
         with pytest.raises(HTTPError) as info:
             model_of(body_of(model="m", logit_bias=bias), b"/chat/completions", MLX)
         assert info.value.param == "logit_bias"
-    assert model_of(body_of(model="m", logit_bias={"99999999": 1}), b"/chat/completions", MLX) == "m"
+    # Without the model's vocabulary (a hub repo, a static upstream), no id is known to be safe.
+    with pytest.raises(HTTPError) as info:
+        model_of(body_of(model="m", logit_bias={"99999999": 1}), b"/chat/completions", MLX)
+    assert "vocabulary size is unknown" in info.value.message
+    assert model_of(body_of(model="m", logit_bias={}), b"/chat/completions", MLX) == "m"
     tiny = dataclasses.replace(MLX, vocab_size=259)
     assert model_of(body_of(model="m", logit_bias={"258": 1, "0": -1}), b"/chat/completions", tiny) == "m"
     with pytest.raises(HTTPError) as info:
