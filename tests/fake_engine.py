@@ -60,7 +60,9 @@ and its stream from ``to_json_oaicompat_resp`` / ``_resp_stream``
 ``content_index`` and ``sequence_number`` that llama-server leaves out and
 vLLM sends; the framing ``event: NAME`` + ``data: JSON`` + blank line from
 server-common.cpp ``format_anthropic_sse`` / ``format_oai_resp_sse``, and no
-``[DONE]`` after the last event. Errors there have llama-server's shape,
+``[DONE]`` after the last event. Each of their records holds the whole
+reply as built (``planned_b64``), so that a test can compare what a gateway
+passed on. Errors there have llama-server's shape,
 ``{"error": {"code", "message", "type"}}``. HTTP framing is this server's
 (HTTP/1.0 close-delimited, or ``--http11`` chunked as llama-server sends).
 The faults apply as on chat: die-after counts events, no-done ends the stream
@@ -328,6 +330,9 @@ class RequestRecord:
     finished_at: float | None = None
     closed_at: float | None = None
     outcome: str | None = None
+    # Native routes: the whole reply body as built, before any fault cuts it,
+    # so that a test can check that a gateway passed the bytes on untouched.
+    planned: bytes | None = None
 
     def to_json(self) -> dict[str, Any]:
         """Shape for GET /_fake/requests; the body goes both as text and base64."""
@@ -352,6 +357,7 @@ class RequestRecord:
             "finished_at": self.finished_at,
             "closed_at": self.closed_at,
             "outcome": self.outcome,
+            "planned_b64": None if self.planned is None else base64.b64encode(self.planned).decode("ascii"),
         }
 
 
@@ -867,7 +873,9 @@ class FakeEngine:
             max_tokens = body.get("max_tokens", self.default_max_tokens)
         prompt_tokens = max(1, len(orjson.dumps(prompt)) // 8)
         if route == "count_tokens":
-            return _native_json(200, {"input_tokens": prompt_tokens})
+            reply = _native_json(200, {"input_tokens": prompt_tokens})
+            rec.planned = reply.body
+            return reply
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
             return _llama_error_reply(400, "max_tokens must be a non-negative integer")
         count = opts.chunks if opts.chunks is not None else max_tokens
@@ -880,10 +888,15 @@ class FakeEngine:
         )
         stream = body.get("stream") is True
         if route == "responses":
-            return (
+            reply = (
                 _native_stream(answer.responses_events()) if stream else _native_json(200, answer.response())
             )
-        return _native_stream(answer.messages_events()) if stream else _native_json(200, answer.message())
+        else:
+            reply = (
+                _native_stream(answer.messages_events()) if stream else _native_json(200, answer.message())
+            )
+        rec.planned = reply.body if reply.events is None else b"".join(reply.events) + reply.final
+        return reply
 
     # -- wire ----------------------------------------------------------------
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import signal
 import socket
 import subprocess
@@ -378,6 +379,7 @@ def test_native_messages_stream_is_llama_servers(native: Engine) -> None:
     assert events[-2][1]["usage"]["output_tokens"] == 3
     record = native.wait_record(tag, lambda r: r["outcome"] == "completed")
     assert record["model"] == "m" and record["stream"] is True and record["path"] == MESSAGES + "?beta=true"
+    assert base64.b64decode(record["planned_b64"]) == payload
 
 
 def test_native_messages_with_tool_calls_and_thinking(native: Engine) -> None:
@@ -467,6 +469,8 @@ def test_native_die_after_and_no_done_cut_before_the_last_event(native: Engine, 
     assert len(_events(payload)) == 3
     record = native.wait_record(tag, lambda r: r["fault"] == "die-after")
     assert record["outcome"] == "aborted_by_fault"
+    planned = base64.b64decode(record["planned_b64"])
+    assert planned.startswith(payload) and _events(planned)[-1][0] == last
 
     _, _, payload = _split(_exchange(native.port, _request(path, body, tag, fake="no-done")))
     names = [name for name, _ in _events(payload)]
