@@ -249,6 +249,16 @@ def test_server_tools_are_dropped_and_noted() -> None:
     assert "web_search_20250305" in translator.notes[0]
 
 
+def test_tool_choice_of_a_server_tool_is_left_out_with_it() -> None:
+    """tool_choice naming a server tool that was left out is left out too, and noted."""
+    tools = [{"type": "web_search_20250305", "name": "web_search"}, {"name": "f", "input_schema": {}}]
+    translator = MessagesTranslator(minimal(tools=tools, tool_choice={"type": "tool", "name": "web_search"}))
+    chat = translator.chat_request()
+    assert [t["function"]["name"] for t in chat["tools"]] == ["f"]
+    assert "tool_choice" not in chat
+    assert translator.notes[-1].startswith("tool_choice left out")
+
+
 def test_only_server_tools_send_no_tools_and_no_tool_choice() -> None:
     """When every tool is a server tool, the chat request has neither tools nor tool_choice."""
     chat = chat_of(
@@ -385,6 +395,7 @@ HOSTILE_BODIES: list[tuple[Any, str]] = [
     (minimal(tools=[{"name": "f", "input_schema": {}}], tool_choice="auto"), "tool_choice"),
     (minimal(tools=[{"name": "f", "input_schema": {}}], tool_choice={"type": "some"}), "tool_choice.type"),
     (minimal(tool_choice={"type": "tool"}), "tool_choice.name"),
+    (minimal(tool_choice={"type": "tool", "name": "f"}), "tool_choice.name"),
 ]
 
 
