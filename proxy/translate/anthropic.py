@@ -496,14 +496,15 @@ def translate_request(doc: Any, notes: list[str], *, count_only: bool) -> dict[s
             raise _bad("stop_sequences", "Input should be a list of strings", "invalid_type")
         if stop:
             chat["stop"] = stop
-    tools = _tools(doc.get("tools"), notes)
+    tools, dropped = _tools(doc.get("tools"), notes)
+    choice = _tool_choice(doc.get("tool_choice"), {tool["function"]["name"] for tool in tools} | dropped)
     if tools:
         chat["tools"] = tools
-        choice = _tool_choice(doc.get("tool_choice"), {tool["function"]["name"] for tool in tools})
         if choice is not None:
-            chat["tool_choice"] = choice
-    elif doc.get("tool_choice") is not None:
-        _tool_choice(doc["tool_choice"], None)
+            if isinstance(choice, dict) and choice["function"]["name"] in dropped:
+                notes.append("tool_choice left out: the tool it names is a server tool, left out too")
+            else:
+                chat["tool_choice"] = choice
     return chat
 
 
@@ -696,10 +697,11 @@ def _tool_use(block: dict[str, Any], param: str) -> dict[str, Any]:
     return {"id": tool_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def _tools(value: Any, notes: list[str]) -> list[dict[str, Any]]:
-    """The client's own tools as chat functions; server tools left out and noted."""
+def _tools(value: Any, notes: list[str]) -> tuple[list[dict[str, Any]], set[str]]:
+    """The client's own tools as chat functions; the names of the server tools, left out and noted."""
+    dropped: set[str] = set()
     if value is None:
-        return []
+        return [], dropped
     if not isinstance(value, list):
         raise _bad("tools", "Input should be a valid list", "invalid_type")
     tools = []
@@ -714,6 +716,8 @@ def _tools(value: Any, notes: list[str]) -> list[dict[str, Any]]:
         if kind not in _CUSTOM_TOOL_TYPES:
             shown = name if isinstance(name, str) else "?"
             notes.append(f"tool {shown!r} ({_shown(kind)}) left out: a server tool the engine cannot run")
+            if isinstance(name, str):
+                dropped.add(name)
             continue
         if not isinstance(name, str) or not name:
             raise _bad(f"{param}.name", "Input should be a non-empty string", "invalid_type")
@@ -728,11 +732,11 @@ def _tools(value: Any, notes: list[str]) -> list[dict[str, Any]]:
             function["description"] = description
         function["parameters"] = clean_schema(schema)
         tools.append({"type": "function", "function": function})
-    return tools
+    return tools, dropped
 
 
-def _tool_choice(value: Any, names: set[str] | None) -> Any:
-    """Chat's tool_choice for Anthropic's; ``names`` None: no tool is left to choose (checked only)."""
+def _tool_choice(value: Any, names: set[str]) -> Any:
+    """Chat's tool_choice for Anthropic's; a 400 for one that names none of ``names``."""
     if value is None:
         return None
     if not isinstance(value, dict):
@@ -748,7 +752,7 @@ def _tool_choice(value: Any, names: set[str] | None) -> Any:
         name = value.get("name")
         if not isinstance(name, str) or not name:
             raise _bad("tool_choice.name", "Input should be a non-empty string", "invalid_type")
-        if names is not None and name not in names:
+        if name not in names:
             raise _bad("tool_choice.name", f"no tool named {_shown(name)} among the request's tools")
         return {"type": "function", "function": {"name": name}}
     raise _bad("tool_choice.type", f"one of 'auto', 'any', 'tool' or 'none', not {_shown(kind)}")
