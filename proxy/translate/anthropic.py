@@ -43,7 +43,7 @@ from typing import Any
 
 import orjson
 
-from proxy.errors import HTTPError
+from proxy.errors import HTTPError, anthropic_error_body
 from proxy.translate.schema import clean_schema
 
 # What a request without one is refused with, in Anthropic's words.
@@ -51,19 +51,6 @@ _FIELD_REQUIRED = "Field required"
 
 # Status -> Anthropic's error type; a status not listed is invalid_request_error
 # below 500 and api_error from 500.
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "api_error",
-    502: "api_error",
-    503: "overloaded_error",
-    504: "api_error",
-    529: "overloaded_error",
-}
 
 # Tool types that are the client's own functions; any other type is a server tool.
 _CUSTOM_TOOL_TYPES = frozenset({None, "custom"})
@@ -120,21 +107,6 @@ class TranslationFailed(HTTPError):
 
     def __init__(self, message: str, *, status: int = 502, code: str = "bad_upstream_reply") -> None:
         super().__init__(status, message, code=code)
-
-
-def anthropic_error_type(status: int) -> str:
-    """Anthropic's error ``type`` for an HTTP status."""
-    known = _ERROR_TYPES.get(status)
-    if known is not None:
-        return known
-    return "api_error" if status >= 500 else "invalid_request_error"
-
-
-def anthropic_error_body(status: int, message: str) -> bytes:
-    """One error in Anthropic's envelope: ``{"type":"error","error":{"type":…,"message":…}}``."""
-    return orjson.dumps(
-        {"type": "error", "error": {"type": anthropic_error_type(status), "message": message}}
-    )
 
 
 class MessagesTranslator:

@@ -295,7 +295,7 @@ def test_anthropic_envelope_rewrites_upstream_errors_and_keeps_its_own() -> None
 
 
 def test_responses_stream_error_is_a_failed_response() -> None:
-    """A started Responses stream ends with `response.failed`, its error's code and message in its response."""
+    """A started Responses stream ends with `response.failed`, its error's code and message in it."""
     event = RESPONSES.event(504, "timed out", "upstream_timeout")
     name, data = event.rstrip(b"\n").split(b"\n")
     doc = orjson.loads(data.removeprefix(b"data: "))

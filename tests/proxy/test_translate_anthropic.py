@@ -13,15 +13,9 @@ import httpx2
 import orjson
 import pytest
 
-from proxy.errors import HTTPError
+from proxy.errors import HTTPError, anthropic_error_body, anthropic_error_type
 from proxy.translate import Translator
-from proxy.translate.anthropic import (
-    CountTokensTranslator,
-    MessagesTranslator,
-    TranslationFailed,
-    anthropic_error_body,
-    anthropic_error_type,
-)
+from proxy.translate.anthropic import CountTokensTranslator, MessagesTranslator, TranslationFailed
 
 # Request shapes recorded from the real clients (copied from the shared recordings).
 AGENT_CLIENTS = Path(__file__).resolve().parents[1] / "data" / "agent-clients"
