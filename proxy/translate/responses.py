@@ -340,7 +340,7 @@ def _add_call(chat: _Chat, item: dict[str, Any], param: str, kind: str) -> None:
     elif namespace is not None:
         raise _bad(f"{param}.namespace must be a string", f"{param}.namespace", "invalid_type")
     if kind == "function_call":
-        arguments = _string(item, "arguments", param)
+        arguments = _arguments(chat, _string(item, "arguments", param), param)
     else:
         arguments = orjson.dumps({"input": _string(item, "input", param)}).decode()
     call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
@@ -350,6 +350,22 @@ def _add_call(chat: _Chat, item: dict[str, Any], param: str, kind: str) -> None:
         last.setdefault("tool_calls", []).append(call)
     else:
         chat.messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+
+
+def _arguments(chat: _Chat, arguments: str, param: str) -> str:
+    """A past call's arguments as a JSON object: engines parse them to render the history
+    (mlx_lm.server fails the whole request on text that is not JSON), and a small model
+    writes broken JSON now and then; the client then answered with an error, which stays."""
+    if not arguments.strip():
+        return "{}"
+    try:
+        doc = orjson.loads(arguments)
+    except orjson.JSONDecodeError:
+        doc = None
+    if isinstance(doc, dict):
+        return arguments
+    chat.notes.append(f'{param}.arguments is not a JSON object; sent as {{"input": <the text>}}')
+    return orjson.dumps({"input": arguments}).decode()
 
 
 def _add_output(chat: _Chat, item: dict[str, Any], param: str) -> None:
@@ -469,7 +485,8 @@ def _add_custom(chat: _Chat, out: list[dict[str, Any]], tool: dict[str, Any], pa
     if description is not None and not isinstance(description, str):
         raise _bad(f"{param}.description must be a string", f"{param}.description", "invalid_type")
     text = (description or f"The {name} tool.") + (
-        "\n\nThis tool takes freeform text, not JSON: put the whole text in the one string argument `input`."
+        "\n\nCall it with one string argument, `input`, holding the whole text; "
+        "the text itself is freeform, not JSON."
     )
     form = tool.get("format")
     if isinstance(form, dict) and form.get("type") == "grammar":

@@ -233,7 +233,7 @@ def test_tools_are_flattened_cleaned_and_hosted_ones_dropped() -> None:
         "input": {"type": "string", "description": patch["parameters"]["properties"]["input"]["description"]}
     }
     assert patch["parameters"]["required"] == ["input"]
-    assert "FREEFORM" in patch["description"] and "not JSON" in patch["description"]
+    assert "FREEFORM" in patch["description"] and "one string argument, `input`" in patch["description"]
     assert "begin_patch hunk+ end_patch" in patch["description"]  # the lark grammar, short enough to help
     assert any("web_search" in note and "tool_search" in note for note in translator.notes)
 
@@ -308,6 +308,22 @@ def test_consecutive_calls_share_the_assistant_turn_and_reasoning_is_dropped() -
     assert messages[1]["content"] == "ok"
     assert [c["function"]["name"] for c in messages[1]["tool_calls"]] == ["a", "multi_agent_v1__spawn_agent"]
     assert messages[3] == {"role": "tool", "tool_call_id": "c2", "content": "2"}
+
+
+@pytest.mark.parametrize("arguments", ["", "  ", '{"cmd": "ls"', "[1, 2]", '"ls"'])
+def test_past_call_arguments_that_are_not_a_json_object_are_wrapped(arguments: str) -> None:
+    """A past call's broken arguments (small models write them) reach the engine as a JSON object."""
+    doc = {
+        "model": "m",
+        "input": [
+            {"type": "function_call", "call_id": "c", "name": "f", "arguments": arguments},
+            {"type": "function_call_output", "call_id": "c", "output": "failed to parse function arguments"},
+        ],
+    }
+    sent = chat_of(doc)["messages"][0]["tool_calls"][0]["function"]["arguments"]
+    parsed = json.loads(sent)
+    assert isinstance(parsed, dict)
+    assert parsed in ({}, {"input": arguments})
 
 
 def test_images_become_image_url_parts() -> None:
