@@ -532,7 +532,13 @@ def _tool_choice(chat: _Chat, value: Any) -> Any:
 
 
 def _response_format(text: Any) -> dict[str, Any] | None:
-    """``text.format`` as chat's ``response_format`` (llama-cpp-python turns it into a grammar)."""
+    """``text.format`` as chat's ``response_format``.
+
+    A JSON schema goes as ``{"type": "json_object", "schema": ...}``: the form
+    llama-cpp-python's server takes and turns into a grammar (its request
+    model allows only ``text`` and ``json_object``, so ``json_schema`` would be
+    a 422); mlx_lm.server ignores ``response_format`` either way.
+    """
     if text is None:
         return None
     if not isinstance(text, dict):
@@ -553,14 +559,7 @@ def _response_format(text: Any) -> dict[str, Any] | None:
             raise _bad(
                 "`text.format.schema` must be a JSON schema object", "text.format.schema", "invalid_type"
             )
-        name = form.get("name")
-        inner: dict[str, Any] = {
-            "name": name if isinstance(name, str) and name else "response",
-            "schema": schema,
-        }
-        if isinstance(form.get("strict"), bool):
-            inner["strict"] = form["strict"]
-        return {"type": "json_schema", "json_schema": inner}
+        return {"type": "json_object", "schema": clean_schema(schema)}
     raise _bad("`text.format.type` must be text, json_object or json_schema", "text.format.type")
 
 
