@@ -575,7 +575,6 @@ class _Open:
     parts: list[str]
     # The bytes every delta event of this item starts with (all but the delta and sequence number).
     prefix: bytes
-    tool: ToolName | None = None
 
 
 class ResponsesTranslator:
@@ -772,9 +771,12 @@ class ResponsesTranslator:
         else:
             out = b""
             name = function.get("name")
-            if isinstance(name, str) and name:
-                # A name sent in pieces (rare): the done item has it whole.
-                open_.item["name"] += name
+            if isinstance(name, str) and name and not open_.item["name"]:
+                # A name sent after the call's first delta; one repeated in every delta is kept once.
+                tool = self._tools.get(name)
+                open_.item["name"] = tool.name if tool is not None else name
+                if tool is not None and tool.namespace is not None:
+                    open_.item["namespace"] = tool.namespace
         if arguments:
             open_.parts.append(arguments)
             if self.stream and open_.item["type"] == "function_call":
@@ -809,7 +811,7 @@ class ResponsesTranslator:
                 index,
             )
         self._items.append(item)
-        self._calls[key] = _Open(item, index, [], prefix, tool)
+        self._calls[key] = _Open(item, index, [], prefix)
         if not self.stream:
             return b""
         return self._event({"type": "response.output_item.added", "output_index": index, "item": dict(item)})

@@ -832,6 +832,24 @@ def test_namespace_call_comes_back_with_name_and_namespace() -> None:
     assert added["namespace"] == "multi_agent_v1" and added["name"] == "spawn_agent"
 
 
+def test_a_name_repeated_in_every_delta_is_kept_once() -> None:
+    """Servers that repeat the function name in each delta, or send it late, still give the name once."""
+    name = "multi_agent_v1__spawn_agent"
+    chunks = [
+        chunk({"tool_calls": [{"index": 0, "id": "c", "function": {"name": name, "arguments": "{"}}]}),
+        chunk({"tool_calls": [{"index": 0, "function": {"name": name, "arguments": "}"}}]}),
+        chunk({"tool_calls": [{"index": 1, "id": "d", "function": {"arguments": "{"}}]}),
+        chunk({"tool_calls": [{"index": 1, "function": {"name": "exec_command", "arguments": "}"}}]}),
+        chunk({}, "tool_calls"),
+    ]
+    _, body = run(codex_doc(stream=True), chunks)
+    _, final = sdk_stream(body)
+    first, second = final.output
+    assert first.type == "function_call" and second.type == "function_call"
+    assert (first.name, first.namespace, first.arguments) == ("spawn_agent", "multi_agent_v1", "{}")
+    assert (second.name, second.arguments) == ("exec_command", "{}")
+
+
 def test_unknown_tool_name_passes_as_a_plain_function_call() -> None:
     """A call of a name not in ``tools`` comes back as the model wrote it, for the client to refuse."""
     chunks = [
