@@ -34,7 +34,7 @@ from typing import Any
 
 import orjson
 
-from proxy.errors import HTTPError
+from proxy.errors import HTTPError, echo
 from proxy.translate.schema import clean_schema
 
 # Tool types only OpenAI's platform runs; a chat engine has nothing to call.
@@ -108,6 +108,11 @@ def _bad(message: str, param: str, code: str = "invalid_value") -> HTTPError:
 
 def _kind(value: Any) -> str:
     return "null" if value is None else type(value).__name__
+
+
+def _shown(value: Any) -> str:
+    """A client's value as an error message repeats it: a string cut short, else its JSON type."""
+    return repr(echo(value)) if isinstance(value, str) else _kind(value)
 
 
 # ---------------------------------------------------------------- request
@@ -201,7 +206,7 @@ def _add_input(chat: _Chat, value: Any) -> None:
         raise _bad(
             f"`input` must be a string or a list of items, not {_kind(value)}",
             "input",
-            "missing_required_parameter",
+            "missing_required_parameter" if value is None else "invalid_type",
         )
     for index, item in enumerate(value):
         param = f"input[{index}]"
@@ -221,9 +226,8 @@ def _add_input(chat: _Chat, value: Any) -> None:
                 f"{param}: `item_reference` is not supported: {_STATELESS}", param, "unsupported_parameter"
             )
         else:
-            shown = kind if isinstance(kind, str) else _kind(kind)
             raise _bad(
-                f"{param}: input items of type {shown!r} are not supported "
+                f"{param}: input items of type {_shown(kind)} are not supported "
                 "(message, function_call, function_call_output, custom_tool_call, "
                 "custom_tool_call_output and reasoning are)",
                 param,
@@ -243,7 +247,7 @@ def _add_message(chat: _Chat, item: dict[str, Any], param: str) -> None:
         chat.messages.append({"role": "assistant", "content": _text(content, f"{param}.content")})
     else:
         raise _bad(
-            f"{param}.role must be user, assistant, system or developer, not {role!r}"[:200], f"{param}.role"
+            f"{param}.role must be user, assistant, system or developer, not {_shown(role)}", f"{param}.role"
         )
 
 
@@ -305,9 +309,8 @@ def _user_content(content: Any, param: str) -> str | list[dict[str, Any]]:
 def _image_part(part: dict[str, Any], param: str) -> dict[str, Any]:
     kind = part.get("type")
     if kind != "input_image":
-        shown = kind if isinstance(kind, str) else _kind(kind)
         raise _bad(
-            f"{param}: content parts of type {shown!r} are not supported (text and images are)"[:240], param
+            f"{param}: content parts of type {_shown(kind)} are not supported (text and images are)", param
         )
     url = part.get("image_url")
     if not isinstance(url, str) or not url:
@@ -439,7 +442,7 @@ def _tools(chat: _Chat, value: Any) -> list[dict[str, Any]]:
         elif kind == "custom":
             _add_custom(chat, out, tool, param)
         else:
-            dropped.append(kind if isinstance(kind, str) else _kind(kind))
+            dropped.append(echo(kind) if isinstance(kind, str) else _kind(kind))
     if dropped:
         chat.notes.append("tools the engine cannot run were left out: " + ", ".join(dropped)[:300])
     return out
@@ -447,7 +450,7 @@ def _tools(chat: _Chat, value: Any) -> list[dict[str, Any]]:
 
 def _register(chat: _Chat, name: str, tool: ToolName, param: str) -> bool:
     if name in chat.tools:
-        chat.notes.append(f"{param}: a second tool named {name[:64]!r} was left out")
+        chat.notes.append(f"{param}: a second tool named {echo(name)!r} was left out")
         return False
     chat.tools[name] = tool
     return True
@@ -521,13 +524,13 @@ def _tool_choice(chat: _Chat, value: Any) -> Any:
         if not isinstance(name, str) or not name:
             raise _bad("`tool_choice.name` must be a string", "tool_choice.name", "invalid_type")
         if name not in chat.tools:
-            raise _bad(f"`tool_choice` names {name[:64]!r}, which is not in `tools`", "tool_choice.name")
+            raise _bad(f"`tool_choice` names {echo(name)!r}, which is not in `tools`", "tool_choice.name")
         return {"type": "function", "function": {"name": name}}
     if kind == "allowed_tools":
         mode = value.get("mode")
         chat.notes.append("tool_choice allowed_tools was applied as its mode; the tool list was not narrowed")
         return mode if mode in ("auto", "required") else "auto"
-    chat.notes.append(f"tool_choice {str(kind)[:40]!r} names a tool the engine cannot run; auto instead")
+    chat.notes.append(f"tool_choice {_shown(kind)} names a tool the engine cannot run; auto instead")
     return "auto"
 
 

@@ -545,6 +545,18 @@ def test_bad_shapes_are_400_naming_the_field(doc: Any, param: str) -> None:
     assert caught.value.message
 
 
+def test_error_messages_repeat_client_strings_cut_short() -> None:
+    """A huge type or role string is quoted cut to a prefix in the 400, not whole."""
+    for doc in (
+        {"model": "m", "input": [{"type": "x" * 100_000}]},
+        {"model": "m", "input": [{"role": "x" * 100_000, "content": ""}]},
+        {"model": "m", "input": [{"role": "user", "content": [{"type": "x" * 100_000}]}]},
+    ):
+        with pytest.raises(HTTPError) as caught:
+            chat_of(doc)
+        assert len(caught.value.message) < 400 and "100000 characters" in caught.value.message
+
+
 HOSTILE = [None, 0, -1, True, 1.5, "", "x", [], [None], {}, {"type": None}, {"type": "message"}]
 
 
