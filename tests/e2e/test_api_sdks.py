@@ -799,3 +799,86 @@ def test_admission_limits_apply_to_the_new_routes(
         holder.close()
         if queued is not None:
             queued.close()
+
+
+# -- the engine's errors, in each API's envelope --------------------------------------------
+
+
+@pytest.fixture
+def mixed(start_gateway: StartGateway, fake: FakeEngine, native_fake: FakeEngine, tmp_path: Path) -> Running:
+    """A gateway with "fake" (chat only: translated) and "native" (passed through) side by side."""
+    config = tmp_path / "mixed.toml"
+    config.write_text(
+        f'[models.fake]\nupstream = "{fake.url}/v1"\n\n'
+        f'[models.native]\nupstream = "{native_fake.url}/v1"\n{NATIVE_KEY} = ["messages", "responses"]\n'
+    )
+    return start_gateway({}, "--config", str(config))
+
+
+@pytest.mark.fault("upstreams", "error statuses")
+@pytest.mark.parametrize("model", ["fake", "native"], ids=["translated", "passthrough"])
+def test_engine_errors_reach_the_sdks_in_the_apis_envelope(mixed: Running, model: str) -> None:
+    """An engine's 429 and a malformed or empty reply reach each SDK as its own error class and envelope."""
+    for fault, anthropic_error, openai_error, kind in [
+        ("status=429", anthropic.RateLimitError, openai.RateLimitError, "rate_limit_error"),
+        ("garbage", anthropic.InternalServerError, openai.InternalServerError, "api_error"),
+        ("empty", anthropic.InternalServerError, openai.InternalServerError, "api_error"),
+    ]:
+        with claude(mixed.url) as client, pytest.raises(anthropic_error) as caught:
+            client.messages.create(model=model, max_tokens=2, messages=ASK, extra_headers=fake_header(fault))
+        body: Any = caught.value.body
+        assert body["type"] == "error" and body["error"]["type"] == kind and body["error"]["message"], body
+        with openai_client(mixed.url) as oai, pytest.raises(openai_error) as failed:
+            oai.responses.create(model=model, input="hi", extra_headers=fake_header(fault))
+        envelope: Any = failed.value.body
+        assert set(envelope) >= {"message", "type", "param", "code"}, envelope
+
+
+@pytest.mark.fault("upstreams", "a body cut short or malformed mid-way")
+def test_a_non_stream_answer_cut_by_the_engine_is_a_502_in_the_apis_envelope(
+    gateway: Running, fake: FakeEngine
+) -> None:
+    """A translated non-stream request whose chat stream the engine cuts gets a 502, not a partial answer."""
+    with claude(gateway.url) as client, pytest.raises(anthropic.InternalServerError) as caught:
+        client.messages.create(
+            model="fake", max_tokens=8, messages=ASK, extra_headers=fake_header("die-after=3")
+        )
+    body: Any = caught.value.body
+    assert (
+        caught.value.status_code == 502 and body["type"] == "error" and body["error"]["type"] == "api_error"
+    )
+    with openai_client(gateway.url) as oai, pytest.raises(openai.InternalServerError) as failed:
+        oai.responses.create(
+            model="fake", input="hi", max_output_tokens=8, extra_headers=fake_header("die-after=3")
+        )
+    assert failed.value.status_code == 502
+
+
+def test_passthrough_to_an_http11_engine_keeps_the_bytes(
+    start_fake_engine: StartFakeEngine, start_gateway: StartGateway, tmp_path: Path
+) -> None:
+    """Passthrough to a keep-alive, chunked engine (as llama-server is) still hands on its bytes as sent."""
+    native = start_fake_engine("--native-apis", "messages,responses", "--http11")
+    config = tmp_path / "http11.toml"
+    config.write_text(
+        f'[models.native]\nupstream = "{native.url}/v1"\n{NATIVE_KEY} = ["messages", "responses"]\n'
+    )
+    gateway = start_gateway({}, "--config", str(config))
+    cases = [
+        (MESSAGES, {"max_tokens": 3, "messages": ASK, "stream": True}),
+        (RESPONSES, {"max_output_tokens": 3, "input": "hi", "stream": True}),
+        (MESSAGES, {"max_tokens": 3, "messages": ASK}),
+        (COUNT_TOKENS, {"messages": ASK}),
+    ]
+    for index, (path, body) in enumerate(cases, start=1):
+        status, payload = post_stream(
+            gateway.url + path, {"model": "native", **body}, fake_header("reasoning=2")
+        )
+
+        def answered(record: dict[str, Any], number: int = index) -> bool:
+            return bool(record["id"] == number and record["outcome"] is not None)
+
+        record = native.wait_for_record(answered)
+        assert status == 200 and record["outcome"] == "completed"
+        assert payload == planned(record), path
+    assert len({r["conn_id"] for r in native.records()}) < len(cases)
