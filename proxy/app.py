@@ -355,7 +355,8 @@ class _AdminRoutes:
         return Response(await self.metrics.render_off_loop(), media_type=METRICS_CONTENT_TYPE)
 
     async def root(self, request: Request) -> Response:
-        return _json(200, orjson.dumps({"name": "blazar-proxy", "version": __version__}))
+        # Public (no key needed, as the probes): it says nothing but that the gateway is here.
+        return _json(200, b'{"status":"ok"}')
 
     async def livez(self, request: Request) -> Response:
         return _json(200, b'{"status":"ok"}')

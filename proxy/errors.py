@@ -187,20 +187,23 @@ class Envelope:
 
 
 class ResponsesEnvelope(Envelope):
-    """OpenAI's envelope; in a started Responses stream, an ``error`` event (as the API sends it),
-    which carries the envelope's ``error`` too: openai-python raises on it, Codex reads its message."""
+    """OpenAI's envelope; in a started Responses stream, ``response.failed`` with the error in its
+    response (what Codex and the openai SDK read as a failed response; the gateway knows no more
+    of the response it passed on than that it failed)."""
 
     name = "responses"
 
     def event(self, status: int, message: str, code: str | None) -> bytes:
         doc = {
-            "type": "error",
-            "code": code,
-            "message": message,
-            "param": None,
-            "error": {"type": error_type(status), "code": code, "message": message, "param": None},
+            "type": "response.failed",
+            "response": {
+                "object": "response",
+                "status": "failed",
+                "error": {"code": code or error_type(status), "message": message},
+                "output": [],
+            },
         }
-        return b"event: error\ndata: " + orjson.dumps(doc) + b"\n\n"
+        return b"event: response.failed\ndata: " + orjson.dumps(doc) + b"\n\n"
 
 
 # Anthropic's error types by status (its "Errors" page); 529 is its "overloaded".

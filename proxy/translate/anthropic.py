@@ -43,7 +43,7 @@ from typing import Any
 
 import orjson
 
-from proxy.errors import HTTPError
+from proxy.errors import HTTPError, anthropic_error_body
 from proxy.translate.schema import clean_schema
 
 # What a request without one is refused with, in Anthropic's words.
@@ -51,19 +51,6 @@ _FIELD_REQUIRED = "Field required"
 
 # Status -> Anthropic's error type; a status not listed is invalid_request_error
 # below 500 and api_error from 500.
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "api_error",
-    502: "api_error",
-    503: "overloaded_error",
-    504: "api_error",
-    529: "overloaded_error",
-}
 
 # Tool types that are the client's own functions; any other type is a server tool.
 _CUSTOM_TOOL_TYPES = frozenset({None, "custom"})
@@ -120,21 +107,6 @@ class TranslationFailed(HTTPError):
 
     def __init__(self, message: str, *, status: int = 502, code: str = "bad_upstream_reply") -> None:
         super().__init__(status, message, code=code)
-
-
-def anthropic_error_type(status: int) -> str:
-    """Anthropic's error ``type`` for an HTTP status."""
-    known = _ERROR_TYPES.get(status)
-    if known is not None:
-        return known
-    return "api_error" if status >= 500 else "invalid_request_error"
-
-
-def anthropic_error_body(status: int, message: str) -> bytes:
-    """One error in Anthropic's envelope: ``{"type":"error","error":{"type":…,"message":…}}``."""
-    return orjson.dumps(
-        {"type": "error", "error": {"type": anthropic_error_type(status), "message": message}}
-    )
 
 
 class MessagesTranslator:
@@ -496,14 +468,15 @@ def translate_request(doc: Any, notes: list[str], *, count_only: bool) -> dict[s
             raise _bad("stop_sequences", "Input should be a list of strings", "invalid_type")
         if stop:
             chat["stop"] = stop
-    tools = _tools(doc.get("tools"), notes)
+    tools, dropped = _tools(doc.get("tools"), notes)
+    choice = _tool_choice(doc.get("tool_choice"), {tool["function"]["name"] for tool in tools} | dropped)
     if tools:
         chat["tools"] = tools
-        choice = _tool_choice(doc.get("tool_choice"), {tool["function"]["name"] for tool in tools})
         if choice is not None:
-            chat["tool_choice"] = choice
-    elif doc.get("tool_choice") is not None:
-        _tool_choice(doc["tool_choice"], None)
+            if isinstance(choice, dict) and choice["function"]["name"] in dropped:
+                notes.append("tool_choice left out: the tool it names is a server tool, left out too")
+            else:
+                chat["tool_choice"] = choice
     return chat
 
 
@@ -696,10 +669,11 @@ def _tool_use(block: dict[str, Any], param: str) -> dict[str, Any]:
     return {"id": tool_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def _tools(value: Any, notes: list[str]) -> list[dict[str, Any]]:
-    """The client's own tools as chat functions; server tools left out and noted."""
+def _tools(value: Any, notes: list[str]) -> tuple[list[dict[str, Any]], set[str]]:
+    """The client's own tools as chat functions; the names of the server tools, left out and noted."""
+    dropped: set[str] = set()
     if value is None:
-        return []
+        return [], dropped
     if not isinstance(value, list):
         raise _bad("tools", "Input should be a valid list", "invalid_type")
     tools = []
@@ -714,6 +688,8 @@ def _tools(value: Any, notes: list[str]) -> list[dict[str, Any]]:
         if kind not in _CUSTOM_TOOL_TYPES:
             shown = name if isinstance(name, str) else "?"
             notes.append(f"tool {shown!r} ({_shown(kind)}) left out: a server tool the engine cannot run")
+            if isinstance(name, str):
+                dropped.add(name)
             continue
         if not isinstance(name, str) or not name:
             raise _bad(f"{param}.name", "Input should be a non-empty string", "invalid_type")
@@ -728,11 +704,11 @@ def _tools(value: Any, notes: list[str]) -> list[dict[str, Any]]:
             function["description"] = description
         function["parameters"] = clean_schema(schema)
         tools.append({"type": "function", "function": function})
-    return tools
+    return tools, dropped
 
 
-def _tool_choice(value: Any, names: set[str] | None) -> Any:
-    """Chat's tool_choice for Anthropic's; ``names`` None: no tool is left to choose (checked only)."""
+def _tool_choice(value: Any, names: set[str]) -> Any:
+    """Chat's tool_choice for Anthropic's; a 400 for one that names none of ``names``."""
     if value is None:
         return None
     if not isinstance(value, dict):
@@ -748,7 +724,7 @@ def _tool_choice(value: Any, names: set[str] | None) -> Any:
         name = value.get("name")
         if not isinstance(name, str) or not name:
             raise _bad("tool_choice.name", "Input should be a non-empty string", "invalid_type")
-        if names is not None and name not in names:
+        if name not in names:
             raise _bad("tool_choice.name", f"no tool named {_shown(name)} among the request's tools")
         return {"type": "function", "function": {"name": name}}
     raise _bad("tool_choice.type", f"one of 'auto', 'any', 'tool' or 'none', not {_shown(kind)}")

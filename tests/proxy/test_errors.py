@@ -294,14 +294,14 @@ def test_anthropic_envelope_rewrites_upstream_errors_and_keeps_its_own() -> None
     assert html["error"]["type"] == "api_error" and "500" in html["error"]["message"]
 
 
-def test_responses_stream_error_is_an_error_event_the_sdk_raises_on() -> None:
-    """A started Responses stream ends with an `error` event that also carries OpenAI's `error` member."""
+def test_responses_stream_error_is_a_failed_response() -> None:
+    """A started Responses stream ends with `response.failed`, its error's code and message in it."""
     event = RESPONSES.event(504, "timed out", "upstream_timeout")
     name, data = event.rstrip(b"\n").split(b"\n")
     doc = orjson.loads(data.removeprefix(b"data: "))
-    assert name == b"event: error"
-    assert doc["type"] == "error" and doc["code"] == "upstream_timeout" and doc["message"] == "timed out"
-    assert doc["error"]["message"] == "timed out"
+    assert name == b"event: response.failed"
+    assert doc["type"] == "response.failed" and doc["response"]["status"] == "failed"
+    assert doc["response"]["error"] == {"code": "upstream_timeout", "message": "timed out"}
 
 
 def test_upstream_errors_are_http_errors() -> None:

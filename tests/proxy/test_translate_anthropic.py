@@ -13,15 +13,9 @@ import httpx2
 import orjson
 import pytest
 
-from proxy.errors import HTTPError
+from proxy.errors import HTTPError, anthropic_error_body, anthropic_error_type
 from proxy.translate import Translator
-from proxy.translate.anthropic import (
-    CountTokensTranslator,
-    MessagesTranslator,
-    TranslationFailed,
-    anthropic_error_body,
-    anthropic_error_type,
-)
+from proxy.translate.anthropic import CountTokensTranslator, MessagesTranslator, TranslationFailed
 
 # Request shapes recorded from the real clients (copied from the shared recordings).
 AGENT_CLIENTS = Path(__file__).resolve().parents[1] / "data" / "agent-clients"
@@ -249,6 +243,16 @@ def test_server_tools_are_dropped_and_noted() -> None:
     assert "web_search_20250305" in translator.notes[0]
 
 
+def test_tool_choice_of_a_server_tool_is_left_out_with_it() -> None:
+    """tool_choice naming a server tool that was left out is left out too, and noted."""
+    tools = [{"type": "web_search_20250305", "name": "web_search"}, {"name": "f", "input_schema": {}}]
+    translator = MessagesTranslator(minimal(tools=tools, tool_choice={"type": "tool", "name": "web_search"}))
+    chat = translator.chat_request()
+    assert [t["function"]["name"] for t in chat["tools"]] == ["f"]
+    assert "tool_choice" not in chat
+    assert translator.notes[-1].startswith("tool_choice left out")
+
+
 def test_only_server_tools_send_no_tools_and_no_tool_choice() -> None:
     """When every tool is a server tool, the chat request has neither tools nor tool_choice."""
     chat = chat_of(
@@ -385,6 +389,7 @@ HOSTILE_BODIES: list[tuple[Any, str]] = [
     (minimal(tools=[{"name": "f", "input_schema": {}}], tool_choice="auto"), "tool_choice"),
     (minimal(tools=[{"name": "f", "input_schema": {}}], tool_choice={"type": "some"}), "tool_choice.type"),
     (minimal(tool_choice={"type": "tool"}), "tool_choice.name"),
+    (minimal(tool_choice={"type": "tool", "name": "f"}), "tool_choice.name"),
 ]
 
 
@@ -786,6 +791,59 @@ def test_an_overloaded_body_is_the_sdks_overloaded_error() -> None:
     )
     with pytest.raises(anthropic.OverloadedError, match="all slots busy"):
         sdk.messages.create(model="m", max_tokens=5, messages=[{"role": "user", "content": "x"}])
+
+
+def check_event_order(stream: bytes) -> None:
+    """Anthropic's order: message_start; blocks numbered from 0, each started once and stopped once,
+    deltas only to a started block; then message_delta and message_stop."""
+    names = events(stream)
+    assert names[0][0] == "message_start"
+    assert [name for name, _ in names[-2:]] == ["message_delta", "message_stop"]
+    started: list[int] = []
+    stopped: set[int] = set()
+    for name, data in names[1:-2]:
+        index = data["index"]
+        if name == "content_block_start":
+            assert index == len(started)
+            assert not started or started[-1] in stopped
+            started.append(index)
+        elif name == "content_block_stop":
+            assert index in started
+            assert index not in stopped
+            stopped.add(index)
+        else:
+            assert name == "content_block_delta"
+            assert index in started
+            # A piece for a tool call whose block is closed still goes to that block (documented).
+            assert index not in stopped or data["delta"]["type"] == "input_json_delta"
+    assert stopped == set(started)
+
+
+def test_a_wrong_type_anywhere_in_engine_chunks_still_gives_anthropics_event_order() -> None:
+    """Any value of vLLM- and mlx-shaped chunks replaced by a wrong type: no exception, events in order."""
+    mlx_call = {"function": {"name": "f", "arguments": "{}"}, "type": "function", "id": "u-1", "index": 1}
+    chunks = [
+        chunk({"role": "assistant", "content": ""}),
+        chunk({"reasoning_content": "r"}),
+        chunk({"content": "t"}),
+        *openai_tool_call(0, "c0", "g", ['{"b"', ": 2}"]),
+        chunk({"content": "t2", "tool_calls": [mlx_call]}, "tool_calls"),
+        usage(9, 4, cached=2),
+    ]
+    tried = 0
+    for position, original in enumerate(chunks):
+        for path in paths(original):
+            for value in HOSTILE_VALUES:
+                mutated = [*chunks[:position], replaced(original, path, value), *chunks[position + 1 :]]
+                if not isinstance(mutated[position], dict):
+                    continue
+                translator = MessagesTranslator(minimal(stream=True))
+                check_event_order(translated_stream(translator, mutated))
+                plain = MessagesTranslator(minimal())
+                translated_stream(plain, mutated)
+                assert orjson.loads(plain.reply())["type"] == "message"
+                tried += 1
+    assert tried > 300
 
 
 def test_hostile_chunks_give_no_events_and_no_error() -> None:
