@@ -1,4 +1,4 @@
-"""python -m perf receipt|matrix|paired|assembly|affinity|accesslog [--quick|--smoke] [--out DIR]"""
+"""python -m perf receipt|matrix|paired|assembly|translation|affinity|accesslog [--quick|--smoke] [--out D]"""
 
 from __future__ import annotations
 
@@ -25,15 +25,22 @@ def _numbers(text: str) -> tuple[int, ...]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf", description=__doc__)
-    parser.add_argument("what", choices=("receipt", "matrix", "paired", "assembly", "affinity", "accesslog"))
+    parser.add_argument(
+        "what", choices=("receipt", "matrix", "paired", "assembly", "translation", "affinity", "accesslog")
+    )
     parser.add_argument("--out", type=Path, default=None, help="output folder [perf/results/<what>-<time>]")
     parser.add_argument("--cpu", type=_cpu, default=0, help="core to pin every process to, or 'none' [0]")
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="a short version (tox -e perf)")
     size.add_argument("--smoke", action="store_true", help="a few seconds, to prove the harness runs")
-    parser.add_argument("--duration", type=float, default=None, help="seconds per matrix or paired run")
     parser.add_argument(
-        "--rounds", type=int, default=None, help="matrix or paired rounds; affinity: rounds of each mode"
+        "--duration", type=float, default=None, help="seconds per matrix, paired or translation run"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="matrix, paired or translation rounds; affinity: rounds of each mode",
     )
     parser.add_argument(
         "--baseline",
@@ -47,7 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--workloads", type=_names, default=None, help="matrix: comma-separated workloads")
     parser.add_argument(
-        "--ladder", type=_numbers, default=None, help="matrix, paired: comma-separated concurrencies"
+        "--ladder",
+        type=_numbers,
+        default=None,
+        help="matrix, paired, translation: comma-separated concurrencies",
     )
     parser.add_argument("--runs", type=int, default=None, help="receipt runs per surface")
     parser.add_argument(
@@ -84,6 +94,22 @@ def main(argv: list[str] | None = None) -> int:
         from perf.assembly import run_assembly
 
         print(run_assembly(out, quick=args.quick or args.smoke), end="")
+        return 0
+    if args.what == "translation":
+        from perf.translation import run_translation
+
+        print(
+            run_translation(
+                out,
+                quick=args.quick,
+                smoke=args.smoke,
+                cpu=args.cpu,
+                duration_s=args.duration,
+                rounds=args.rounds,
+                ladder=args.ladder or (1, 16),
+            ),
+            end="",
+        )
         return 0
     if args.what == "affinity":
         return _affinity(args, out)
