@@ -52,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--surfaces", type=_names, default=None, help="matrix: comma-separated surfaces (also blazar-no-log)"
     )
-    parser.add_argument("--workloads", type=_names, default=None, help="matrix: comma-separated workloads")
+    parser.add_argument(
+        "--workloads", type=_names, default=None, help="matrix: comma-separated workloads; paired: one"
+    )
     parser.add_argument(
         "--ladder",
         type=_numbers,
@@ -89,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     out = args.out or Path(__file__).parent / "results" / f"{args.what}-{time.strftime('%Y%m%d-%H%M%S')}"
+    # Absolute: nginx reads its config relative to its prefix, which is under it.
+    out = out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     if args.what == "assembly":
         from perf.assembly import run_assembly
@@ -127,6 +131,12 @@ def main(argv: list[str] | None = None) -> int:
             kwargs["rounds"] = args.rounds
         if args.duration:
             kwargs["duration_s"] = args.duration
+        if args.workloads:
+            from perf.matrix import WORKLOADS
+
+            if len(args.workloads) != 1 or args.workloads[0] not in WORKLOADS:
+                parser.error(f"paired measures one workload: one of {', '.join(WORKLOADS)}")
+            kwargs["workload"] = args.workloads[0]
         run_paired(out, **kwargs)
         print((out / "paired.md").read_text(), end="")
         return 0
