@@ -121,7 +121,7 @@ def _load(
 def paired_markdown(data: dict[str, Any]) -> str:
     plan = data["plan"]
     workload = WORKLOADS[plan.get("workload", "json")]
-    load = "the stream client" if workload.stream else "wrk"
+    load = "stream client" if workload.stream else "wrk"
     lines = [
         "# blazar-proxy builds, loaded side by side",
         "",
