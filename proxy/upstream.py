@@ -411,6 +411,22 @@ class Connection(asyncio.Protocol):
                 self._read_timer = self._loop.call_at(self._wait_since + timeout_s, self._check_read_deadline)
             await self._wait()
 
+    async def wait_body(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for body bytes, the body's end or an error: whether ``read``
+        would now return without waiting. Running out of time leaves the exchange alone (and
+        arms no read deadline: the caller keeps its own)."""
+        if not self.ready:
+            self._wait_over = False
+            timer = self.timers.later(timeout_s, self._end_head_wait)
+            try:
+                while not self.ready:
+                    if self._wait_over:
+                        return False
+                    await self._wait()
+            finally:
+                self.timers.cancel(timeout_s, timer)
+        return True
+
     @property
     def awaited(self) -> bool:
         """Whether the relay is waiting on this connection for the upstream's bytes."""

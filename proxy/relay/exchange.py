@@ -207,7 +207,9 @@ class Exchange:
             # gateway's own time is still everything but the upstream's wait.
             outcome.own_s = sent_at - started + perf_counter() - head_at
             if outcome.translator is not None and _chat_stream(conn):
-                await respond_translated(conn, scope, send, outcome, head_at, self._read_timeout_s)
+                await respond_translated(
+                    conn, scope, send, outcome, head_at, self._read_timeout_s, self._heartbeat_s
+                )
             else:
                 await continue_stream(conn, send, status, outcome, self._read_timeout_s)
             return
@@ -221,7 +223,9 @@ class Exchange:
         if outcome.translator is not None and status < 400:
             if _chat_stream(conn):
                 outcome.own_s = sent_at - started + perf_counter() - head_at
-                await respond_translated(conn, scope, send, outcome, head_at, self._read_timeout_s)
+                await respond_translated(
+                    conn, scope, send, outcome, head_at, self._read_timeout_s, self._heartbeat_s
+                )
             else:
                 conn.close()
                 kind = echo((conn.content_type or b"no content type").decode("latin-1"))

@@ -26,7 +26,7 @@ from proxy.relay.out import AsgiWriter, Writer, writer_for
 from proxy.relay.outcome import Outcome
 from proxy.relay.timing import server_timing, timing_header
 from proxy.translate import Translator
-from proxy.upstream import ClientGone, Connection, UpstreamError
+from proxy.upstream import ClientGone, Connection, ReadTimeout, UpstreamError
 
 # The most of one event held while waiting for its end: an upstream fault past it.
 _EVENT_LIMIT_BYTES = 4 * 1024 * 1024
@@ -93,13 +93,22 @@ def _data_of(event: bytes) -> bytes | None:
 
 
 async def respond_translated(
-    conn: Connection, scope: Scope, send: Send, outcome: Outcome, head_at: float, read_timeout_s: float
+    conn: Connection,
+    scope: Scope,
+    send: Send,
+    outcome: Outcome,
+    head_at: float,
+    read_timeout_s: float,
+    heartbeat_s: float = 0.0,
 ) -> None:
-    """The engine's 200 chat stream is in: answer the client in its own API, as a stream or a reply."""
+    """The engine's 200 chat stream is in: answer the client in its own API, as a stream (with a
+    keepalive event every ``heartbeat_s`` the engine sends nothing, unless 0) or a reply."""
     translator = outcome.translator
     assert translator is not None
     if translator.stream:
-        outcome.error = await _stream(conn, scope, send, outcome, translator, head_at, read_timeout_s)
+        outcome.error = await _stream(
+            conn, scope, send, outcome, translator, head_at, read_timeout_s, heartbeat_s
+        )
     else:
         await _reply(conn, send, outcome, translator, head_at, read_timeout_s)
 
@@ -112,6 +121,7 @@ async def _stream(
     translator: Translator,
     head_at: float,
     read_timeout_s: float,
+    heartbeat_s: float,
 ) -> str | None:
     """Translate the stream event by event; the error code it ended with, if any."""
     out: Writer
@@ -129,9 +139,21 @@ async def _stream(
         out.start(200, headers)
         outcome.status = 200
     events = ChatEvents()
-    pending = translator.start()
+    pending = b""
     try:
-        while chunk := await conn.read(read_timeout_s):
+        # The head and the opening events go out at once: the client knows that its request
+        # is taken before a long prefill, not after it.
+        await _write(out, outcome, translator.start(), True)
+        last_data_at = sent_at = perf_counter()
+        while True:
+            if heartbeat_s and not conn.ready:
+                sent_at = await _keep_alive(
+                    conn, out, outcome, translator, heartbeat_s, read_timeout_s, last_data_at, sent_at
+                )
+            chunk = await conn.read(read_timeout_s)
+            if not chunk:
+                break
+            last_data_at = perf_counter()
             # Joined once: a read may hold thousands of events (a client or a gateway behind),
             # and adding each event's bytes to the rest would copy the rest again each time.
             pending += b"".join([translator.feed(parsed) for parsed in events.feed(chunk)])
@@ -143,14 +165,45 @@ async def _stream(
             if pending:
                 await _write(out, outcome, pending, True)
                 pending = b""
-            elif (wait := out.flush()) is not None:
-                await wait  # the head goes out before a long prefill
+                sent_at = last_data_at
+            elif heartbeat_s and last_data_at - sent_at >= heartbeat_s:
+                # Bytes that make no event (mlx's comments during a prefill): the client gets
+                # its API's keepalive instead, or it would see nothing.
+                await _write(out, outcome, translator.keepalive(), True)
+                sent_at = last_data_at
         error = HTTPError(502, _TRUNCATED, code="upstream_truncated")
     except (UpstreamError, HTTPError) as exc:
         conn.close()
         error = exc
     await _write(out, outcome, pending + translator.failed(error.status, error.message, error.code), False)
     return error.code
+
+
+async def _keep_alive(
+    conn: Connection,
+    out: Writer,
+    outcome: Outcome,
+    translator: Translator,
+    heartbeat_s: float,
+    read_timeout_s: float,
+    last_data_at: float,
+    sent_at: float,
+) -> float:
+    """While the engine sends nothing, the API's keepalive event once the client has had nothing for
+    ``heartbeat_s``: agent clients give up on a stream idle for a while (Codex: 300 s), whatever
+    the engine is doing. Return when the client was last sent something. The read deadline still
+    holds: nothing from the engine for ``read_timeout_s`` is a ReadTimeout."""
+    # One wait of heartbeat_s each time (the coarse timers keep a queue per delay): a keepalive
+    # at most twice that after the last bytes the client had.
+    while not await conn.wait_body(heartbeat_s):
+        now = perf_counter()
+        if now - last_data_at >= read_timeout_s:
+            conn.close()
+            raise ReadTimeout(f"upstream sent nothing for {read_timeout_s:g} s in the middle of its response")
+        if now - sent_at >= heartbeat_s:
+            await _write(out, outcome, translator.keepalive(), True)
+            sent_at = now
+    return sent_at
 
 
 async def _write(out: Writer, outcome: Outcome, data: bytes, more: bool) -> None:

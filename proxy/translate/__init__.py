@@ -18,7 +18,8 @@ class Translator(Protocol):
 
     The relay calls ``chat_request`` once; then, for a 200 event stream from
     the engine, ``start`` once, ``feed`` for each ``chat.completion.chunk``
-    (parsed) in order, and ``finish`` after ``data: [DONE]``; for a stream
+    (parsed) in order (``keepalive`` in long waits between them), and
+    ``finish`` after ``data: [DONE]``; for a stream
     that breaks or ends without ``[DONE]``, ``failed`` instead of ``finish``.
     A stream request gets the bytes ``start``, ``feed``, ``finish`` and
     ``failed`` return, as they are returned; a non-stream request gets
@@ -46,6 +47,11 @@ class Translator(Protocol):
 
     def finish(self) -> bytes:
         """The events that end the stream after the engine's ``[DONE]``."""
+        ...
+
+    def keepalive(self) -> bytes:
+        """An event that says the stream is alive while the engine sends nothing (a long prefill):
+        one the API defines and its clients ignore, so that their idle timers start again."""
         ...
 
     def failed(self, status: int, message: str, code: str | None) -> bytes:

@@ -96,6 +96,7 @@ _JSON_DELTA = (
 )
 _BLOCK_STOP = b'event: content_block_stop\ndata: {"type":"content_block_stop","index":%d}\n\n'
 _MESSAGE_STOP = b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
+_PING = b'event: ping\ndata: {"type":"ping"}\n\n'
 
 
 class TranslationFailed(HTTPError):
@@ -150,6 +151,10 @@ class MessagesTranslator:
     def chat_request(self) -> dict[str, Any]:
         """The chat completion for this request; a 400 for a body Anthropic's API refuses."""
         return translate_request(self._doc, self.notes, count_only=False)
+
+    def keepalive(self) -> bytes:
+        """A ``ping``: the API's own (its streams "may include any number of ping events")."""
+        return _PING if self.stream else b""
 
     def start(self) -> bytes:
         """``message_start``: the message, empty, with no usage counted yet."""
@@ -339,6 +344,9 @@ class CountTokensTranslator:
         return translate_request(self._doc, self.notes, count_only=True)
 
     def start(self) -> bytes:
+        return b""
+
+    def keepalive(self) -> bytes:
         return b""
 
     def feed(self, chunk: dict[str, Any]) -> bytes:

@@ -652,6 +652,15 @@ class ResponsesTranslator:
             {"type": "response.in_progress", "response": self._response("in_progress")}
         )
 
+    def keepalive(self) -> bytes:
+        """Before any output, ``response.in_progress`` again (Codex ignores it, and its idle timer
+        starts again; the SDK's snapshot is the same empty response); after, an SSE comment."""
+        if not self.stream:
+            return b""
+        if self._items:
+            return b": keepalive\n\n"
+        return self._event({"type": "response.in_progress", "response": self._response("in_progress")})
+
     # -- chunks
 
     def feed(self, chunk: dict[str, Any]) -> bytes:

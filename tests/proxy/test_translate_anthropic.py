@@ -941,3 +941,11 @@ def test_count_tokens_without_usage_is_translation_failed_502() -> None:
     assert isinstance(info.value, HTTPError)
     assert info.value.status == 502
     assert "usage" in info.value.message
+
+
+def test_keepalive_is_a_ping_on_a_stream_and_nothing_otherwise() -> None:
+    """A stream's keepalive is Anthropic's ping event; a non-stream request and count_tokens have none."""
+    streamed = MessagesTranslator(minimal(stream=True))
+    assert streamed.keepalive() == b'event: ping\ndata: {"type":"ping"}\n\n'
+    assert MessagesTranslator(minimal()).keepalive() == b""
+    assert CountTokensTranslator(minimal()).keepalive() == b""

@@ -1067,3 +1067,17 @@ def test_translator_protocol() -> None:
     """ResponsesTranslator is a Translator."""
     translator: Translator = ResponsesTranslator(SIMPLE)
     assert translator.stream is True and translator.notes == []
+
+
+def test_keepalive_is_in_progress_before_output_and_a_comment_after() -> None:
+    """Before any output the keepalive is response.in_progress (the next sequence number); then a comment."""
+    translator = ResponsesTranslator(codex_doc(stream=True))
+    opening = translator.start()
+    first = translator.keepalive()
+    assert first.startswith(b"event: response.in_progress\n")
+    doc = orjson.loads(first.split(b"data: ", 1)[1])
+    assert doc["response"]["status"] == "in_progress" and doc["response"]["output"] == []
+    assert doc["sequence_number"] == opening.count(b"event: ")
+    translator.feed(chunk({"role": "assistant", "content": "hi"}))
+    assert translator.keepalive() == b": keepalive\n\n"
+    assert ResponsesTranslator(codex_doc(stream=False)).keepalive() == b""
