@@ -360,7 +360,10 @@ class Child:
         self.last_error = answer  # shown while the child starts
 
     async def _health(self) -> _WaitEnd:
-        return _WaitEnd("unhealthy", await probes.watch_health(self.config))
+        return _WaitEnd("unhealthy", await probes.watch_health(self.config, self._cpu_s))
+
+    def _cpu_s(self) -> float | None:
+        return probes.process_cpu_s(self.pid)
 
 
 def _signature(failure: str, words: list[str]) -> tuple[str, ...]:

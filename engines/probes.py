@@ -11,13 +11,18 @@ Each watcher runs until it has a verdict; the child's owner task
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 from engines.process import ChildConfig
+
+log = logging.getLogger("blazar.engines")
 
 # Readiness generations answered with the same error this many times in a
 # row (0.2 s apart) end the start: an engine whose generation thread died
@@ -26,6 +31,11 @@ from engines.process import ChildConfig
 _SAME_FAILURES = 5
 # Statuses that mean "not yet" (loading, busy), never counted as failures.
 _NOT_YET = frozenset({429, 503})
+# A generation probe that ran out of time (see watch_health for what that means).
+_TIMED_OUT = "timed out"
+# Probes that may time out in a row behind a child's own work before it counts as hung.
+_BUSY_EXCUSES = 3
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 async def await_ready(config: ChildConfig, note: Callable[[str], None]) -> str | None:
@@ -56,24 +66,46 @@ async def await_ready(config: ChildConfig, note: Callable[[str], None]) -> str |
             await asyncio.sleep(0.2)
 
 
-async def watch_health(config: ChildConfig) -> str:
+async def watch_health(config: ChildConfig, cpu_s: Callable[[], float | None] = lambda: None) -> str:
     """Poll the health path, and now and then a generation; return why, when either fails.
 
     /health fails after too many failures in a row (mlx answers 503 once
     its generation thread died). The generation probe catches an engine
     whose HTTP server answers while generation hangs: its deadline is
     generous, because a probe joins the engine's queue like any request.
-    An empty health path means the engine has none: only the probe runs.
+    A probe that times out while the child worked all along (``cpu_s``, its
+    CPU seconds, grew by at least half the deadline) waited behind a long
+    prefill, not a hang: an agent's 40 KB prompt takes minutes on a CPU, and
+    a restart would kill it and every request queued behind it. That counts
+    ``_BUSY_EXCUSES`` times in a row at most (an engine spinning in a loop
+    is hung too). An empty health path means the engine has none: only the
+    probe runs.
     """
     failures = 0
+    busy = 0
     next_probe = time.monotonic() + config.probe_interval_s
     async with _probe_client(timeout_s=max(2.0, config.health_interval_s)) as client:
         while True:
             await asyncio.sleep(config.health_interval_s)
             if time.monotonic() >= next_probe:
+                before = cpu_s()
                 problem = await _probe_generation(config, client)
-                if problem:
+                after = cpu_s()
+                if problem is _TIMED_OUT and busy < _BUSY_EXCUSES and _worked(before, after, config):
+                    busy += 1
+                    log.info(
+                        "%s: a 1-token generation waited more than %g s behind the child's work "
+                        "(it used %.0f s of CPU meanwhile): busy, not hung",
+                        config.name,
+                        config.probe_timeout_s,
+                        (after or 0.0) - (before or 0.0),
+                    )
+                elif problem is _TIMED_OUT:
+                    return f"a 1-token generation did not answer within {config.probe_timeout_s:g} s"
+                elif problem:
                     return problem
+                else:
+                    busy = 0
                 next_probe = time.monotonic() + config.probe_interval_s
             if not config.health_path:
                 continue  # no health route (llama_cpp.server): the probe alone watches it
@@ -96,12 +128,33 @@ async def _probe_generation(config: ChildConfig, client: httpx.AsyncClient) -> s
             timeout=httpx.Timeout(config.probe_timeout_s, connect=1.0),
         )
     except httpx.TimeoutException:
-        return f"a 1-token generation did not answer within {config.probe_timeout_s:g} s"
+        return _TIMED_OUT
     except httpx.TransportError as exc:
         return f"a 1-token generation failed: {exc!r}"
     if response.status_code != 200:
         return f"a 1-token generation answered {response.status_code}: {response.text[:200]}"
     return None
+
+
+def _worked(before: float | None, after: float | None, config: ChildConfig) -> bool:
+    """Whether the child used CPU for at least half the probe's deadline while the probe waited."""
+    return before is not None and after is not None and after - before >= config.probe_timeout_s / 2
+
+
+def process_cpu_s(pid: int | None) -> float | None:
+    """The CPU seconds (user and system) process ``pid`` has used, or None where it cannot be read."""
+    if pid is None:
+        return None
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    # After the command's closing parenthesis: state is field 3, utime 14, stime 15.
+    fields = stat.rsplit(b")", 1)[-1].split()
+    try:
+        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+    except (IndexError, ValueError):
+        return None
 
 
 def _probe_body(config: ChildConfig) -> dict[str, Any]:
