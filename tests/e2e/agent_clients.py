@@ -181,8 +181,11 @@ def claude_env(home: Path, base_url: str, sink_url: str | None, **extra: str) ->
         "CLAUDE_CONFIG_DIR": str(home / ".claude"),
         "ANTHROPIC_BASE_URL": base_url,
         "ANTHROPIC_API_KEY": API_KEY,
-        # Telemetry, error reports, the auto-updater, release notes, model lists.
+        # Without it: three CONNECTs to api.anthropic.com:443 per run (telemetry,
+        # error reports, the auto-updater, feature flags).
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        # One try: by default a refused connection is retried for minutes.
+        "CLAUDE_CODE_MAX_RETRIES": "0",
         **extra,
     }
 
@@ -245,7 +248,9 @@ def codex_config(
         f"base_url = {json.dumps(base_url + '/v1')}",
         'wire_api = "responses"',
         f'env_key = "{CODEX_KEY_VAR}"',
-        # One try: a test wants the first failure, not five more.
+        # One try: a test wants the first failure, not five more. (A refused
+        # connection is retried forever all the same, "Reconnecting... waiting
+        # for network": the run's deadline ends that.)
         "request_max_retries = 0",
         "stream_max_retries = 0",
         *tables,

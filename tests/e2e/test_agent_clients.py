@@ -48,6 +48,8 @@ SMOLLM2 = "SmolLM2-135M-Instruct"
 # The reply's cap on the real engine: a few seconds of decoding on two cores.
 SMOLLM2_MAX_TOKENS = 48
 PROMPT = "Say hello in one short sentence."
+# A run in front of the fake engine takes a second or two.
+FAKE_TIMEOUT_S = 120.0
 # What the tools print: the command computes it, so it is in no request before the tool ran.
 MARKER = "blazar-42"
 MARKER_COMMAND = "echo blazar-$((6*7))"
@@ -250,7 +252,15 @@ def test_claude_code_runs_a_tool_and_sends_its_result_through_the_gateway(
     gateway = start_gateway({"agent-model": fake.url})
     relay = _relay(gateway.port)
     try:
-        run = ac.run_claude(clients, tmp_path, relay.url, "agent-model", "Print the marker.", bare=False)
+        run = ac.run_claude(
+            clients,
+            tmp_path,
+            relay.url,
+            "agent-model",
+            "Print the marker.",
+            bare=False,
+            timeout_s=FAKE_TIMEOUT_S,
+        )
         exchanges = _posts(relay, "/v1/messages")
     finally:
         relay.close()
@@ -290,7 +300,9 @@ def test_codex_runs_a_tool_and_sends_its_result_through_the_gateway(
     gateway = start_gateway({"agent-model": f"{fake.url}/v1"})
     relay = _relay(gateway.port)
     try:
-        run = ac.run_codex(clients, tmp_path, relay.url, "agent-model", "Print the marker.")
+        run = ac.run_codex(
+            clients, tmp_path, relay.url, "agent-model", "Print the marker.", timeout_s=FAKE_TIMEOUT_S
+        )
         exchanges = _posts(relay, "/v1/responses")
     finally:
         relay.close()
