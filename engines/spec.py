@@ -135,6 +135,9 @@ class RequestField:
 _NONSTREAM = {"table": "nonstream"}
 _FIELDS = {"table": "fields"}
 _PER_MODEL = {"table": ""}
+_APIS = {"table": "apis"}
+# The APIs a server may serve itself (proxy.endpoints.NATIVE_APIS: engines may not import proxy).
+NATIVE_APIS = ("messages", "responses")
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +183,16 @@ class Guards:
     # ... unless the request sets one of these fields, whose answer only a
     # non-stream reply carries: then it is sent as it is.
     stream_cannot_carry: tuple[str, ...] = field(default=(), metadata=_NONSTREAM)
+    # The APIs besides chat completions the server serves itself ("messages": the
+    # Anthropic Messages API, with count_tokens; "responses": the OpenAI Responses
+    # API): requests to them go through untouched. The others are translated to
+    # chat completions by the gateway. A spec's [apis] native_apis, or a model's
+    # native-apis (a static upstream's).
+    native_apis: tuple[str, ...] = field(default=(), metadata=_APIS)
+    # The most tokens a request may ask this model to generate, on every API (a
+    # model's max-tokens): a request asking for more, or for none, asks for this
+    # many. Set per route, never from a spec.
+    max_tokens: int | None = field(default=None, metadata=_PER_MODEL)
 
     def __hash__(self) -> int:
         # A reload compares routes, guards included, by value: hashing the whole
@@ -193,6 +206,8 @@ class Guards:
                 self.allowed,
                 self.vocab_size,
                 self.context_length,
+                self.native_apis,
+                self.max_tokens,
             )
         )
 
@@ -506,7 +521,7 @@ def _fields(read: _Reader, data: dict[str, Any]) -> tuple[RequestField, ...]:
 
 def _guards(read: _Reader, data: dict[str, Any]) -> Guards:
     """``[guards]``, ``[nonstream]`` and the field tables: each guard read by its default's type."""
-    tables = {name: read.table(data, name) for name in ("guards", "nonstream")}
+    tables = {name: read.table(data, name) for name in ("guards", "nonstream", "apis")}
     values: dict[str, Any] = {"fields": _fields(read, data)}
     for item in fields(Guards):
         name = item.metadata.get("table", "guards")
@@ -525,4 +540,13 @@ def _guards(read: _Reader, data: dict[str, Any]) -> Guards:
     unknown = set(tables["guards"]) - {f.name for f in fields(Guards) if "table" not in f.metadata}
     if unknown:
         raise SpecError(f"{read.source}: guards.{sorted(unknown)[0]}: unknown guard")
+    unknown = set(tables["apis"]) - {"native_apis"}
+    if unknown:
+        raise SpecError(f"{read.source}: apis.{sorted(unknown)[0]}: unknown key (apis has native_apis)")
+    for api in values.get("native_apis", ()):
+        if api not in NATIVE_APIS:
+            raise SpecError(
+                f"{read.source}: apis.native_apis: {api!r} is not an API the gateway knows "
+                f"({', '.join(NATIVE_APIS)})"
+            )
     return Guards(**values)

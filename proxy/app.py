@@ -24,10 +24,11 @@ from starlette.routing import Route
 
 from proxy import __version__
 from proxy.accesslog import AccessLog
-from proxy.asgi import Message, Receive, Scope, Send, send_json
+from proxy.asgi import Message, Receive, Scope, Send, send_error
 from proxy.auth import PUBLIC_PATHS, ApiKeys
 from proxy.browser import AllowedHosts, BrowserChecks
 from proxy.cors import Cors
+from proxy.endpoints import envelope_of
 from proxy.errors import HTTPError, echo, error_body
 from proxy.health import DEFAULT_INTERVAL_S
 from proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -103,14 +104,14 @@ class Gateway:
             (b"x-request-id", self.relay.request_id_of(scope)),
             server_timing(started),
         ]
-        await send_json(send, refusal.status, refusal.body(), headers)
+        await send_error(send, envelope_of(scope["path"]), refusal, headers)
 
     async def _preflight(self, scope: Scope, send: Send, origin: bytes | None) -> None:
         if origin is None:
-            body = error_body(
+            refusal = HTTPError(
                 403, "this origin is not allowed (see --cors-origin)", code="origin_not_allowed"
             )
-            await send_json(send, 403, body)
+            await send_error(send, envelope_of(scope["path"]), refusal, [])
             return
         await send(
             {
@@ -141,18 +142,18 @@ class Gateway:
 
     async def _draining(self, scope: Scope, send: Send) -> None:
         started = perf_counter()
-        body = error_body(503, "the gateway is shutting down; retry on another instance", code="draining")
+        refusal = HTTPError(503, "the gateway is shutting down; retry on another instance", code="draining")
         headers = [
             (b"connection", b"close"),
             (b"retry-after", b"1"),
             (b"x-request-id", self.relay.request_id_of(scope)),
             server_timing(started),
         ]
-        await send_json(send, 503, body, headers)
+        await send_error(send, envelope_of(scope["path"]), refusal, headers)
 
     async def _unauthorized(self, scope: Scope, send: Send) -> None:
         started = perf_counter()
-        body = error_body(
+        refusal = HTTPError(
             401,
             "Incorrect or missing API key: send it as `Authorization: Bearer <key>` or `x-api-key: <key>`",
             code="invalid_api_key",
@@ -162,7 +163,7 @@ class Gateway:
             (b"x-request-id", self.relay.request_id_of(scope)),
             server_timing(started),
         ]
-        await send_json(send, 401, body, headers)
+        await send_error(send, envelope_of(scope["path"]), refusal, headers)
 
 
 def _deployment(scope: Scope) -> bool:
@@ -275,6 +276,8 @@ class _AdminRoutes:
             # A plain route: Mount("/metrics", app) answers 307 and Prometheus scrapes nothing.
             *([Route("/metrics", self.metrics_route, methods=["GET"])] if self.metrics is not None else []),
             Route("/version", lambda r: _json(200, orjson.dumps({"version": __version__})), methods=["GET"]),
+            # Claude Code's first request (HEAD /): whether the server is there at all.
+            Route("/", self.root, methods=["GET", "HEAD"]),
         ]
 
     def describe(self, route: RouteConfig) -> dict[str, object]:
@@ -350,6 +353,10 @@ class _AdminRoutes:
     async def metrics_route(self, request: Request) -> Response:
         assert self.metrics is not None
         return Response(await self.metrics.render_off_loop(), media_type=METRICS_CONTENT_TYPE)
+
+    async def root(self, request: Request) -> Response:
+        # Public (no key needed, as the probes): it says nothing but that the gateway is here.
+        return _json(200, b'{"status":"ok"}')
 
     async def livez(self, request: Request) -> Response:
         return _json(200, b'{"status":"ok"}')

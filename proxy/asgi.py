@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from proxy.errors import Envelope, HTTPError
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -28,3 +30,13 @@ async def send_json(
         }
     )
     await send({"type": "http.response.body", "body": body})
+
+
+async def send_error(
+    send: Send, envelope: Envelope, error: HTTPError, headers: list[tuple[bytes, bytes]]
+) -> int:
+    """The one place an error is answered before a response has started: in the envelope of the API
+    the request came in on, with the error's own headers; return the body's size (the access log's)."""
+    body = envelope.body(error)
+    await send_json(send, error.status, body, [*headers, *error.headers])
+    return len(body)

@@ -26,6 +26,8 @@ from typing import Any
 
 import orjson
 
+from proxy.errors import HTTPError
+
 # A built reply larger than this is an upstream fault, not something to hold.
 LIMIT_BYTES = 64 * 1024 * 1024
 # Fields of a reply besides choices and usage, copied from the first event.
@@ -35,13 +37,11 @@ _DONE = b"data: [DONE]"
 _FIRST_KEYS: tuple[str, ...] = ("id", "system_fingerprint", "object", "model", "created")
 
 
-class AssemblyError(ValueError):
+class AssemblyError(HTTPError):
     """The stream cannot make a reply: an error event, bad JSON, or too large."""
 
     def __init__(self, message: str, status: int = 502, code: str = "upstream_bad_response") -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
+        super().__init__(status, message, code=code)
 
 
 class _Choice:

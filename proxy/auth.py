@@ -14,7 +14,8 @@ from pathlib import Path
 from proxy.asgi import Scope
 
 # Paths that answer without a key: liveness and readiness probes.
-PUBLIC_PATHS = frozenset({"/livez", "/readyz", "/health"})
+# "/": what Claude Code asks first (HEAD /), whether the server is there at all.
+PUBLIC_PATHS = frozenset({"/livez", "/readyz", "/health", "/"})
 CREDENTIAL_HEADERS = frozenset({b"authorization", b"x-api-key", b"api-key"})
 
 

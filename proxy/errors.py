@@ -1,10 +1,15 @@
-"""OpenAI-shaped errors: the ones the gateway makes and the ones it normalises.
+"""Errors: the one type the gateway raises, and each API's envelope that renders it.
 
+``HTTPError`` is every error a client is told of: the gateway's refusals and
+the upstream's failures (``proxy.upstream.UpstreamError`` is one). An
+``Envelope`` writes it in the shape of the API the request came in on:
 OpenAI clients read ``{"error": {"message", "type", "param", "code"}}`` and
-nothing else: openai-python shows ``error.message`` and picks the exception
-class from the status. Engines answer in other shapes (mlx_lm.server sends
-``{"error": "text"}``, FastAPI servers ``{"detail": ...}``, some an HTML page),
-so every error that reaches a client goes through this module.
+nothing else (openai-python shows ``error.message`` and picks the exception
+class from the status); Anthropic clients ``{"type": "error", "error":
+{"type", "message"}}``, and after a stream has started an ``event: error``.
+Engines answer in other shapes (mlx_lm.server sends ``{"error": "text"}``,
+FastAPI servers ``{"detail": ...}``, some an HTML page), so every error that
+reaches a client goes through this module.
 """
 
 from __future__ import annotations
@@ -157,3 +162,104 @@ def _default_code(status: int) -> str | None:
     if status == 429:
         return "rate_limit_exceeded"
     return None
+
+
+class Envelope:
+    """How one API writes an error: before a response (a JSON body) and inside a started stream.
+
+    This one is OpenAI's (chat and text completions, embeddings, Responses);
+    ``ANTHROPIC`` is the Messages API's.
+    """
+
+    name = "openai"
+
+    def body(self, error: HTTPError) -> bytes:
+        """The JSON body of an error answered before the response has started."""
+        return error_body(error.status, error.message, code=error.code, param=error.param)
+
+    def event(self, status: int, message: str, code: str | None) -> bytes:
+        """One SSE event that ends a started stream with an error."""
+        return sse_error_event(status, message, code=code)
+
+    def upstream(self, status: int, body: bytes) -> bytes:
+        """An upstream's error body (any shape) in this envelope."""
+        return normalize_error(status, body)
+
+
+class ResponsesEnvelope(Envelope):
+    """OpenAI's envelope; in a started Responses stream, ``response.failed`` with the error in its
+    response (what Codex and the openai SDK read as a failed response; the gateway knows no more
+    of the response it passed on than that it failed)."""
+
+    name = "responses"
+
+    def event(self, status: int, message: str, code: str | None) -> bytes:
+        doc = {
+            "type": "response.failed",
+            "response": {
+                "object": "response",
+                "status": "failed",
+                "error": {"code": code or error_type(status), "message": message},
+                "output": [],
+            },
+        }
+        return b"event: response.failed\ndata: " + orjson.dumps(doc) + b"\n\n"
+
+
+# Anthropic's error types by status (its "Errors" page); 529 is its "overloaded".
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_error_type(status: int) -> str:
+    """The Anthropic error ``type`` for an HTTP status."""
+    return _ANTHROPIC_TYPES.get(status) or ("api_error" if status >= 500 else "invalid_request_error")
+
+
+def anthropic_error_body(status: int, message: str) -> bytes:
+    """One error in Anthropic's envelope."""
+    return orjson.dumps(
+        {"type": "error", "error": {"type": anthropic_error_type(status), "message": message}}
+    )
+
+
+class AnthropicEnvelope(Envelope):
+    """The Messages API's: ``{"type": "error", "error": {"type", "message"}}``, and
+    ``event: error`` in a stream."""
+
+    name = "anthropic"
+
+    def body(self, error: HTTPError) -> bytes:
+        return anthropic_error_body(error.status, error.message)
+
+    def event(self, status: int, message: str, code: str | None) -> bytes:
+        return b"event: error\ndata: " + anthropic_error_body(status, message) + b"\n\n"
+
+    def upstream(self, status: int, body: bytes) -> bytes:
+        try:
+            doc: Any = orjson.loads(body) if body else None
+        except orjson.JSONDecodeError:
+            doc = None
+        if isinstance(doc, dict) and doc.get("type") == "error":
+            err = doc.get("error")
+            if (
+                isinstance(err, dict)
+                and isinstance(err.get("type"), str)
+                and isinstance(err.get("message"), str)
+            ):
+                return body  # already Anthropic's (an engine that serves the API itself)
+        message = orjson.loads(normalize_error(status, body))["error"]["message"]
+        return anthropic_error_body(status, message)
+
+
+OPENAI = Envelope()
+RESPONSES = ResponsesEnvelope()
+ANTHROPIC = AnthropicEnvelope()

@@ -24,6 +24,7 @@ from typing import Any, cast
 
 import httptools
 
+from proxy.errors import HTTPError
 from proxy.timers import for_loop
 
 # Reading from the upstream pauses above this many unrelayed bytes.
@@ -32,11 +33,15 @@ _HIGH_WATER_BYTES = 256 * 1024
 MAX_HEAD_BYTES = 64 * 1024
 
 
-class UpstreamError(Exception):
-    """The upstream failed; ``status`` and ``code`` say how the client is told."""
+class UpstreamError(HTTPError):
+    """The upstream failed; the class's ``status`` and ``code`` say how the client is told."""
 
     status = 502
     code = "upstream_error"
+
+    def __init__(self, message: str = "") -> None:
+        cls = type(self)
+        super().__init__(cls.status, message, code=cls.code)
 
 
 class ConnectFailed(UpstreamError):

@@ -58,6 +58,33 @@ joined), finish_reason ``stop``. A client that ran the tool and sent its
 output back thus prints that output after the prefix. Streams send the call
 as ``tool-calls=N`` does and the text in a few pieces.
 
+Native APIs, off by default: ``--native-apis messages,responses`` adds the
+routes llama-server (and vLLM) serve themselves: ``POST /v1/messages`` and
+``/v1/messages/count_tokens`` (Anthropic Messages) and ``POST /v1/responses``
+(OpenAI Responses), with or without ``/v1`` and whatever the query string.
+Their shapes come from llama.cpp's tools/server: the Message and its stream
+from server-task.cpp ``to_json_anthropic`` / ``to_json_anthropic_stream``
+(``message_start``, ``content_block_start``, ``content_block_delta``, every
+``content_block_stop`` at the end, ``message_delta``, ``message_stop``),
+count_tokens' ``{"input_tokens": N}`` from server-context.cpp, the Response
+and its stream from ``to_json_oaicompat_resp`` / ``_resp_stream``
+(``response.created``, ``response.in_progress``, ``response.output_item.added``,
+``response.content_part.added``, ``response.output_text.delta``, the
+``*.done`` events, ``response.completed``) with the spec's ``output_index``,
+``content_index`` and ``sequence_number`` that llama-server leaves out and
+vLLM sends; the framing ``event: NAME`` + ``data: JSON`` + blank line from
+server-common.cpp ``format_anthropic_sse`` / ``format_oai_resp_sse``, and no
+``[DONE]`` after the last event. Each of their records holds the whole
+reply as built (``planned_b64``), so that a test can compare what a gateway
+passed on. Errors there have llama-server's shape,
+``{"error": {"code", "message", "type"}}``. HTTP framing is this server's
+(HTTP/1.0 close-delimited, or ``--http11`` chunked as llama-server sends).
+The faults apply as on chat: die-after counts events, no-done ends the stream
+without its API's last event (``message_stop``, ``response.completed``),
+after-done puts half an event after it, status=N answers llama-server's
+error, tool-calls=N and reasoning=N give tool_use / function_call and
+thinking / reasoning items, named after the request's tools.
+
 Observability: every request (but the admin routes) is recorded; ``GET
 /_fake/requests[?since=ID]`` returns the records as JSON and ``POST
 /_fake/reset`` clears them and heals a broken engine.
@@ -122,6 +149,17 @@ _CHAT_PATHS = frozenset({"/v1/chat/completions", "/chat/completions"})
 _TEXT_PATH = "/v1/completions"
 _EMBEDDINGS_PATH = "/v1/embeddings"
 _ADMIN_PREFIX = "/_fake/"
+# Native APIs (--native-apis): route -> the API that serves it. Matched without
+# the query string (Claude Code posts /v1/messages?beta=true).
+NATIVE_APIS = ("messages", "responses")
+_NATIVE_ROUTES: dict[str, tuple[str, str]] = {
+    "/v1/messages": ("messages", "messages"),
+    "/messages": ("messages", "messages"),
+    "/v1/messages/count_tokens": ("messages", "count_tokens"),
+    "/messages/count_tokens": ("messages", "count_tokens"),
+    "/v1/responses": ("responses", "responses"),
+    "/responses": ("responses", "responses"),
+}
 
 # Limits that keep a hostile or broken client from growing the process.
 _MAX_HEAD_BYTES = 65536
@@ -308,6 +346,9 @@ class RequestRecord:
     finished_at: float | None = None
     closed_at: float | None = None
     outcome: str | None = None
+    # Native routes: the whole reply body as built, before any fault cuts it,
+    # so that a test can check that a gateway passed the bytes on untouched.
+    planned: bytes | None = None
 
     def to_json(self) -> dict[str, Any]:
         """Shape for GET /_fake/requests; the body goes both as text and base64."""
@@ -332,6 +373,7 @@ class RequestRecord:
             "finished_at": self.finished_at,
             "closed_at": self.closed_at,
             "outcome": self.outcome,
+            "planned_b64": None if self.planned is None else base64.b64encode(self.planned).decode("ascii"),
         }
 
 
@@ -363,6 +405,11 @@ class _Reply:
     close_after: bool = False
     fault: str | None = None
     error: str | None = None
+    # What ends a stream: chat's [DONE], or a native API's own last event
+    # (message_stop, response.completed); no-done leaves it out.
+    final: bytes = _DONE_EVENT
+    # A native API's reply: faults answer in llama-server's error shape.
+    native: bool = False
 
 
 def _json_headers() -> list[str]:
@@ -567,9 +614,11 @@ class FakeEngine:
         broken: bool = False,
         hang_after: int | None = None,
         options: FakeOptions | None = None,
+        native_apis: frozenset[str] = frozenset(),
         tool_script: tuple[ScriptedCall, ...] = (),
     ) -> None:
         self.http11 = http11
+        self.native_apis = native_apis
         self.tool_script = tool_script
         self.hang_after = hang_after
         self.generations = 0
@@ -637,8 +686,18 @@ class FakeEngine:
             )
         return _not_found_reply()
 
+    def native_route(self, path: str) -> str | None:
+        """ "messages", "count_tokens" or "responses" where that API is served natively, else None."""
+        if not self.native_apis:
+            return None
+        api, route = _NATIVE_ROUTES.get(path.partition("?")[0], ("", ""))
+        return route if api in self.native_apis else None
+
     def _reply_post(self, req: _Request, rec: RequestRecord, opts: FakeOptions) -> _Reply:
         path = req.path
+        native = self.native_route(path)
+        if native is not None:
+            return self._reply_native(native, req, rec, opts)
         is_chat = path in _CHAT_PATHS
         is_embeddings = self.embeddings and path == _EMBEDDINGS_PATH
         if not (is_chat or is_embeddings or path == _TEXT_PATH):
@@ -815,6 +874,55 @@ class FakeEngine:
         }
         return _json_reply(200, payload, with_length=True)
 
+    # -- native APIs (llama-server's /v1/messages and /v1/responses) -----------
+
+    def _reply_native(self, route: str, req: _Request, rec: RequestRecord, opts: FakeOptions) -> _Reply:
+        """What llama-server answers on its Anthropic and Responses routes (see _native_reply)."""
+        parsed = _load_json(req.body)
+        if isinstance(parsed, _JsonError) or not isinstance(parsed, dict):
+            return _llama_error_reply(400, "Invalid JSON in request body")
+        body: dict[str, Any] = parsed
+        raw_model = body.get("model")
+        rec.model = raw_model if isinstance(raw_model, str) else None
+        raw_stream = body.get("stream")
+        rec.stream = raw_stream if isinstance(raw_stream, bool) else None
+        if route == "responses":
+            prompt: Any = [body.get("instructions"), body.get("input"), body.get("tools")]
+            if "input" not in body:
+                return _llama_error_reply(400, '"input" is required')
+            max_tokens = body.get("max_output_tokens", self.default_max_tokens)
+        else:
+            prompt = [body.get("system"), body.get("messages"), body.get("tools")]
+            if not isinstance(body.get("messages"), list):
+                return _llama_error_reply(400, '"messages" must be an array')
+            max_tokens = body.get("max_tokens", self.default_max_tokens)
+        prompt_tokens = max(1, len(orjson.dumps(prompt)) // 8)
+        if route == "count_tokens":
+            reply = _native_json(200, {"input_tokens": prompt_tokens})
+            rec.planned = reply.body
+            return reply
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
+            return _llama_error_reply(400, "max_tokens must be a non-negative integer")
+        count = opts.chunks if opts.chunks is not None else max_tokens
+        model = raw_model if isinstance(raw_model, str) else self.model_id
+        answer = _NativeAnswer(
+            model=model,
+            pieces=_pieces(count, opts.chunk_bytes),
+            extras=_Extras.of(body, opts),
+            prompt_tokens=prompt_tokens,
+        )
+        stream = body.get("stream") is True
+        if route == "responses":
+            reply = (
+                _native_stream(answer.responses_events()) if stream else _native_json(200, answer.response())
+            )
+        else:
+            reply = (
+                _native_stream(answer.messages_events()) if stream else _native_json(200, answer.message())
+            )
+        rec.planned = reply.body if reply.events is None else b"".join(reply.events) + reply.final
+        return reply
+
     # -- wire ----------------------------------------------------------------
 
     def head_bytes(self, reply: _Reply, length: int | None, chunked: bool, close: bool) -> bytes:
@@ -898,7 +1006,12 @@ class FakeEngine:
         if req.method != "POST":
             return False
         path = req.path
-        return path in _CHAT_PATHS or path == _TEXT_PATH or (self.embeddings and path == _EMBEDDINGS_PATH)
+        return (
+            path in _CHAT_PATHS
+            or path == _TEXT_PATH
+            or (self.embeddings and path == _EMBEDDINGS_PATH)
+            or self.native_route(path) is not None
+        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -938,11 +1051,12 @@ class ScriptedCall:
 def _tool_names(body: dict[str, Any]) -> list[str]:
     tools = body.get("tools")
     return [
-        t["function"]["name"]
+        name
         for t in (tools if isinstance(tools, list) else [])
         if isinstance(t, dict)
-        and isinstance(t.get("function"), dict)
-        and isinstance(t["function"].get("name"), str)
+        # Chat nests the name in "function"; Anthropic and Responses tools carry it flat.
+        and isinstance(fn := t.get("function", t), dict)
+        and isinstance(name := fn.get("name"), str)
     ]
 
 
@@ -1014,6 +1128,258 @@ class _Extras:
     @property
     def tokens(self) -> int:
         return len(self.reasoning) + 8 * len(self.calls)
+
+
+def _llama_error_reply(status: int, message: str) -> _Reply:
+    """llama-server's error body (format_error_response), on its native routes too."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    reply = _native_json(status, {"error": {"code": status, "message": message, "type": kind}})
+    reply.native = True
+    return reply
+
+
+def _native_json(status: int, payload: Any) -> _Reply:
+    reply = _json_reply(status, payload, with_length=True)
+    reply.native = True
+    return reply
+
+
+def _native_stream(events: list[bytes]) -> _Reply:
+    """A native stream: its last event ends it (no [DONE] after it, as llama-server sends none)."""
+    reply = _Reply(status=200, reason="OK", header_lines=_stream_headers(), events=events[:-1])
+    reply.final = events[-1]
+    reply.native = True
+    return reply
+
+
+def _sse(name: str, data: dict[str, Any]) -> bytes:
+    """format_anthropic_sse / format_oai_resp_sse: an event line, a data line, a blank line."""
+    return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _NativeAnswer:
+    """One generated answer (reasoning, text pieces, tool calls) in the two native APIs' shapes.
+
+    Event names, their order and framing follow llama-server (tools/server/server-task.cpp,
+    to_json_anthropic*/to_json_oaicompat_resp*; server-common.cpp format_*_sse): Anthropic
+    ``message_start``, ``content_block_start``/``_delta``, every ``content_block_stop`` at the
+    end, ``message_delta``, ``message_stop``; Responses ``response.created``,
+    ``response.in_progress``, items added, deltas, ``*.done``, ``response.completed``. Where
+    llama-server leaves out fields of OpenAI's Responses spec (``output_index``,
+    ``content_index``, ``sequence_number``, the response object in ``response.created``), the
+    fake adds them as vLLM sends them: the SDKs' stream helpers need them.
+    """
+
+    model: str
+    pieces: tuple[str, ...]
+    extras: _Extras
+    prompt_tokens: int
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    @property
+    def output_tokens(self) -> int:
+        return len(self.pieces) + self.extras.tokens
+
+    @property
+    def stop_reason(self) -> str:
+        return "tool_use" if self.extras.calls else "max_tokens"
+
+    def message(self) -> dict[str, Any]:
+        """The non-stream Anthropic Message (to_json_anthropic)."""
+        content: list[dict[str, Any]] = []
+        if self.extras.reasoning:
+            content.append({"type": "thinking", "thinking": "".join(self.extras.reasoning), "signature": ""})
+        if self.pieces:
+            content.append({"type": "text", "text": self.text})
+        content += [
+            {"type": "tool_use", "id": c.id, "name": c.name, "input": orjson.loads(c.arguments)}
+            for c in self.extras.calls
+        ]
+        return {
+            "id": _completion_id("msg_"),
+            "type": "message",
+            "role": "assistant",
+            "content": content,
+            "model": self.model,
+            "stop_reason": self.stop_reason,
+            "stop_sequence": None,
+            "usage": {"input_tokens": self.prompt_tokens, "output_tokens": self.output_tokens},
+        }
+
+    def messages_events(self) -> list[bytes]:
+        """The Anthropic stream (to_json_anthropic partial and final), message_stop last."""
+        message = {**self.message(), "content": [], "stop_reason": None}
+        message["usage"] = {"input_tokens": self.prompt_tokens, "output_tokens": 0}
+        events = [_sse("message_start", {"type": "message_start", "message": message})]
+        index = 0
+
+        def block(kind: dict[str, Any], deltas: list[dict[str, Any]]) -> None:
+            events.append(
+                _sse(
+                    "content_block_start",
+                    {"type": "content_block_start", "index": index, "content_block": kind},
+                )
+            )
+            events.extend(
+                _sse("content_block_delta", {"type": "content_block_delta", "index": index, "delta": d})
+                for d in deltas
+            )
+
+        if self.extras.reasoning:
+            thinking = [{"type": "thinking_delta", "thinking": r} for r in self.extras.reasoning]
+            block(
+                {"type": "thinking", "thinking": ""},
+                [*thinking, {"type": "signature_delta", "signature": ""}],
+            )
+            index += 1
+        if self.pieces:
+            block({"type": "text", "text": ""}, [{"type": "text_delta", "text": p} for p in self.pieces])
+            index += 1
+        for call in self.extras.calls:
+            kind = {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}
+            block(kind, [{"type": "input_json_delta", "partial_json": a} for a in call.pieces()])
+            index += 1
+        events += [
+            _sse("content_block_stop", {"type": "content_block_stop", "index": i}) for i in range(index)
+        ]
+        delta = {"stop_reason": self.stop_reason, "stop_sequence": None}
+        usage = {"output_tokens": self.output_tokens}
+        events.append(_sse("message_delta", {"type": "message_delta", "delta": delta, "usage": usage}))
+        events.append(_sse("message_stop", {"type": "message_stop"}))
+        return events
+
+    def _output(self, message_id: str) -> list[dict[str, Any]]:
+        output: list[dict[str, Any]] = []
+        if self.extras.reasoning:
+            summary: list[Any] = []
+            text = "".join(self.extras.reasoning)
+            output.append(
+                {
+                    "id": "rs_" + message_id[4:],
+                    "type": "reasoning",
+                    "summary": summary,
+                    "content": [{"type": "reasoning_text", "text": text}],
+                    "encrypted_content": "",
+                    "status": "completed",
+                }
+            )
+        if self.pieces:
+            part = {"type": "output_text", "annotations": [], "logprobs": [], "text": self.text}
+            output.append(
+                {
+                    "id": message_id,
+                    "type": "message",
+                    "role": "assistant",
+                    "status": "completed",
+                    "content": [part],
+                }
+            )
+        output += [
+            {
+                "id": "fc_" + c.id,
+                "type": "function_call",
+                "status": "completed",
+                "arguments": c.arguments,
+                "call_id": c.id,
+                "name": c.name,
+            }
+            for c in self.extras.calls
+        ]
+        return output
+
+    def response(self, response_id: str | None = None, message_id: str | None = None) -> dict[str, Any]:
+        """The non-stream Responses object (to_json_oaicompat_resp)."""
+        now = int(time.time())
+        return {
+            "id": response_id or _completion_id("resp_"),
+            "object": "response",
+            "created_at": now,
+            "completed_at": now,
+            "status": "completed",
+            "model": self.model,
+            "output": self._output(message_id or _completion_id("msg_")),
+            "usage": {
+                "input_tokens": self.prompt_tokens,
+                "output_tokens": self.output_tokens,
+                "total_tokens": self.prompt_tokens + self.output_tokens,
+            },
+        }
+
+    def responses_events(self) -> list[bytes]:
+        """The Responses stream (to_json_oaicompat_resp partial and final), response.completed last."""
+        response_id, message_id = _completion_id("resp_"), _completion_id("msg_")
+        final = self.response(response_id, message_id)
+        items = final["output"]
+        started = {
+            **final,
+            "status": "in_progress",
+            "output": [],
+            "usage": None,
+            "completed_at": None,
+        }
+        payloads: list[dict[str, Any]] = [
+            {"type": "response.created", "response": started},
+            {"type": "response.in_progress", "response": started},
+        ]
+        for index, item in enumerate(items):
+            added = {**item, "status": "in_progress"}
+            if item["type"] == "message":
+                added["content"] = []
+            elif item["type"] == "function_call":
+                added["arguments"] = ""
+            elif item["type"] == "reasoning":
+                added["content"] = []
+            payloads.append({"type": "response.output_item.added", "output_index": index, "item": added})
+            at = {"item_id": item["id"], "output_index": index}
+            if item["type"] == "reasoning":
+                payloads += [
+                    {"type": "response.reasoning_text.delta", **at, "content_index": 0, "delta": r}
+                    for r in self.extras.reasoning
+                ]
+            elif item["type"] == "message":
+                part = item["content"][0]
+                empty = {**part, "text": ""}
+                payloads.append(
+                    {"type": "response.content_part.added", **at, "content_index": 0, "part": empty}
+                )
+                payloads += [
+                    {
+                        "type": "response.output_text.delta",
+                        **at,
+                        "content_index": 0,
+                        "delta": p,
+                        "logprobs": [],
+                    }
+                    for p in self.pieces
+                ]
+                payloads.append(
+                    {
+                        "type": "response.output_text.done",
+                        **at,
+                        "content_index": 0,
+                        "text": self.text,
+                        "logprobs": [],
+                    }
+                )
+                payloads.append(
+                    {"type": "response.content_part.done", **at, "content_index": 0, "part": part}
+                )
+            else:
+                call = self.extras.calls[index - len(items) + len(self.extras.calls)]
+                payloads += [
+                    {"type": "response.function_call_arguments.delta", **at, "delta": a}
+                    for a in call.pieces()
+                ]
+                payloads.append(
+                    {"type": "response.function_call_arguments.done", **at, "arguments": call.arguments}
+                )
+            payloads.append({"type": "response.output_item.done", "output_index": index, "item": item})
+        payloads.append({"type": "response.completed", "response": final})
+        return [_sse(p["type"], {**p, "sequence_number": n}) for n, p in enumerate(payloads)]
 
 
 def _not_found_reply() -> _Reply:
@@ -1326,12 +1692,12 @@ class _Connection(asyncio.Protocol):
             if chunked:
                 parts.extend([_frame(ev) for ev in reply.events])
                 if not reply.cut_before_done:
-                    parts.append(_frame(_DONE_EVENT))
+                    parts.append(_frame(reply.final))
                     parts.append(b"0\r\n\r\n")
             else:
                 parts.extend(reply.events)
                 if not reply.cut_before_done:
-                    parts.append(_DONE_EVENT)
+                    parts.append(reply.final)
             transport.write(b"".join(parts))
             if rec is not None:
                 rec.events_sent = len(reply.events)
@@ -1370,7 +1736,10 @@ class _Connection(asyncio.Protocol):
         transport = self._transport
         assert transport is not None
         if opts.status is not None and not reply.empty:
-            reply = _mlx_error_reply(opts.status, {"error": "fake error"})
+            if reply.native:
+                reply = _llama_error_reply(opts.status, "fake error")
+            else:
+                reply = _mlx_error_reply(opts.status, {"error": "fake error"})
             reply.fault = "status"
             if opts.status in (429, 503):
                 reply.header_lines.append("Retry-After: 7")
@@ -1378,7 +1747,7 @@ class _Connection(asyncio.Protocol):
         if opts.sse_length and reply.events is not None:
             # The whole stream's length up front, unchunked, and the connection kept.
             chunked, close = False, not req.keep_alive or reply.close_after
-            length = sum(map(len, reply.events)) + len(_DONE_EVENT)
+            length = sum(map(len, reply.events)) + len(reply.final)
             head = self._engine.head_bytes(reply, length, chunked, close)
         head_sent = False
         # mlx rejects bad fields before any generation work, so no prefill.
@@ -1486,7 +1855,7 @@ class _Connection(asyncio.Protocol):
         reply.header_lines.append("Content-Encoding: gzip")
         transport.write(self._engine.head_bytes(reply, None, chunked, not chunked))
         packer = zlib.compressobj(wbits=31)
-        events = [*reply.events, _DONE_EVENT]
+        events = [*reply.events, reply.final]
         for index, event in enumerate(events):
             if opts.die_after is not None and index >= opts.die_after:
                 rec.fault = "gzip-die-after"
@@ -1573,9 +1942,9 @@ class _Connection(asyncio.Protocol):
             return
         after = _AFTER_DONE if opts.after_done else b""
         if chunked:
-            transport.write(_frame(_DONE_EVENT) + (_frame(after) if after else b"") + b"0\r\n\r\n")
+            transport.write(_frame(reply.final) + (_frame(after) if after else b"") + b"0\r\n\r\n")
         else:
-            transport.write(_DONE_EVENT + after)
+            transport.write(reply.final + after)
 
     def _finish(self, rec: RequestRecord, outcome: str, status: int | None) -> None:
         if rec.outcome is None:
@@ -1611,12 +1980,14 @@ async def start_fake_engine(
     max_records: int = 10000,
     broken: bool = False,
     hang_after: int | None = None,
+    native_apis: frozenset[str] = frozenset(),
     tool_script: tuple[ScriptedCall, ...] = (),
     **options: Any,
 ) -> FakeEngine:
     """Start an engine in this event loop; ``options`` are FakeOptions fields."""
     engine = FakeEngine(
         hang_after=hang_after,
+        native_apis=native_apis,
         tool_script=tool_script,
         http11=http11,
         embeddings=embeddings,
@@ -1628,6 +1999,16 @@ async def start_fake_engine(
     )
     await engine.start(host, port)
     return engine
+
+
+def _parse_native_apis(text: str) -> frozenset[str]:
+    apis = frozenset(a.strip() for a in text.split(",") if a.strip())
+    unknown = apis - set(NATIVE_APIS)
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown API {', '.join(sorted(unknown))}: one of {', '.join(NATIVE_APIS)}"
+        )
+    return apis
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -1649,6 +2030,14 @@ def _build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="after N generation requests, generation hangs while /health stays 200",
+    )
+    parser.add_argument(
+        "--native-apis",
+        type=_parse_native_apis,
+        default=frozenset(),
+        metavar="API[,API]",
+        help="also serve these APIs natively, as llama-server does: messages (POST /v1/messages "
+        "and /v1/messages/count_tokens), responses (POST /v1/responses)",
     )
     parser.add_argument("--prefill", type=_parse_seconds, default=0.0, metavar="S")
     parser.add_argument("--keepalive", type=_parse_seconds, default=0.0, metavar="S")
@@ -1684,6 +2073,7 @@ async def _serve_until_signal(args: argparse.Namespace) -> None:
         max_records=args.max_records,
         broken=args.broken,
         hang_after=args.hang_after,
+        native_apis=args.native_apis,
         prefill_s=args.prefill,
         keepalive_s=args.keepalive,
         chunk_delay_s=args.chunk_delay,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import signal
 import socket
 import subprocess
@@ -323,7 +324,7 @@ def scripted() -> Iterator[Engine]:
     yield from _spawn("--tool-call", 'Bash={"command": "echo hi"}', "--tool-call", 'shell={"cmd": ["ls"]}')
 
 
-def _events(raw: bytes) -> list[dict[str, Any]]:
+def _chat_events(raw: bytes) -> list[dict[str, Any]]:
     _, _, body = _split(raw)
     return [orjson.loads(line[6:]) for line in body.split(b"\n") if line.startswith(b"data: {")]
 
@@ -344,7 +345,7 @@ def test_scripted_tool_call_is_one_call_of_the_offered_tool(scripted: Engine) ->
     [call] = choice["message"]["tool_calls"]
     assert call["function"] == {"name": "shell", "arguments": '{"cmd":["ls"]}'}
 
-    events = _events(_exchange(scripted.port, _request(CHAT, {**body, "stream": True}, _tag())))
+    events = _chat_events(_exchange(scripted.port, _request(CHAT, {**body, "stream": True}, _tag())))
     deltas = [e["choices"][0]["delta"] for e in events]
     assert not any(d.get("content") for d in deltas)
     calls = [c for d in deltas for c in d.get("tool_calls", [])]
@@ -369,7 +370,7 @@ def test_scripted_tool_result_is_echoed_in_the_final_text(scripted: Engine) -> N
         },
     ]
     body = {"messages": messages, "tools": _TOOLS, "stream": True}
-    events = _events(_exchange(scripted.port, _request(CHAT, body, _tag())))
+    events = _chat_events(_exchange(scripted.port, _request(CHAT, body, _tag())))
     text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
     assert text == TOOL_RESULT_PREFIX + "out-42"
     assert events[-1]["choices"][0]["finish_reason"] == "stop"
@@ -399,3 +400,252 @@ def test_scripted_tool_call_flag_rejects_arguments_that_are_not_a_json_object() 
             timeout=30,
         )
         assert result.returncode == 2 and b"--tool-call" in result.stderr, (value, result)
+
+
+# -- native APIs (--native-apis): llama-server's /v1/messages and /v1/responses ----
+
+MESSAGES = "/v1/messages"
+RESPONSES = "/v1/responses"
+ASK: Any = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def native() -> Iterator[Engine]:
+    yield from _spawn("--native-apis", "messages,responses")
+
+
+@pytest.fixture(scope="module")
+def native11() -> Iterator[Engine]:
+    yield from _spawn("--native-apis", "messages,responses", "--http11")
+
+
+def _events(payload: bytes) -> list[tuple[str, dict[str, Any]]]:
+    """A native stream's events as (name, data); each must be exactly an event line and a data line."""
+    out = []
+    for block in payload.split(b"\n\n")[:-1]:
+        event, data = block.split(b"\n")
+        assert event.startswith(b"event: ") and data.startswith(b"data: "), block
+        parsed = orjson.loads(data.removeprefix(b"data: "))
+        assert parsed["type"] == event.removeprefix(b"event: ").decode()
+        out.append((parsed["type"], parsed))
+    assert payload.endswith(b"\n\n")
+    return out
+
+
+def test_native_routes_are_off_by_default(mlx: Engine) -> None:
+    """Without --native-apis the Messages and Responses routes are 404, as on mlx_lm.server."""
+    tag = _tag()
+    for path in (MESSAGES, MESSAGES + "/count_tokens", RESPONSES):
+        status, _, payload = _split(_exchange(mlx.port, _request(path, {"messages": ASK}, tag)))
+        assert status == "HTTP/1.0 404 Not Found" and payload == b"Not Found"
+
+
+def test_native_messages_stream_is_llama_servers(native: Engine) -> None:
+    """A Messages stream is llama-server's event sequence, message_stop last, no [DONE]; query ignored."""
+    tag = _tag()
+    body = {"model": "m", "max_tokens": 3, "messages": ASK, "stream": True}
+    status, headers, payload = _split(_exchange(native.port, _request(MESSAGES + "?beta=true", body, tag)))
+    assert status == "HTTP/1.0 200 OK" and headers["content-type"] == "text/event-stream"
+    events = _events(payload)
+    assert [name for name, _ in events] == [
+        "message_start",
+        "content_block_start",
+        *["content_block_delta"] * 3,
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
+    assert b"[DONE]" not in payload
+    assert events[0][1]["message"]["model"] == "m"
+    assert "".join(d["delta"]["text"] for n, d in events if n == "content_block_delta") == "tok0 tok1 tok2 "
+    assert events[-2][1]["delta"]["stop_reason"] == "max_tokens"
+    assert events[-2][1]["usage"]["output_tokens"] == 3
+    record = native.wait_record(tag, lambda r: r["outcome"] == "completed")
+    assert record["model"] == "m" and record["stream"] is True and record["path"] == MESSAGES + "?beta=true"
+    assert base64.b64decode(record["planned_b64"]) == payload
+
+
+def test_native_messages_with_tool_calls_and_thinking(native: Engine) -> None:
+    """tool-calls and reasoning give thinking, text and tool_use blocks, stop_reason tool_use, both ways."""
+    tag = _tag()
+    tools = [{"name": "get_weather", "input_schema": {"type": "object"}}]
+    body = {"model": "m", "max_tokens": 2, "messages": ASK, "tools": tools}
+    fake = "tool-calls=2; reasoning=1"
+    _, _, payload = _split(_exchange(native.port, _request(MESSAGES, body, tag, fake=fake)))
+    message = orjson.loads(payload)
+    assert [b["type"] for b in message["content"]] == ["thinking", "text", "tool_use", "tool_use"]
+    assert (
+        message["content"][2]["name"] == "get_weather" and message["content"][2]["input"]["city"] == "Paris"
+    )
+    assert message["stop_reason"] == "tool_use" and message["usage"]["output_tokens"] > 2
+
+    _, _, payload = _split(
+        _exchange(native.port, _request(MESSAGES, {**body, "stream": True}, tag, fake=fake))
+    )
+    events = _events(payload)
+    starts = [d["content_block"]["type"] for n, d in events if n == "content_block_start"]
+    assert starts == ["thinking", "text", "tool_use", "tool_use"]
+    partial = [
+        d["delta"]["partial_json"] for n, d in events if d.get("delta", {}).get("type") == "input_json_delta"
+    ]
+    assert orjson.loads("".join(partial[:3])) == message["content"][2]["input"]
+    assert [d["index"] for n, d in events if n == "content_block_stop"] == [0, 1, 2, 3]
+    assert events[-2][1]["delta"]["stop_reason"] == "tool_use"
+
+
+def test_native_count_tokens_grows_with_the_prompt(native: Engine) -> None:
+    """count_tokens answers {"input_tokens": N}, N positive and larger for a longer prompt."""
+    tag = _tag()
+    counts = []
+    for text in ("hi", "hi " * 200):
+        body = {"model": "m", "messages": [{"role": "user", "content": text}]}
+        status, _, payload = _split(_exchange(native.port, _request(MESSAGES + "/count_tokens", body, tag)))
+        assert status == "HTTP/1.0 200 OK"
+        doc = orjson.loads(payload)
+        assert list(doc) == ["input_tokens"]
+        counts.append(doc["input_tokens"])
+    assert 0 < counts[0] < counts[1]
+
+
+def test_native_responses_stream_ends_with_completed(native: Engine) -> None:
+    """A Responses stream runs response.created .. response.completed, numbered, no [DONE]."""
+    tag = _tag()
+    tools = [{"type": "function", "name": "shell", "parameters": {"type": "object"}}]
+    body = {"model": "m", "max_output_tokens": 2, "input": "hi", "stream": True, "tools": tools}
+    _, _, payload = _split(_exchange(native.port, _request(RESPONSES, body, tag, fake="tool-calls=1")))
+    events = _events(payload)
+    names = [name for name, _ in events]
+    assert names[:2] == ["response.created", "response.in_progress"]
+    assert names[-1] == "response.completed" and b"[DONE]" not in payload
+    assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
+    assert "".join(d["delta"] for n, d in events if n == "response.output_text.delta") == "tok0 tok1 "
+    final = events[-1][1]["response"]
+    assert final["status"] == "completed" and final["model"] == "m"
+    assert [o["type"] for o in final["output"]] == ["message", "function_call"]
+    call = final["output"][1]
+    args = "".join(d["delta"] for n, d in events if n == "response.function_call_arguments.delta")
+    assert call["name"] == "shell" and args == call["arguments"]
+
+    _, _, payload = _split(_exchange(native.port, _request(RESPONSES, {**body, "stream": False}, tag)))
+    response = orjson.loads(payload)
+    assert response["object"] == "response" and response["output"][0]["content"][0]["text"] == "tok0 tok1 "
+    assert response["usage"]["output_tokens"] == 2
+
+
+@pytest.mark.parametrize("path", [MESSAGES, RESPONSES])
+def test_native_die_after_and_no_done_cut_before_the_last_event(native: Engine, path: str) -> None:
+    """die-after=N sends N events and closes; no-done sends every event but the API's last one."""
+    tag = _tag()
+    body = {
+        "model": "m",
+        "max_tokens": 3,
+        "max_output_tokens": 3,
+        "messages": ASK,
+        "input": "hi",
+        "stream": True,
+    }
+    _, _, whole = _split(_exchange(native.port, _request(path, body, tag)))
+    last = _events(whole)[-1][0]
+    assert last in ("message_stop", "response.completed")
+
+    _, _, payload = _split(_exchange(native.port, _request(path, body, tag, fake="die-after=3")))
+    assert len(_events(payload)) == 3
+    record = native.wait_record(tag, lambda r: r["fault"] == "die-after")
+    assert record["outcome"] == "aborted_by_fault"
+    planned = base64.b64decode(record["planned_b64"])
+    assert planned.startswith(payload) and _events(planned)[-1][0] == last
+
+    _, _, payload = _split(_exchange(native.port, _request(path, body, tag, fake="no-done")))
+    names = [name for name, _ in _events(payload)]
+    assert names == [name for name, _ in _events(whole)][:-1] and last not in names
+    assert native.wait_record(tag, lambda r: r["fault"] == "no-done")["events_sent"] == len(names)
+
+
+def test_native_status_fault_is_llama_servers_error(native: Engine) -> None:
+    """status=N on a native route answers llama-server's nested error body, not mlx's flat one."""
+    tag = _tag()
+    body = {"model": "m", "messages": ASK, "stream": True}
+    status, headers, payload = _split(
+        _exchange(native.port, _request(MESSAGES, body, tag, fake="status=429"))
+    )
+    assert status == "HTTP/1.0 429 Too Many Requests" and headers["retry-after"] == "7"
+    assert orjson.loads(payload) == {
+        "error": {"code": 429, "message": "fake error", "type": "invalid_request_error"}
+    }
+    status, _, payload = _split(_exchange(native.port, _request(RESPONSES, {"model": "m"}, tag)))
+    assert status == "HTTP/1.0 400 Bad Request" and orjson.loads(payload)["error"]["code"] == 400
+
+
+def test_native_http11_chunks_and_keeps_alive_also_without_the_last_event(native11: Engine) -> None:
+    """With --http11 native streams are chunked on a kept connection, no-done ends with the 0 chunk."""
+    tag = _tag()
+    body = {"model": "m", "max_tokens": 2, "messages": ASK, "stream": True}
+    with socket.create_connection(("127.0.0.1", native11.port), timeout=5) as sock:
+        reader = _Reader(sock)
+        sock.sendall(_request(MESSAGES, body, tag))
+        status, headers, payload = reader.response()
+        assert status == "HTTP/1.1 200 OK" and headers["transfer-encoding"] == "chunked"
+        assert _events(payload)[-1][0] == "message_stop"
+        sock.sendall(_request(MESSAGES, body, tag, fake="no-done"))
+        _, _, payload = reader.response()
+        assert _events(payload)[-1][0] == "message_delta"
+        sock.sendall(_request(MESSAGES + "/count_tokens", body, tag))
+        _, headers, payload = reader.response()
+        assert int(headers["content-length"]) == len(payload) and orjson.loads(payload)["input_tokens"] > 0
+    assert len({r["conn_id"] for r in native11.records(tag)}) == 1
+
+
+def test_native_stall_holds_the_stream_after_its_first_event(native: Engine) -> None:
+    """stall=S sends the first event, then nothing for S seconds, then the rest."""
+    tag = _tag()
+    body = {"model": "m", "max_output_tokens": 2, "input": "hi", "stream": True}
+    with socket.create_connection(("127.0.0.1", native.port), timeout=5) as sock:
+        sock.sendall(_request(RESPONSES, body, tag, fake="stall=0.5"))
+        received = b""
+        while b"response.created" not in received:
+            received += sock.recv(65536)
+        native.wait_record(tag, lambda r: r["events_sent"] == 1)
+        assert b"response.in_progress" not in received
+        while data := sock.recv(65536):
+            received += data
+    assert _events(_split(received)[2])[-1][0] == "response.completed"
+
+
+def test_native_shapes_satisfy_the_sdks_stream_helpers(native: Engine) -> None:
+    """The anthropic and openai SDKs' strict stream helpers accept the fake's native streams whole."""
+    import anthropic
+    import openai
+
+    base = f"http://127.0.0.1:{native.port}"
+    claude_http = anthropic.DefaultHttpxClient(trust_env=False, timeout=5.0)
+    openai_http = openai.DefaultHttpxClient(trust_env=False, timeout=5.0)
+    try:
+        claude = anthropic.Anthropic(base_url=base, api_key="k", max_retries=0, http_client=claude_http)
+        headers = {"x-fake": "tool-calls=1"}
+        tools: Any = [{"name": "get_weather", "input_schema": {"type": "object"}}]
+        with claude.messages.stream(
+            model="m",
+            max_tokens=3,
+            messages=ASK,
+            tools=tools,
+            extra_headers=headers,
+        ) as stream:
+            text = "".join(stream.text_stream)
+            message = stream.get_final_message()
+        assert text == "tok0 tok1 tok2 " and message.stop_reason == "tool_use"
+        assert message.content[-1].type == "tool_use" and message.content[-1].input["city"] == "Paris"
+        count = claude.messages.count_tokens(model="m", messages=ASK)
+        assert count.input_tokens > 0
+
+        oai = openai.OpenAI(base_url=base + "/v1", api_key="k", max_retries=0, http_client=openai_http)
+        functions: Any = [{"type": "function", "name": "shell", "parameters": {"type": "object"}}]
+        with oai.responses.stream(
+            model="m", input="hi", max_output_tokens=2, tools=functions, extra_headers=headers
+        ) as rstream:
+            deltas = [e.delta for e in rstream if e.type == "response.output_text.delta"]
+            response = rstream.get_final_response()
+        assert "".join(deltas) == "tok0 tok1 " == response.output_text
+        assert response.output[-1].type == "function_call" and response.output[-1].name == "shell"
+    finally:
+        claude_http.close()
+        openai_http.close()

@@ -17,9 +17,10 @@ disconnect and stall watchers), ``failures`` (what the client is told),
 ``outcome`` (the one record), ``drain``, ``ids``, ``timing``, ``settings``.
 """
 
+from proxy.endpoints import ENDPOINTS
 from proxy.relay.handler import Relay
 from proxy.relay.ids import RequestIds
-from proxy.relay.routes import ENDPOINTS, deployment_path
+from proxy.relay.routes import deployment_path
 from proxy.relay.settings import RelaySettings
 from proxy.relay.timing import server_timing
 

@@ -53,7 +53,9 @@ async def respond_built(
         conn.close()
         outcome.status, outcome.error = exc.status, exc.code
         timing = server_timing(started, sent_at, perf_counter())
-        outcome.bytes_out = await send_upstream_error(send, exc, outcome.request_id, timing)
+        outcome.bytes_out = await send_upstream_error(
+            send, outcome.endpoint.envelope, exc, outcome.request_id, timing
+        )
         return
     outcome.status = 200
     outcome.bytes_out = len(body)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 from time import perf_counter
 
-from proxy.asgi import Receive, Scope, Send, send_json
+from proxy.asgi import Receive, Scope, Send, send_error, send_json
 from proxy.auth import CREDENTIAL_HEADERS
-from proxy.errors import echo, sse_error_event
+from proxy.errors import HTTPError, echo
 from proxy.forwarded import ProxyTrust
 from proxy.headers import (
     add_sse_headers,
@@ -27,7 +27,7 @@ from proxy.headers import (
 from proxy.relay.body import relay_body
 from proxy.relay.built import respond_built
 from proxy.relay.drain import Drain
-from proxy.relay.failures import KEPT_ON_ERRORS, read_error_body, send_upstream_error, upstream_error_body
+from proxy.relay.failures import KEPT_ON_ERRORS, read_error_body, send_upstream_error
 from proxy.relay.heartbeat import await_head_with_heartbeats, continue_stream
 from proxy.relay.out import writer_for
 from proxy.relay.outcome import Outcome
@@ -36,8 +36,14 @@ from proxy.relay.routes import Peer
 from proxy.relay.settings import RelaySettings
 from proxy.relay.sse import relay_events
 from proxy.relay.timing import server_timing, timing_header
+from proxy.relay.translated import respond_translated
 from proxy.relay.watch import ClientWatch, arm_guards
 from proxy.upstream import ClientGone, ConnectFailed, Connection, Draining, UpstreamError
+
+
+def _chat_stream(conn: Connection) -> bool:
+    """Whether the upstream's head starts the chat stream a translated request asked for."""
+    return conn.status == 200 and is_event_stream_type(conn.content_type) and conn.content_encoding is None
 
 
 class Exchange:
@@ -173,7 +179,7 @@ class Exchange:
         """Answer for an exchange that could not begin (no connection, or the drain is over)."""
         outcome.failed(exc)
         outcome.bytes_out = await send_upstream_error(
-            send, exc, outcome.request_id, server_timing(outcome.started)
+            send, outcome.endpoint.envelope, exc, outcome.request_id, server_timing(outcome.started)
         )
 
     async def _head_failed(self, conn: Connection, send: Send, outcome: Outcome, exc: UpstreamError) -> None:
@@ -181,12 +187,14 @@ class Exchange:
         conn.close()
         outcome.failed(exc)
         if outcome.sse_started:
-            event = sse_error_event(exc.status, str(exc), code=exc.code)
+            event = outcome.endpoint.envelope.event(exc.status, exc.message, exc.code)
             outcome.bytes_out += len(event)  # after the heartbeats'
             await send({"type": "http.response.body", "body": event})
         else:
             timing = server_timing(outcome.started, outcome.sent_at, perf_counter())
-            outcome.bytes_out = await send_upstream_error(send, exc, outcome.request_id, timing)
+            outcome.bytes_out = await send_upstream_error(
+                send, outcome.endpoint.envelope, exc, outcome.request_id, timing
+            )
 
     async def _respond(self, conn: Connection, scope: Scope, send: Send, outcome: Outcome) -> None:
         """The upstream's head is in: answer with it, or with what is wrong with it."""
@@ -198,7 +206,10 @@ class Exchange:
             # The client's first byte was the gateway's own heartbeat; the
             # gateway's own time is still everything but the upstream's wait.
             outcome.own_s = sent_at - started + perf_counter() - head_at
-            await continue_stream(conn, send, status, outcome, self._read_timeout_s)
+            if outcome.translator is not None and _chat_stream(conn):
+                await respond_translated(conn, scope, send, outcome, head_at, self._read_timeout_s)
+            else:
+                await continue_stream(conn, send, status, outcome, self._read_timeout_s)
             return
         outcome.status = status
         if not 200 <= status <= 599:
@@ -207,6 +218,16 @@ class Exchange:
             return
         headers = filter_response_headers(conn.headers)
         sse = is_event_stream_type(conn.content_type)
+        if outcome.translator is not None and status < 400:
+            if _chat_stream(conn):
+                outcome.own_s = sent_at - started + perf_counter() - head_at
+                await respond_translated(conn, scope, send, outcome, head_at, self._read_timeout_s)
+            else:
+                conn.close()
+                kind = echo((conn.content_type or b"no content type").decode("latin-1"))
+                message = f"upstream answered the chat completion it was sent with {status} {kind}"
+                await self._bad_response(send, outcome, head_at, message)
+            return
         if outcome.built is not None and status == 200 and sse:
             if conn.content_encoding is not None:
                 conn.close()
@@ -228,16 +249,17 @@ class Exchange:
             await self._bad_response(send, outcome, head_at, message)
             return
         if status >= 400 and not sse:
+            envelope = outcome.endpoint.envelope
             # The upstream's head came: the same ttfb and overhead a relayed success has.
             outcome.own_s = sent_at - started + perf_counter() - head_at
             try:
-                body = await read_error_body(conn, self._read_timeout_s)
+                body = await read_error_body(conn, envelope, self._read_timeout_s)
             except UpstreamError as exc:
                 # The error body broke or timed out: say that, with its own status.
                 conn.close()
                 outcome.failed(exc)
                 outcome.own_s = None  # the gateway's own answer, as for a head that failed
-                status, body = exc.status, upstream_error_body(exc.status, str(exc), exc.code)
+                status, body = exc.status, envelope.body(exc)
             kept = [(n, v) for n, v in headers if n in KEPT_ON_ERRORS]
             timing = server_timing(started, sent_at, perf_counter())
             outcome.bytes_out = len(body)
@@ -267,7 +289,8 @@ class Exchange:
     async def _bad_response(self, send: Send, outcome: Outcome, head_at: float, message: str) -> None:
         """502 upstream_bad_response: a head the client cannot be given."""
         outcome.status, outcome.error = 502, "upstream_bad_response"
-        body = upstream_error_body(502, message, "upstream_bad_response")
-        outcome.bytes_out = len(body)
+        error = HTTPError(502, message, code="upstream_bad_response")
         timing = server_timing(outcome.started, outcome.sent_at, head_at)
-        await send_json(send, 502, body, [(b"x-request-id", outcome.request_id), timing])
+        outcome.bytes_out = await send_error(
+            send, outcome.endpoint.envelope, error, [(b"x-request-id", outcome.request_id), timing]
+        )

@@ -1,20 +1,20 @@
 """Failures as the client is told of them before a response has started.
 
-The gateway's own refusals go out as OpenAI JSON with the status of the
-README's table; an upstream's error body is read whole (bounded) and put in
-OpenAI's envelope, keeping the headers clients act on. After a stream has
-started, a failure is one SSE error event instead (``proxy.errors``).
+The gateway's own refusals go out with the status of the README's table, in
+the envelope of the API the request came in on (``proxy.asgi.send_error``:
+the one place an error body is written); an upstream's error body is read whole (bounded) and
+put in that envelope, keeping the headers clients act on. After a stream has
+started, a failure is one SSE error event instead (``Envelope.event``).
 """
 
 from __future__ import annotations
 
 import math
 
-from proxy.asgi import Send, send_json
-from proxy.assembly import AssemblyError
-from proxy.errors import HTTPError, normalize_error
+from proxy.asgi import Send, send_error
+from proxy.errors import Envelope, HTTPError
 from proxy.relay.timing import server_timing
-from proxy.upstream import BodyBroken, Connection, UpstreamError
+from proxy.upstream import BodyBroken, Connection
 
 # Upstream error bodies are read whole to be normalised, up to this size.
 _ERROR_BODY_LIMIT_BYTES = 1024 * 1024
@@ -40,33 +40,24 @@ def draining(reason: str) -> HTTPError:
     return HTTPError(503, reason, code="draining", headers=((b"retry-after", _RETRY_AFTER_S),))
 
 
-async def refuse(send: Send, exc: HTTPError, request_id: bytes, started: float) -> int:
+async def refuse(send: Send, envelope: Envelope, exc: HTTPError, request_id: bytes, started: float) -> int:
     """Answer with the gateway's own refusal; return the body's size (the access log's bytes)."""
-    headers = [(b"x-request-id", request_id), server_timing(started), *exc.headers]
-    body = exc.body()
-    await send_json(send, exc.status, body, headers)
-    return len(body)
-
-
-def upstream_error_body(status: int, message: str, code: str) -> bytes:
-    return HTTPError(status, message, code=code).body()
+    return await send_error(send, envelope, exc, [(b"x-request-id", request_id), server_timing(started)])
 
 
 async def send_upstream_error(
-    send: Send, exc: UpstreamError | AssemblyError, request_id: bytes, timing: tuple[bytes, bytes]
+    send: Send, envelope: Envelope, exc: HTTPError, request_id: bytes, timing: tuple[bytes, bytes]
 ) -> int:
     """Answer for an upstream that failed before the response started (503s with Retry-After);
     return the body's size (the access log's bytes)."""
     headers = [(b"x-request-id", request_id), timing]
-    if exc.status == 503:
+    if exc.status == 503 and not exc.headers:
         headers.append((b"retry-after", _RETRY_AFTER_S))
-    body = upstream_error_body(exc.status, str(exc), exc.code)
-    await send_json(send, exc.status, body, headers)
-    return len(body)
+    return await send_error(send, envelope, exc, headers)
 
 
-async def read_error_body(conn: Connection, read_timeout_s: float) -> bytes:
-    """An upstream error body, read whole (bounded) and put in OpenAI's envelope."""
+async def read_error_body(conn: Connection, envelope: Envelope, read_timeout_s: float) -> bytes:
+    """An upstream error body, read whole (bounded) and put in the envelope of the request's API."""
     chunks: list[bytes] = []
     size = 0
     while size <= _ERROR_BODY_LIMIT_BYTES:
@@ -80,4 +71,4 @@ async def read_error_body(conn: Connection, read_timeout_s: float) -> bytes:
         size += len(chunk)
     if not conn.complete:
         conn.close()
-    return normalize_error(conn.status, b"".join(chunks))
+    return envelope.upstream(conn.status, b"".join(chunks))

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 from time import perf_counter
 from typing import Any
+
+import orjson
 
 from proxy.accesslog import AccessLog
 from proxy.asgi import Receive, Scope, Send
 from proxy.assembly import ReplyAssembler
+from proxy.endpoints import CHAT, ENDPOINTS, Endpoint
 from proxy.errors import HTTPError, echo
 from proxy.metrics import Metrics
 from proxy.payload import ask_for_stream, check_request, parse_request
@@ -18,12 +22,14 @@ from proxy.relay.failures import refuse
 from proxy.relay.ids import RequestIds
 from proxy.relay.outcome import Outcome
 from proxy.relay.request import BodyBudget, RequestBody, read_request
-from proxy.relay.routes import ENDPOINTS, Peer, RouteEntry, Routes
+from proxy.relay.routes import Peer, RouteEntry, Routes
 from proxy.relay.settings import RelaySettings
 from proxy.relay.ticket import Ticket
 from proxy.routing import RoutingTable, UpstreamAddress
 from proxy.splice import splice
 from proxy.upstream import ClientGone, ConnectFailed
+
+log = logging.getLogger("blazar.relay")
 
 
 class Relay:
@@ -68,7 +74,7 @@ class Relay:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """One request: read, parse, admit, exchange, record."""
-        outcome = Outcome(self.request_id_of(scope))
+        outcome = Outcome(self.request_id_of(scope), ENDPOINTS[scope["path"]])
         ticket = Ticket()
         body = RequestBody(self._body_budget)
         try:
@@ -76,14 +82,18 @@ class Relay:
                 await read_request(scope, receive, self._max_body_bytes, body)
                 # The client's upload time is not the gateway's.
                 outcome.started = outcome.arrived = perf_counter()
-                entry, doc, drop, put = self._parse(body.data, scope["path"], outcome)
+                entry, doc, drop, put = self._parse(body.data, outcome)
                 peer = ticket.take(entry, doc) or await ticket.admit(
                     entry, doc, outcome, receive, self._drain, self._load_wait_s
                 )
                 if entry.rename is not None:
                     # An alias: the upstream knows the model by its own name only.
                     put["model"] = entry.rename
-                if drop or put:
+                if outcome.translator is not None:
+                    # Another API's request, sent as the chat completion it was translated to.
+                    doc.update(put)
+                    body.replace(orjson.dumps(doc))
+                elif drop or put:
                     # Those members changed; every other byte is the client's.
                     body.replace(splice(body.data, doc.keys(), drop, put))
             except HTTPError as exc:
@@ -102,7 +112,9 @@ class Relay:
             # outcome.started: when its slot was taken (after any wait for it, or for a load).
             ticket.release(outcome.started)
         if outcome.refusal is not None:
-            outcome.bytes_out = await refuse(send, outcome.refusal, outcome.request_id, outcome.started)
+            outcome.bytes_out = await refuse(
+                send, outcome.endpoint.envelope, outcome.refusal, outcome.request_id, outcome.started
+            )
         outcome.record(scope, self._metrics, self._access)
 
     async def _run_on_set(
@@ -134,9 +146,13 @@ class Relay:
             outcome.upstreams = [p.addr for p in tried]
 
     def _parse(
-        self, body: bytes | bytearray, path: str, outcome: Outcome
+        self, body: bytes | bytearray, outcome: Outcome
     ) -> tuple[RouteEntry, dict[str, Any], tuple[str, ...], dict[str, Any]]:
-        """The request's route, its document, and the members to leave out and to set; 400 or 404."""
+        """The request's route, its document, and the members to leave out and to set; 400 or 404.
+
+        A request to an API its engine does not serve itself is translated: the document
+        returned is the chat completion to send (``outcome.translator`` says so).
+        """
         model, doc = parse_request(body)
         entry = self._entries.get(model)
         if entry is None:
@@ -144,17 +160,62 @@ class Relay:
             outcome.model = model
             raise _not_found(model)
         outcome.model, outcome.stats = model, entry.stats
-        endpoint = ENDPOINTS[path]
+        endpoint = outcome.endpoint
         guards = entry.guards
-        # Nulls the engine cannot take: left out (OpenAI's null is the default).
-        drop = check_request(doc, endpoint, guards, entry.fields)
         put: dict[str, Any] = {}
+        if endpoint.api is not None:
+            if endpoint.api in guards.native_apis:
+                # Its server speaks the API: the client's bytes go through (but a cap).
+                outcome.stream = doc.get("stream") is True
+                _cap(doc, endpoint.max_tokens_field, guards.max_tokens, put)
+                return entry, doc, (), put
+            return self._translate(entry, endpoint, doc, outcome)
+        target = endpoint.target
+        # Nulls the engine cannot take: left out (OpenAI's null is the default).
+        drop = check_request(doc, target, guards, entry.fields)
         outcome.stream = streamed = doc.get("stream") is True
+        if guards.max_tokens is not None and endpoint.max_tokens_field is not None:
+            _cap(doc, "max_tokens", guards.max_tokens, put)
+            if doc.get("max_completion_tokens") is not None:
+                _cap(doc, "max_completion_tokens", guards.max_tokens, put)
         # An engine that cannot tell that a non-stream client left is asked for a stream.
-        if guards.via_stream and not streamed and ask_for_stream(doc, endpoint, guards):
-            outcome.built = ReplyAssembler(chat=endpoint == b"/chat/completions")
+        if guards.via_stream and not streamed and ask_for_stream(doc, target, guards):
+            outcome.built = ReplyAssembler(chat=endpoint is CHAT)
             put["stream"], put["stream_options"] = doc["stream"], doc["stream_options"]
         return entry, doc, drop, put
+
+    def _translate(
+        self, entry: RouteEntry, endpoint: Endpoint, doc: dict[str, Any], outcome: Outcome
+    ) -> tuple[RouteEntry, dict[str, Any], tuple[str, ...], dict[str, Any]]:
+        """The chat completion another API's request becomes, checked as any chat completion is."""
+        assert endpoint.translate is not None
+        translator = endpoint.translate(doc)
+        chat = translator.chat_request()
+        guards = entry.guards
+        # An agent asks for more than a local model holds (Claude Code: 32000): the model's
+        # max-tokens, else, where its context is known, half of it (the rest for the prompt).
+        cap = guards.max_tokens
+        if cap is None and guards.context_length is not None:
+            cap = max(1, guards.context_length // 2)
+        asked = chat.get("max_tokens")
+        if cap is not None and (not isinstance(asked, int) or isinstance(asked, bool) or asked > cap):
+            chat["max_tokens"] = cap
+        for name in check_request(chat, CHAT.target, guards, entry.fields):
+            del chat[name]
+        if translator.notes:
+            log.info("%s %s: %s", outcome.request_id.decode(), endpoint.name, "; ".join(translator.notes))
+        outcome.translator = translator
+        outcome.stream = translator.stream
+        return entry, chat, (), {}
+
+
+def _cap(doc: dict[str, Any], name: str | None, cap: int | None, put: dict[str, Any]) -> None:
+    """Ask for at most ``cap`` tokens in ``name`` (and for ``cap`` where the request asks for none)."""
+    if cap is None or name is None:
+        return
+    asked = doc.get(name)
+    if not isinstance(asked, int) or isinstance(asked, bool) or asked > cap:
+        put[name] = cap
 
 
 def _not_found(model: str) -> HTTPError:

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from time import perf_counter
 
+import orjson
+
 from proxy.asgi import Send
+from proxy.errors import OPENAI
 from proxy.headers import SSE_HEADERS, is_event_stream_type
-from proxy.relay.failures import read_error_body, upstream_error_body
+from proxy.relay.failures import read_error_body
 from proxy.relay.out import AsgiWriter
 from proxy.relay.outcome import Outcome
 from proxy.relay.sse import relay_events
@@ -55,16 +58,29 @@ async def continue_stream(
         outcome.error = await relay_events(conn, AsgiWriter(send), outcome, read_timeout_s)
         return
     try:
-        body = await read_error_body(conn, read_timeout_s) if status >= 400 else b""
+        body = await read_error_body(conn, OPENAI, read_timeout_s) if status >= 400 else b""
     except UpstreamError as exc:
         conn.close()
         outcome.failed(exc)
-        body = upstream_error_body(502, str(exc), exc.code)
-    if not body:
-        conn.close()
-        what = "a coded event stream" if conn.content_encoding is not None else "no event stream"
-        body = upstream_error_body(502, f"upstream answered {status} with {what}", "upstream_bad_response")
+        event = _error_event(outcome, 502, exc.message, exc.code)
+    else:
+        if body:
+            error = orjson.loads(body)["error"]
+            event = _error_event(outcome, status, error["message"], error.get("code"))
+        else:
+            conn.close()
+            what = "a coded event stream" if conn.content_encoding is not None else "no event stream"
+            event = _error_event(
+                outcome, 502, f"upstream answered {status} with {what}", "upstream_bad_response"
+            )
     outcome.error = outcome.error or "upstream_status"
-    event = b"data: " + body + b"\n\n"
     outcome.bytes_out += len(event)
     await send({"type": "http.response.body", "body": event})
+
+
+def _error_event(outcome: Outcome, status: int, message: str, code: str | None) -> bytes:
+    """The error that ends a stream the gateway started: its translator's end, or its API's error event."""
+    translator = outcome.translator
+    if translator is not None:
+        return translator.start() + translator.failed(status, message, code)
+    return outcome.endpoint.envelope.event(status, message, code)

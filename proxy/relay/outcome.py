@@ -12,9 +12,11 @@ from time import perf_counter
 from proxy.accesslog import AccessLog
 from proxy.asgi import Scope
 from proxy.assembly import ReplyAssembler
+from proxy.endpoints import Endpoint
 from proxy.errors import HTTPError
 from proxy.metrics import Metrics, ModelMetrics
 from proxy.relay.routes import ROUTE_LABELS
+from proxy.translate import Translator
 from proxy.upstream import UpstreamError
 
 
@@ -26,6 +28,7 @@ class Outcome:
         "built",
         "bytes_out",
         "client_gone",
+        "endpoint",
         "error",
         "gone_early",
         "head_s",
@@ -41,11 +44,16 @@ class Outcome:
         "stats",
         "status",
         "stream",
+        "translator",
         "upstreams",
     )
 
-    def __init__(self, request_id: bytes) -> None:
+    def __init__(self, request_id: bytes, endpoint: Endpoint) -> None:
         self.request_id = request_id
+        # The API endpoint it came in on: its error envelope, how its stream ends.
+        self.endpoint = endpoint
+        # Another API's request sent as a chat completion: its translation (else None).
+        self.translator: Translator | None = None
         # The gateway's clock: restarted when the body is in (the client's
         # upload is not the gateway's time) and after a wait for the model or a slot.
         self.started = perf_counter()

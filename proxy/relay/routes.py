@@ -12,23 +12,13 @@ from typing import Any, NamedTuple
 
 from proxy.admission import Admission
 from proxy.affinity import Affinity
+from proxy.endpoints import CHAT, ENDPOINTS
 from proxy.health import Checked, HealthChecks, PeerHealth, Probe
 from proxy.metrics import Metrics, ModelMetrics, ReplicaSample
 from proxy.payload import FieldChecks, RequestGuards
 from proxy.pool import Pool
 from proxy.relay.settings import RelaySettings
 from proxy.routing import Gate, ReplicaGate, Route, RoutingTable, UpstreamAddress
-
-# Client path → the endpoint below the upstream's /v1. Paths without /v1 are
-# served too: clients often get the base URL wrong.
-ENDPOINTS: Mapping[str, bytes] = {
-    "/v1/chat/completions": b"/chat/completions",
-    "/chat/completions": b"/chat/completions",
-    "/v1/completions": b"/completions",
-    "/completions": b"/completions",
-    "/v1/embeddings": b"/embeddings",
-    "/embeddings": b"/embeddings",
-}
 
 # Azure OpenAI's paths (openai.AzureOpenAI writes /deployments/MODEL before the
 # endpoint, after its azure_endpoint's /openai or its base_url's /v1).
@@ -51,9 +41,16 @@ def deployment_path(path: str) -> str | None:
 
 
 # Client path → the `route` label of the request metrics.
-ROUTE_LABELS: Mapping[str, str] = {
-    path: endpoint.decode().lstrip("/") for path, endpoint in ENDPOINTS.items()
-}
+ROUTE_LABELS: Mapping[str, str] = {path: endpoint.name for path, endpoint in ENDPOINTS.items()}
+
+
+def targets_of(upstream: UpstreamAddress, native_apis: Collection[str]) -> dict[str, bytes]:
+    """Client path → the request target on ``upstream``: the endpoint's own where the server serves
+    it, else chat completions' (the request is translated)."""
+    return {
+        path: upstream.target(e.target if e.api is None or e.api in native_apis else CHAT.target)
+        for path, e in ENDPOINTS.items()
+    }
 
 
 class Peer:
@@ -236,7 +233,7 @@ class Routes:
                 pool = self.pools[replica.upstream] = Pool(
                     replica.upstream, connect_timeout_s=self._settings.connect_timeout_s
                 )
-            targets = {path: replica.upstream.target(endpoint) for path, endpoint in ENDPOINTS.items()}
+            targets = targets_of(replica.upstream, route.guards.native_apis)
             name = replica.upstream.base_url
             health = None
             if several:

@@ -7,7 +7,6 @@ bytes hold ``[DONE]``.
 
 from __future__ import annotations
 
-from proxy.errors import sse_error_event
 from proxy.relay.body import SLICE_BYTES, write_all_but_last_slice
 from proxy.relay.out import Writer
 from proxy.relay.outcome import Outcome
@@ -15,6 +14,8 @@ from proxy.upstream import Connection, UpstreamError
 
 # Enough of a stream's end to hold "data: [DONE]" and its newlines.
 _TAIL_BYTES = 32
+# Enough of an event's start to hold its name and its type.
+_HEAD_BYTES = 256
 # The most of a half-written SSE event held back to wait for its end.
 _PARTIAL_EVENT_LIMIT_BYTES = 64 * 1024
 
@@ -24,14 +25,21 @@ async def relay_events(conn: Connection, out: Writer, outcome: Outcome, read_tim
 
     Bytes after the last complete event of a read wait for the rest of
     their event (they are rare: servers write whole events), so that an
-    error event never lands inside a half-written one. On the OpenAI
-    streaming endpoints ``data: [DONE]`` is the end, whatever the framing:
-    a stream that ends without it (and without an error event of its own,
-    a chained gateway's) ends with an error event.
+    error event never lands inside a half-written one. The stream's end is
+    judged by its endpoint's rules, whatever the framing (OpenAI's chat and
+    text completions: ``data: [DONE]``; the Messages API: ``message_stop``;
+    the Responses API: ``response.completed``, ``.failed``, ``.incomplete``):
+    a stream that ends without its end (and without an error event of its
+    own, a chained gateway's) ends with an error event in its API's shape.
     """
     pending = b""
     tail = b""
     last = b""
+    # An API whose stream ends with an event of its own (not [DONE]): the start of its last event.
+    ends_stream = outcome.endpoint.ends_stream
+    by_event = outcome.endpoint.api is not None
+    head = b""
+    at_boundary = True
     try:
         if not conn.ready and (wait := out.flush()) is not None:
             # Nothing of the body yet (a prefill): the head goes out alone.
@@ -50,11 +58,19 @@ async def relay_events(conn: Connection, out: Writer, outcome: Outcome, read_tim
                             await wait
                         continue
             tail = chunk[-_TAIL_BYTES:] if len(chunk) >= _TAIL_BYTES else (tail + chunk)[-_TAIL_BYTES:]
+            if by_event:
+                head = last_event_head(chunk, head, at_boundary)
+                at_boundary = chunk.endswith(b"\n\n")
             if len(chunk) > SLICE_BYTES:
                 chunk = await write_all_but_last_slice(out, chunk, outcome)
             last = chunk
             # Counted once handed on: a write to a client that has gone raises ClientGone.
-            if conn.complete and not conn.close_delimited and not pending and ends_stream(tail, last):
+            if (
+                conn.complete
+                and not conn.close_delimited
+                and not pending
+                and ends_stream(tail, head if by_event else last)
+            ):
                 wait = out.write(chunk, False)
                 outcome.bytes_out += len(chunk)
                 if wait is not None:
@@ -67,18 +83,18 @@ async def relay_events(conn: Connection, out: Writer, outcome: Outcome, read_tim
             outcome.sends += 1
     except UpstreamError as exc:
         conn.close()
-        event = sse_error_event(exc.status, str(exc), code=exc.code)
+        event = outcome.endpoint.envelope.event(exc.status, exc.message, exc.code)
         wait = out.write(event, False)
         outcome.bytes_out += len(event)
         if wait is not None:
             await wait
         return exc.code
-    if not ends_stream(tail, last):
+    if not ends_stream(tail, head if by_event else last):
         # An HTTP/1.0 stream ends with the close either way, and a chunked
         # one may end cleanly too: without [DONE], the engine crashed or
         # cut it, or sent something else, and the client must know.
-        message = "upstream stream ended without [DONE]: the response is truncated"
-        event = sse_error_event(502, message, code="upstream_truncated")
+        message = "upstream stream ended before its end event: the response is truncated"
+        event = outcome.endpoint.envelope.event(502, message, "upstream_truncated")
         wait = out.write(event, False)
         outcome.bytes_out += len(event)
         if wait is not None:
@@ -92,9 +108,15 @@ async def relay_events(conn: Connection, out: Writer, outcome: Outcome, read_tim
     return None
 
 
-def ends_stream(tail: bytes, last: bytes) -> bool:
-    """Whether a stream's last bytes end it: ``[DONE]``, or an error event (a chained gateway's)."""
-    return b"[DONE]" in tail or b'{"error"' in last
+def last_event_head(chunk: bytes, previous: bytes, at_boundary: bool) -> bytes:
+    """The first bytes of the last event in ``chunk`` (``previous`` when the chunk only continues it)."""
+    body = chunk.rstrip(b"\r\n")
+    lf = body.rfind(b"\n\n")
+    crlf = body.rfind(b"\r\n\r\n")
+    start = max(lf + 2 if lf >= 0 else -1, crlf + 4 if crlf >= 0 else -1)
+    if start >= 0:
+        return body[start : start + _HEAD_BYTES]
+    return body[:_HEAD_BYTES] if at_boundary else previous
 
 
 def event_end(data: bytes) -> int:

@@ -111,6 +111,8 @@ class Catalog:
                     f"{config.where('allow-fields')}: only for a model whose engine is named "
                     "(the engine's spec says which fields load something)"
                 )
+            else:
+                route = dataclasses.replace(route, guards=guards_of(NO_ENGINE, config))
             return dataclasses.replace(route, max_in_flight=config.max_in_flight or self.max_in_flight)
         return self._plan_engine(config)
 
@@ -334,8 +336,8 @@ class Catalog:
 
 
 def guards_of(guards: specs.Guards, config: ModelConfig) -> specs.Guards:
-    """The engine's guards with the fields the model's config allows; a ``ConfigError`` for a field
-    that is not one that loads something."""
+    """The engine's guards with what the model's config sets (the fields it allows, its max-tokens,
+    its native APIs); a ``ConfigError`` for a field that is not one that loads something."""
     loads = sorted(f.name for f in guards.fields if f.loads)
     for name in config.allow_fields:
         if name not in loads:
@@ -343,7 +345,12 @@ def guards_of(guards: specs.Guards, config: ModelConfig) -> specs.Guards:
                 f"{config.where('allow-fields')}: {name!r} is not a field that makes this engine load "
                 f"something; those are: {', '.join(loads) or 'none'}"
             )
-    return dataclasses.replace(guards, allowed=frozenset(config.allow_fields))
+    return dataclasses.replace(
+        guards,
+        allowed=frozenset(config.allow_fields),
+        max_tokens=config.max_tokens,
+        native_apis=guards.native_apis if config.native_apis is None else config.native_apis,
+    )
 
 
 def _check_upstream_engine(config: ModelConfig) -> None:

@@ -18,11 +18,13 @@ table is one model::
     replicas = 2
     engine-args = ["--max-tokens", "1024"]
     allow-fields = ["adapters"]  # request fields that load something, allowed
+    max-tokens = 1024            # the most tokens a request may ask for, on every API
     ttl = 600                    # seconds idle before unloading; 0: never
     always-loaded = false
 
     [models.remote]
     upstream = "http://10.0.0.5:8000/v1"
+    native-apis = ["messages", "responses"]  # it serves these itself: passed through
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engines.spec import VARIANT_CHOICES
+from engines.spec import NATIVE_APIS, VARIANT_CHOICES
 from proxy.routing import UpstreamSpecError, parse_upstream_url
 
 
@@ -67,6 +69,10 @@ class ModelConfig:
     # Request fields that make the engine load what they name (mlx: draft_model,
     # adapters), allowed for this model; refused otherwise.
     allow_fields: tuple[str, ...] = ()
+    # The most tokens a request may ask it to generate, on every API; None: no cap.
+    max_tokens: int | None = None
+    # The APIs besides chat completions its server serves itself; None: its engine's spec says.
+    native_apis: tuple[str, ...] | None = None
     # Where it was given, for error messages; not a setting (a reload ignores it).
     source: str = field(default="", compare=False)
 
@@ -139,6 +145,15 @@ def _urls(where: str, value: Any) -> str | tuple[str, ...]:
     return value[0] if len(value) == 1 else tuple(value)
 
 
+def _apis(where: str, value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(v in NATIVE_APIS for v in value):
+        raise ConfigError(
+            f"{where}: expected a list of the APIs the server serves itself, of {', '.join(NATIVE_APIS)}; "
+            f"got {value!r}"
+        )
+    return tuple(value)
+
+
 def _variant(where: str, value: Any) -> str:
     if value not in VARIANT_CHOICES:
         raise ConfigError(f"{where}: expected one of {', '.join(VARIANT_CHOICES)}, got {value!r}")
@@ -157,6 +172,8 @@ _MODEL_KEYS: Mapping[str, tuple[str, Callable[[str, Any], Any]]] = {
     "max_in_flight": ("max_in_flight", _count),
     "variant": ("variant", _variant),
     "allow_fields": ("allow_fields", _strings),
+    "max_tokens": ("max_tokens", _count),
+    "native_apis": ("native_apis", _apis),
 }
 
 

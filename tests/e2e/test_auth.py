@@ -66,7 +66,9 @@ def test_a_missing_or_bad_key_is_401(
 
 
 def test_probes_need_no_key_but_models_do(guarded: Running, http: httpx.Client) -> None:
-    """/livez, /readyz and /health answer without a key; /v1/models does not."""
+    """/livez, /readyz, /health and / (GET and HEAD) answer without a key; /v1/models does not."""
+    assert http.head(guarded.url + "/").status_code == 200
+    assert http.get(guarded.url + "/").json() == {"status": "ok"}
     assert http.get(guarded.url + "/livez").status_code == 200
     assert http.get(guarded.url + "/health").status_code == 200
     assert http.get(guarded.url + "/readyz").status_code == 200

@@ -455,3 +455,27 @@ def test_parse_rejects_env_drop_that_is_not_a_list_of_names() -> None:
     data["server"]["env_drop"] = "HOST PORT"
     with pytest.raises(SpecError, match="env_drop"):
         parse(data, source=f"{LLAMACPP}.toml")
+
+
+def test_native_apis_are_read_from_the_apis_table() -> None:
+    """[apis] native_apis names the APIs the server serves itself; the shipped mlx spec names none."""
+    assert load(SHIPPED).guards.native_apis == ()
+    data = shipped_table()
+    data["apis"] = {"native_apis": ["messages", "responses"]}
+    assert parse(data, source="mlx-0.32.0.toml").guards.native_apis == ("messages", "responses")
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        ({"native_apis": ["chat"]}, r"apis\.native_apis: 'chat' is not an API the gateway knows"),
+        ({"native": ["messages"]}, r"apis\.native: unknown key"),
+        ({"native_apis": "messages"}, r"apis\.native_apis must be a list"),
+    ],
+)
+def test_a_malformed_apis_table_fails_when_the_spec_is_loaded(table: dict[str, Any], message: str) -> None:
+    """An API the gateway does not know, an unknown key or a string for the list names the entry."""
+    data = shipped_table()
+    data["apis"] = table
+    with pytest.raises(SpecError, match=message):
+        parse(data, source="mlx-0.32.0.toml")

@@ -398,3 +398,23 @@ def test_a_list_of_upstream_urls_is_one_route_with_a_replica_each() -> None:
     assert all(r.gate is None for r in route.all_replicas)
     # engine beside the set applies to every server of it: one route, one set of guards.
     assert route.guards == specs.load(MLX).guards
+
+
+def test_max_tokens_and_native_apis_reach_the_route_of_a_static_upstream() -> None:
+    """A static upstream's max-tokens and native-apis are its route's guards; none given, none set."""
+    catalog = Catalog(home=None, registry=None)
+    route = catalog.prepare(upstream("r", max_tokens=256, native_apis=("messages", "responses")))
+    assert isinstance(route, Route)
+    assert route.guards.max_tokens == 256
+    assert route.guards.native_apis == ("messages", "responses")
+    plain = catalog.prepare(upstream("p"))
+    assert isinstance(plain, Route) and plain.guards.max_tokens is None and plain.guards.native_apis == ()
+
+
+def test_native_apis_of_a_model_override_its_engines() -> None:
+    """An upstream running a named engine takes the spec's native APIs unless its config names its own."""
+    catalog = Catalog(home=None, registry=None)
+    route = catalog.prepare(upstream("r", engine=MLX))
+    assert isinstance(route, Route) and route.guards.native_apis == specs.load(MLX).guards.native_apis == ()
+    route = catalog.prepare(upstream("r", engine=MLX, native_apis=("responses",)))
+    assert isinstance(route, Route) and route.guards.native_apis == ("responses",)

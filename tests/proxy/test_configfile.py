@@ -414,3 +414,28 @@ def test_allow_fields_is_a_list_of_field_names(tmp_path: Path) -> None:
     assert "allow-fields: expected a list of non-empty strings" in error_of(
         tmp_path, '[models.q]\nengine = "mlx-0.32.0"\nallow-fields = 5\n'
     )
+
+
+def test_max_tokens_and_native_apis_are_model_settings(tmp_path: Path) -> None:
+    """max-tokens (a count) and native-apis (a list of known APIs) are read per model."""
+    config = load_text(
+        tmp_path,
+        f'[models.a]\nupstream = "{UPSTREAM}"\nmax-tokens = 512\nnative-apis = ["messages", "responses"]\n',
+    )
+    (model,) = config.models
+    assert model.max_tokens == 512 and model.native_apis == ("messages", "responses")
+
+
+@pytest.mark.parametrize(
+    ("setting", "expected"),
+    [
+        ("max-tokens = 0", "max-tokens: expected a whole number of at least 1, got 0"),
+        ('max-tokens = "many"', "max-tokens: expected a whole number"),
+        ('native-apis = ["chat"]', "native-apis: expected a list of the APIs the server serves itself"),
+        ('native-apis = "messages"', "native-apis: expected a list"),
+    ],
+)
+def test_bad_max_tokens_and_native_apis_are_named(tmp_path: Path, setting: str, expected: str) -> None:
+    """A cap that is not a positive count, or an API the gateway does not know, names the key and why."""
+    message = error_of(tmp_path, f'[models.a]\nupstream = "{UPSTREAM}"\n{setting}\n')
+    assert expected in message

@@ -7,7 +7,18 @@ from typing import Any
 import orjson
 import pytest
 
-from proxy.errors import ECHO_LIMIT, HTTPError, echo, error_body, error_type, normalize_error, sse_error_event
+from proxy.errors import (
+    ANTHROPIC,
+    ECHO_LIMIT,
+    RESPONSES,
+    HTTPError,
+    echo,
+    error_body,
+    error_type,
+    normalize_error,
+    sse_error_event,
+)
+from proxy.upstream import HeadTimeout
 
 ENVELOPE_KEYS = {"message", "type", "param", "code"}
 
@@ -243,3 +254,58 @@ def test_echo_keeps_short_input_and_cuts_long_input_to_a_prefix() -> None:
     assert echo("qwen") == "qwen"
     assert echo("x" * ECHO_LIMIT) == "x" * ECHO_LIMIT
     assert echo("y" * 10_000) == "y" * ECHO_LIMIT + "… (10000 characters)"
+
+
+def test_anthropic_envelope_has_its_type_and_message() -> None:
+    """Errors on the Messages API are {"type": "error", "error": {"type", "message"}}, typed by status."""
+    body = orjson.loads(ANTHROPIC.body(HTTPError(404, "no such model", code="model_not_found")))
+    assert body == {"type": "error", "error": {"type": "not_found_error", "message": "no such model"}}
+    for status, kind in [
+        (400, "invalid_request_error"),
+        (401, "authentication_error"),
+        (429, "rate_limit_error"),
+    ]:
+        assert orjson.loads(ANTHROPIC.body(HTTPError(status, "x")))["error"]["type"] == kind
+    assert orjson.loads(ANTHROPIC.body(HTTPError(503, "x")))["error"]["type"] == "overloaded_error"
+    assert orjson.loads(ANTHROPIC.body(HTTPError(502, "x")))["error"]["type"] == "api_error"
+
+
+def test_anthropic_stream_error_is_an_error_event() -> None:
+    """A started Messages stream ends with `event: error` and Anthropic's envelope as its data."""
+    event = ANTHROPIC.event(502, "cut short", "upstream_truncated")
+    name, data = event.rstrip(b"\n").split(b"\n")
+    assert name == b"event: error"
+    assert orjson.loads(data.removeprefix(b"data: "))["error"] == {
+        "type": "api_error",
+        "message": "cut short",
+    }
+
+
+def test_anthropic_envelope_rewrites_upstream_errors_and_keeps_its_own() -> None:
+    """An engine's OpenAI-shaped or plain error becomes Anthropic's; one already Anthropic's stays as sent."""
+    mlx = ANTHROPIC.upstream(404, b'{"error": "generation thread died"}')
+    assert orjson.loads(mlx) == {
+        "type": "error",
+        "error": {"type": "not_found_error", "message": "generation thread died"},
+    }
+    own = b'{"type":"error","error":{"type":"invalid_request_error","message":"bad"}}'
+    assert ANTHROPIC.upstream(400, own) == own
+    html = orjson.loads(ANTHROPIC.upstream(500, b"<html>oops</html>"))
+    assert html["error"]["type"] == "api_error" and "500" in html["error"]["message"]
+
+
+def test_responses_stream_error_is_a_failed_response() -> None:
+    """A started Responses stream ends with `response.failed`, its error's code and message in it."""
+    event = RESPONSES.event(504, "timed out", "upstream_timeout")
+    name, data = event.rstrip(b"\n").split(b"\n")
+    doc = orjson.loads(data.removeprefix(b"data: "))
+    assert name == b"event: response.failed"
+    assert doc["type"] == "response.failed" and doc["response"]["status"] == "failed"
+    assert doc["response"]["error"] == {"code": "upstream_timeout", "message": "timed out"}
+
+
+def test_upstream_errors_are_http_errors() -> None:
+    """There is one error type: an upstream failure is an HTTPError with its class's status and code."""
+    error = HeadTimeout("no head")
+    assert isinstance(error, HTTPError)
+    assert (error.status, error.code, error.message) == (504, "upstream_timeout", "no head")

@@ -9,6 +9,7 @@ import pytest
 
 from engines.spec import Guards
 from proxy.asgi import Message
+from proxy.endpoints import CHAT
 from proxy.errors import HTTPError
 from proxy.health import REJOIN_S
 from proxy.relay.drain import Drain
@@ -41,7 +42,7 @@ async def _connected() -> Message:
 
 
 def _outcome() -> Outcome:
-    outcome = Outcome(b"id")
+    outcome = Outcome(b"id", CHAT)
     outcome.model = "m"
     return outcome
 
