@@ -9,6 +9,9 @@ where the test process may make one, with its proxy variables on a sink that
 records anything it tries to reach beyond the gateway, and through a relay
 that keeps a copy of every byte between it and the gateway.
 
+The gateways require the clients' key (Claude Code sends it as x-api-key,
+Codex as a Bearer token).
+
 - On the real engine (mlx-0.32.0, the built-in SmolLM2-135M-Instruct, 8192
   tokens of context): each prints an answer, and what it prints is the text
   the gateway streamed to it. Both need their prompt cut to fit: Claude Code
@@ -57,7 +60,7 @@ MARKER_COMMAND = "echo blazar-$((6*7))"
 # subagent and goal tools (13 KB) replaced or off; 8 KB remain.
 SMALL_MODEL_INSTRUCTIONS = "You are a coding assistant in a terminal. Answer briefly."
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.agent_clients, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")
@@ -129,9 +132,10 @@ def _start_config_gateway(log_dir: Path, config: Path) -> mlx.EngineGateway:
     """`blazar-proxy --config FILE`, once its always-loaded child is ready."""
     port = free_port()
     log_path = log_dir / f"agent-gateway-{port}.log"
+    argv = [sys.executable, "-m", "proxy", "--config", str(config), "--port", str(port)]
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "proxy", "--config", str(config), "--port", str(port)],
+            [*argv, "--api-key", ac.API_KEY],
             cwd=ROOT,
             env=mlx._env(),
             stdout=log,
@@ -239,17 +243,23 @@ def _offered(body: dict[str, Any]) -> list[str]:
     return [t["function"]["name"] for t in body.get("tools") or []]
 
 
+# The fake as mlx_lm.server answers (HTTP/1.0, close-delimited) and as vLLM does (HTTP/1.1, chunked).
+FRAMINGS = pytest.mark.parametrize("framing", [(), ("--http11",)], ids=["http10", "http11"])
+
+
+@FRAMINGS
 def test_claude_code_runs_a_tool_and_sends_its_result_through_the_gateway(
     clients: ac.AgentClients,
     start_fake_engine: StartFakeEngine,
     start_gateway: StartGateway,
     sink: ac.OutboundSink,
     tmp_path: Path,
+    framing: tuple[str, ...],
 ) -> None:
     """Claude Code (all its tools) runs the fake's Bash call and prints the fake's final answer."""
     call = {"command": MARKER_COMMAND, "description": "Print a marker"}
-    fake = start_fake_engine("--tool-call", f"Bash={json.dumps(call)}")
-    gateway = start_gateway({"agent-model": fake.url})
+    fake = start_fake_engine(*framing, "--tool-call", f"Bash={json.dumps(call)}")
+    gateway = start_gateway({"agent-model": fake.url}, "--api-key", ac.API_KEY)
     relay = _relay(gateway.port)
     try:
         run = ac.run_claude(
@@ -288,16 +298,18 @@ def test_claude_code_runs_a_tool_and_sends_its_result_through_the_gateway(
     assert block["tool_use_id"] == starts[0]["content_block"]["id"]
 
 
+@FRAMINGS
 def test_codex_runs_a_tool_and_sends_its_result_through_the_gateway(
     clients: ac.AgentClients,
     start_fake_engine: StartFakeEngine,
     start_gateway: StartGateway,
     sink: ac.OutboundSink,
     tmp_path: Path,
+    framing: tuple[str, ...],
 ) -> None:
     """Codex runs the exec_command call the fake asked for and prints the fake's final answer."""
-    fake = start_fake_engine("--tool-call", f"exec_command={json.dumps({'cmd': MARKER_COMMAND})}")
-    gateway = start_gateway({"agent-model": f"{fake.url}/v1"})
+    fake = start_fake_engine(*framing, "--tool-call", f"exec_command={json.dumps({'cmd': MARKER_COMMAND})}")
+    gateway = start_gateway({"agent-model": f"{fake.url}/v1"}, "--api-key", ac.API_KEY)
     relay = _relay(gateway.port)
     try:
         run = ac.run_codex(
