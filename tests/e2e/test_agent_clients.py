@@ -63,9 +63,13 @@ SMALL_MODEL_INSTRUCTIONS = "You are a coding assistant in a terminal. Answer bri
 pytestmark = [pytest.mark.agent_clients, pytest.mark.timeout(600)]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def clients() -> ac.AgentClients:
-    """The installed clients; skip (or fail, when required) without them."""
+    """The installed clients; skip (or fail, when required) without them.
+
+    Session-scoped so that it comes before engine_installed (pytest sets up
+    wider scopes first): without the clients nothing is installed.
+    """
     found = ac.find_clients()
     if isinstance(found, str):
         if os.environ.get(ac.REQUIRED_VAR) == "required":
