@@ -1,4 +1,4 @@
-"""python -m perf receipt|matrix|paired|assembly|affinity|accesslog [--quick|--smoke] [--out DIR]"""
+"""python -m perf receipt|matrix|paired|assembly|translation|affinity|accesslog [--quick|--smoke] [--out D]"""
 
 from __future__ import annotations
 
@@ -25,15 +25,22 @@ def _numbers(text: str) -> tuple[int, ...]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf", description=__doc__)
-    parser.add_argument("what", choices=("receipt", "matrix", "paired", "assembly", "affinity", "accesslog"))
+    parser.add_argument(
+        "what", choices=("receipt", "matrix", "paired", "assembly", "translation", "affinity", "accesslog")
+    )
     parser.add_argument("--out", type=Path, default=None, help="output folder [perf/results/<what>-<time>]")
     parser.add_argument("--cpu", type=_cpu, default=0, help="core to pin every process to, or 'none' [0]")
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="a short version (tox -e perf)")
     size.add_argument("--smoke", action="store_true", help="a few seconds, to prove the harness runs")
-    parser.add_argument("--duration", type=float, default=None, help="seconds per matrix or paired run")
     parser.add_argument(
-        "--rounds", type=int, default=None, help="matrix or paired rounds; affinity: rounds of each mode"
+        "--duration", type=float, default=None, help="seconds per matrix, paired or translation run"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="matrix, paired or translation rounds; affinity: rounds of each mode",
     )
     parser.add_argument(
         "--baseline",
@@ -45,9 +52,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--surfaces", type=_names, default=None, help="matrix: comma-separated surfaces (also blazar-no-log)"
     )
-    parser.add_argument("--workloads", type=_names, default=None, help="matrix: comma-separated workloads")
     parser.add_argument(
-        "--ladder", type=_numbers, default=None, help="matrix, paired: comma-separated concurrencies"
+        "--workloads", type=_names, default=None, help="matrix: comma-separated workloads; paired: one"
+    )
+    parser.add_argument(
+        "--ladder",
+        type=_numbers,
+        default=None,
+        help="matrix, paired, translation: comma-separated concurrencies",
     )
     parser.add_argument("--runs", type=int, default=None, help="receipt runs per surface")
     parser.add_argument(
@@ -79,11 +91,29 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     out = args.out or Path(__file__).parent / "results" / f"{args.what}-{time.strftime('%Y%m%d-%H%M%S')}"
+    # Absolute: nginx reads its config relative to its prefix, which is under it.
+    out = out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     if args.what == "assembly":
         from perf.assembly import run_assembly
 
         print(run_assembly(out, quick=args.quick or args.smoke), end="")
+        return 0
+    if args.what == "translation":
+        from perf.translation import run_translation
+
+        print(
+            run_translation(
+                out,
+                quick=args.quick,
+                smoke=args.smoke,
+                cpu=args.cpu,
+                duration_s=args.duration,
+                rounds=args.rounds,
+                ladder=args.ladder or (1, 16),
+            ),
+            end="",
+        )
         return 0
     if args.what == "affinity":
         return _affinity(args, out)
@@ -101,6 +131,12 @@ def main(argv: list[str] | None = None) -> int:
             kwargs["rounds"] = args.rounds
         if args.duration:
             kwargs["duration_s"] = args.duration
+        if args.workloads:
+            from perf.matrix import WORKLOADS
+
+            if len(args.workloads) != 1 or args.workloads[0] not in WORKLOADS:
+                parser.error(f"paired measures one workload: one of {', '.join(WORKLOADS)}")
+            kwargs["workload"] = args.workloads[0]
         run_paired(out, **kwargs)
         print((out / "paired.md").read_text(), end="")
         return 0

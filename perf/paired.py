@@ -16,13 +16,14 @@ access log (and any other difference) costs.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import statistics
 from pathlib import Path
 from typing import Any
 
 from perf import surfaces
-from perf.loadgen import wrk_load
-from perf.matrix import PATH, body
+from perf.loadgen import CellResult, stream_load, wrk_load
+from perf.matrix import PATH, WORKLOADS, body
 
 
 def run_paired(
@@ -33,7 +34,12 @@ def run_paired(
     rounds: int = 7,
     duration_s: float = 3.0,
     cpu: int | None = 0,
+    workload: str = "json",
 ) -> dict[str, Any]:
+    spec = WORKLOADS[workload]
+    if spec.stream and cpu is not None:
+        # The stream load generators run in this process: on the same core as the rest.
+        os.sched_setaffinity(0, {cpu})
     log_dir = out / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     engines = [surfaces.start_fake_engine(cpu, log_dir) for _ in range(2)]
@@ -55,15 +61,7 @@ def run_paired(
                 before = {name: build.cpu_s() for name, build in builds.items()}
                 with concurrent.futures.ThreadPoolExecutor(len(builds)) as pool:
                     loads = {
-                        name: pool.submit(
-                            wrk_load,
-                            build.url + PATH,
-                            [body("m1", False)],
-                            connections=concurrency,
-                            duration_s=duration_s,
-                            cpu=cpu,
-                            headers={"x-fake": "chunks=16"},
-                        )
+                        name: pool.submit(_load, build, spec.stream, spec.fake, concurrency, duration_s, cpu)
                         for name, build in builds.items()
                     }
                     results = {name: load.result() for name, load in loads.items()}
@@ -82,7 +80,13 @@ def run_paired(
             engine.stop()
     data = {
         "kind": "paired",
-        "plan": {"ladder": list(ladder), "rounds": rounds, "duration_s": duration_s, "cpu": cpu},
+        "plan": {
+            "ladder": list(ladder),
+            "rounds": rounds,
+            "duration_s": duration_s,
+            "cpu": cpu,
+            "workload": workload,
+        },
         "baseline": str(baseline) if baseline is not None else None,
         "runs": runs,
     }
@@ -90,12 +94,39 @@ def run_paired(
     return data
 
 
+def _load(
+    build: surfaces.Process, stream: bool, fake: str, concurrency: int, duration_s: float, cpu: int | None
+) -> CellResult:
+    """One build's load for a round: wrk, or the stream client reading every stream to its end."""
+    if stream:
+        return stream_load(
+            "127.0.0.1",
+            build.port,
+            PATH,
+            [body("m1", True)],
+            connections=concurrency,
+            duration_s=duration_s,
+            headers={"x-fake": fake},
+        )
+    return wrk_load(
+        build.url + PATH,
+        [body("m1", False)],
+        connections=concurrency,
+        duration_s=duration_s,
+        cpu=cpu,
+        headers={"x-fake": fake},
+    )
+
+
 def paired_markdown(data: dict[str, Any]) -> str:
     plan = data["plan"]
+    workload = WORKLOADS[plan.get("workload", "json")]
+    load = "stream client" if workload.stream else "wrk"
     lines = [
         "# blazar-proxy builds, loaded side by side",
         "",
-        f"json through the fake engine; each round one wrk per build at the same moment, "
+        f"{workload.name} ({workload.description}) through the fake engine; each round one {load} "
+        "per build at the same moment, "
         f"{plan['duration_s']:g} s, {plan['rounds']} rounds, all on CPU {plan['cpu']}"
         + (f"; blazar-base is {data['baseline']}" if data.get("baseline") else "")
         + ". CPU µs per request of each build (median over rounds), and less blazar-no-log's "

@@ -76,6 +76,8 @@ class Endpoint:
     translate: Callable[[dict[str, Any]], Translator] | None = None
     # The field that caps the tokens generated (a model's max-tokens sets it), if the endpoint generates.
     max_tokens_field: str | None = None
+    # What ends its stream, as an error message names it.
+    end_name: str = "[DONE]"
 
     @property
     def paths(self) -> tuple[str, str]:
@@ -93,6 +95,7 @@ MESSAGES = Endpoint(
     api="messages",
     translate=MessagesTranslator,
     max_tokens_field="max_tokens",
+    end_name="message_stop",
 )
 COUNT_TOKENS = Endpoint(
     "messages/count_tokens",
@@ -101,6 +104,7 @@ COUNT_TOKENS = Endpoint(
     _message_stop,
     api="messages",
     translate=CountTokensTranslator,
+    end_name="message_stop",
 )
 RESPONSES_API = Endpoint(
     "responses",
@@ -110,6 +114,7 @@ RESPONSES_API = Endpoint(
     api="responses",
     translate=ResponsesTranslator,
     max_tokens_field="max_output_tokens",
+    end_name="response.completed",
 )
 
 ALL: tuple[Endpoint, ...] = (CHAT, COMPLETIONS, EMBEDDINGS, MESSAGES, COUNT_TOKENS, RESPONSES_API)

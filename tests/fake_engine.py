@@ -38,10 +38,12 @@ Content-Length of all its events and ``[DONE]``, kept alive: with die-after,
 cut short of that length);
 not-sse (a stream request answered with a JSON body); reasoning=N (chat:
 N pieces of reasoning before the text, ``reasoning`` in the message or the
-deltas, as mlx sends it); tool-calls=N (chat: N tool calls after the text,
-named after the request's tools in turn, finish_reason ``tool_calls``; a
-stream sends each the way OpenAI and vLLM do: a first delta with its index,
-id, type and name, then its arguments in three pieces). An unknown key
+deltas, as mlx sends it); stop (the answer ends its turn: finish_reason
+``stop``, ``end_turn`` natively, instead of ``length`` at max_tokens);
+tool-calls=N (chat: N tool calls after the text, named after the
+request's tools in turn, finish_reason ``tool_calls``; a stream sends each
+the way OpenAI and vLLM do: a first delta with its index, id, type and
+name, then its arguments in three pieces). An unknown key
 gets a 400 so that a typo in a test cannot pass silently.
 
 A scripted tool round trip, for agent clients that cannot send x-fake (set
@@ -211,6 +213,7 @@ class FakeOptions:
     gzip: bool = False
     reasoning: int = 0
     tool_calls: int = 0
+    stop: bool = False
 
     def is_plain(self) -> bool:
         """True when nothing asks for a delay or a fault: the cheap path applies."""
@@ -299,6 +302,7 @@ _CONTROLS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "gzip": ("gzip", _parse_flag),
     "reasoning": ("reasoning", _parse_count),
     "tool-calls": ("tool_calls", _parse_count),
+    "stop": ("stop", _parse_flag),
 }
 
 
@@ -1085,6 +1089,8 @@ class _Extras:
 
     reasoning: tuple[str, ...] = ()
     calls: tuple[_ToolCall, ...] = ()
+    # The answer ends its turn (an end-of-sequence token) rather than at max_tokens.
+    stop: bool = False
     text: tuple[str, ...] | None = None
 
     @classmethod
@@ -1093,7 +1099,7 @@ class _Extras:
             scripted = cls._scripted(body, script)
             if scripted is not None:
                 return scripted
-        if not (opts.reasoning or opts.tool_calls):
+        if not (opts.reasoning or opts.tool_calls or opts.stop):
             return cls()
         names = _tool_names(body) or ["tool"]
         calls = tuple(
@@ -1104,7 +1110,7 @@ class _Extras:
             )
             for i in range(opts.tool_calls)
         )
-        return cls(tuple(f"think{i} " for i in range(opts.reasoning)), calls)
+        return cls(tuple(f"think{i} " for i in range(opts.reasoning)), calls, opts.stop)
 
     @classmethod
     def _scripted(cls, body: dict[str, Any], script: tuple[ScriptedCall, ...]) -> _Extras | None:
@@ -1123,7 +1129,7 @@ class _Extras:
     def finish_reason(self) -> str:
         if self.calls:
             return "tool_calls"
-        return "length" if self.text is None else "stop"
+        return "stop" if self.stop or self.text is not None else "length"
 
     @property
     def tokens(self) -> int:
@@ -1186,7 +1192,7 @@ class _NativeAnswer:
 
     @property
     def stop_reason(self) -> str:
-        return "tool_use" if self.extras.calls else "max_tokens"
+        return "tool_use" if self.extras.calls else "end_turn" if self.extras.stop else "max_tokens"
 
     def message(self) -> dict[str, Any]:
         """The non-stream Anthropic Message (to_json_anthropic)."""
@@ -1935,6 +1941,7 @@ class _Connection(asyncio.Protocol):
             return
         if opts.no_done:
             rec.fault = "no-done"
+            self._finish(rec, OUTCOME_ABORTED, status=reply.status)
             if chunked:
                 transport.write(b"0\r\n\r\n")
             else:

@@ -649,3 +649,17 @@ def test_native_shapes_satisfy_the_sdks_stream_helpers(native: Engine) -> None:
     finally:
         claude_http.close()
         openai_http.close()
+
+
+def test_stop_ends_the_turn_instead_of_at_max_tokens(native: Engine) -> None:
+    """x-fake stop gives finish_reason stop on chat and stop_reason end_turn on Messages."""
+    tag = _tag()
+    _, _, payload = _split(
+        _exchange(native.port, _request(CHAT, {"messages": ASK, "max_tokens": 2}, tag, fake="stop"))
+    )
+    assert orjson.loads(payload)["choices"][0]["finish_reason"] == "stop"
+    body = {"model": "m", "max_tokens": 2, "messages": ASK, "stream": True}
+    _, _, payload = _split(_exchange(native.port, _request(MESSAGES, body, tag, fake="stop")))
+    assert _events(payload)[-2][1]["delta"]["stop_reason"] == "end_turn"
+    _, _, payload = _split(_exchange(native.port, _request(MESSAGES, body, tag)))
+    assert _events(payload)[-2][1]["delta"]["stop_reason"] == "max_tokens"

@@ -93,7 +93,8 @@ async def relay_events(conn: Connection, out: Writer, outcome: Outcome, read_tim
         # An HTTP/1.0 stream ends with the close either way, and a chunked
         # one may end cleanly too: without [DONE], the engine crashed or
         # cut it, or sent something else, and the client must know.
-        message = "upstream stream ended before its end event: the response is truncated"
+        end = outcome.endpoint.end_name
+        message = f"upstream stream ended without {end}: the response is truncated"
         event = outcome.endpoint.envelope.event(502, message, "upstream_truncated")
         wait = out.write(event, False)
         outcome.bytes_out += len(event)

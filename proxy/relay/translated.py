@@ -132,8 +132,9 @@ async def _stream(
     pending = translator.start()
     try:
         while chunk := await conn.read(read_timeout_s):
-            for parsed in events.feed(chunk):
-                pending += translator.feed(parsed)
+            # Joined once: a read may hold thousands of events (a client or a gateway behind),
+            # and adding each event's bytes to the rest would copy the rest again each time.
+            pending += b"".join([translator.feed(parsed) for parsed in events.feed(chunk)])
             if events.done:
                 pending += translator.finish()
                 await _write(out, outcome, pending, False)

@@ -34,7 +34,7 @@ from typing import Any
 
 import orjson
 
-from proxy.errors import HTTPError
+from proxy.errors import HTTPError, echo
 from proxy.translate.schema import clean_schema
 
 # Tool types only OpenAI's platform runs; a chat engine has nothing to call.
@@ -108,6 +108,11 @@ def _bad(message: str, param: str, code: str = "invalid_value") -> HTTPError:
 
 def _kind(value: Any) -> str:
     return "null" if value is None else type(value).__name__
+
+
+def _shown(value: Any) -> str:
+    """A client's value as an error message repeats it: a string cut short, else its JSON type."""
+    return repr(echo(value)) if isinstance(value, str) else _kind(value)
 
 
 # ---------------------------------------------------------------- request
@@ -201,7 +206,7 @@ def _add_input(chat: _Chat, value: Any) -> None:
         raise _bad(
             f"`input` must be a string or a list of items, not {_kind(value)}",
             "input",
-            "missing_required_parameter",
+            "missing_required_parameter" if value is None else "invalid_type",
         )
     for index, item in enumerate(value):
         param = f"input[{index}]"
@@ -221,9 +226,8 @@ def _add_input(chat: _Chat, value: Any) -> None:
                 f"{param}: `item_reference` is not supported: {_STATELESS}", param, "unsupported_parameter"
             )
         else:
-            shown = kind if isinstance(kind, str) else _kind(kind)
             raise _bad(
-                f"{param}: input items of type {shown!r} are not supported "
+                f"{param}: input items of type {_shown(kind)} are not supported "
                 "(message, function_call, function_call_output, custom_tool_call, "
                 "custom_tool_call_output and reasoning are)",
                 param,
@@ -243,7 +247,7 @@ def _add_message(chat: _Chat, item: dict[str, Any], param: str) -> None:
         chat.messages.append({"role": "assistant", "content": _text(content, f"{param}.content")})
     else:
         raise _bad(
-            f"{param}.role must be user, assistant, system or developer, not {role!r}"[:200], f"{param}.role"
+            f"{param}.role must be user, assistant, system or developer, not {_shown(role)}", f"{param}.role"
         )
 
 
@@ -305,9 +309,8 @@ def _user_content(content: Any, param: str) -> str | list[dict[str, Any]]:
 def _image_part(part: dict[str, Any], param: str) -> dict[str, Any]:
     kind = part.get("type")
     if kind != "input_image":
-        shown = kind if isinstance(kind, str) else _kind(kind)
         raise _bad(
-            f"{param}: content parts of type {shown!r} are not supported (text and images are)"[:240], param
+            f"{param}: content parts of type {_shown(kind)} are not supported (text and images are)", param
         )
     url = part.get("image_url")
     if not isinstance(url, str) or not url:
@@ -340,7 +343,7 @@ def _add_call(chat: _Chat, item: dict[str, Any], param: str, kind: str) -> None:
     elif namespace is not None:
         raise _bad(f"{param}.namespace must be a string", f"{param}.namespace", "invalid_type")
     if kind == "function_call":
-        arguments = _string(item, "arguments", param)
+        arguments = _arguments(chat, _string(item, "arguments", param), param)
     else:
         arguments = orjson.dumps({"input": _string(item, "input", param)}).decode()
     call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
@@ -350,6 +353,22 @@ def _add_call(chat: _Chat, item: dict[str, Any], param: str, kind: str) -> None:
         last.setdefault("tool_calls", []).append(call)
     else:
         chat.messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+
+
+def _arguments(chat: _Chat, arguments: str, param: str) -> str:
+    """A past call's arguments as a JSON object: engines parse them to render the history
+    (mlx_lm.server fails the whole request on text that is not JSON), and a small model
+    writes broken JSON now and then; the client then answered with an error, which stays."""
+    if not arguments.strip():
+        return "{}"
+    try:
+        doc = orjson.loads(arguments)
+    except orjson.JSONDecodeError:
+        doc = None
+    if isinstance(doc, dict):
+        return arguments
+    chat.notes.append(f'{param}.arguments is not a JSON object; sent as {{"input": <the text>}}')
+    return orjson.dumps({"input": arguments}).decode()
 
 
 def _add_output(chat: _Chat, item: dict[str, Any], param: str) -> None:
@@ -423,7 +442,7 @@ def _tools(chat: _Chat, value: Any) -> list[dict[str, Any]]:
         elif kind == "custom":
             _add_custom(chat, out, tool, param)
         else:
-            dropped.append(kind if isinstance(kind, str) else _kind(kind))
+            dropped.append(echo(kind) if isinstance(kind, str) else _kind(kind))
     if dropped:
         chat.notes.append("tools the engine cannot run were left out: " + ", ".join(dropped)[:300])
     return out
@@ -431,7 +450,7 @@ def _tools(chat: _Chat, value: Any) -> list[dict[str, Any]]:
 
 def _register(chat: _Chat, name: str, tool: ToolName, param: str) -> bool:
     if name in chat.tools:
-        chat.notes.append(f"{param}: a second tool named {name[:64]!r} was left out")
+        chat.notes.append(f"{param}: a second tool named {echo(name)!r} was left out")
         return False
     chat.tools[name] = tool
     return True
@@ -469,7 +488,8 @@ def _add_custom(chat: _Chat, out: list[dict[str, Any]], tool: dict[str, Any], pa
     if description is not None and not isinstance(description, str):
         raise _bad(f"{param}.description must be a string", f"{param}.description", "invalid_type")
     text = (description or f"The {name} tool.") + (
-        "\n\nThis tool takes freeform text, not JSON: put the whole text in the one string argument `input`."
+        "\n\nCall it with one string argument, `input`, holding the whole text; "
+        "the text itself is freeform, not JSON."
     )
     form = tool.get("format")
     if isinstance(form, dict) and form.get("type") == "grammar":
@@ -504,18 +524,24 @@ def _tool_choice(chat: _Chat, value: Any) -> Any:
         if not isinstance(name, str) or not name:
             raise _bad("`tool_choice.name` must be a string", "tool_choice.name", "invalid_type")
         if name not in chat.tools:
-            raise _bad(f"`tool_choice` names {name[:64]!r}, which is not in `tools`", "tool_choice.name")
+            raise _bad(f"`tool_choice` names {echo(name)!r}, which is not in `tools`", "tool_choice.name")
         return {"type": "function", "function": {"name": name}}
     if kind == "allowed_tools":
         mode = value.get("mode")
         chat.notes.append("tool_choice allowed_tools was applied as its mode; the tool list was not narrowed")
         return mode if mode in ("auto", "required") else "auto"
-    chat.notes.append(f"tool_choice {str(kind)[:40]!r} names a tool the engine cannot run; auto instead")
+    chat.notes.append(f"tool_choice {_shown(kind)} names a tool the engine cannot run; auto instead")
     return "auto"
 
 
 def _response_format(text: Any) -> dict[str, Any] | None:
-    """``text.format`` as chat's ``response_format`` (llama-cpp-python turns it into a grammar)."""
+    """``text.format`` as chat's ``response_format``.
+
+    A JSON schema goes as ``{"type": "json_object", "schema": ...}``: the form
+    llama-cpp-python's server takes and turns into a grammar (its request
+    model allows only ``text`` and ``json_object``, so ``json_schema`` would be
+    a 422); mlx_lm.server ignores ``response_format`` either way.
+    """
     if text is None:
         return None
     if not isinstance(text, dict):
@@ -536,14 +562,7 @@ def _response_format(text: Any) -> dict[str, Any] | None:
             raise _bad(
                 "`text.format.schema` must be a JSON schema object", "text.format.schema", "invalid_type"
             )
-        name = form.get("name")
-        inner: dict[str, Any] = {
-            "name": name if isinstance(name, str) and name else "response",
-            "schema": schema,
-        }
-        if isinstance(form.get("strict"), bool):
-            inner["strict"] = form["strict"]
-        return {"type": "json_schema", "json_schema": inner}
+        return {"type": "json_object", "schema": clean_schema(schema)}
     raise _bad("`text.format.type` must be text, json_object or json_schema", "text.format.type")
 
 
@@ -559,7 +578,6 @@ class _Open:
     parts: list[str]
     # The bytes every delta event of this item starts with (all but the delta and sequence number).
     prefix: bytes
-    tool: ToolName | None = None
 
 
 class ResponsesTranslator:
@@ -756,9 +774,12 @@ class ResponsesTranslator:
         else:
             out = b""
             name = function.get("name")
-            if isinstance(name, str) and name:
-                # A name sent in pieces (rare): the done item has it whole.
-                open_.item["name"] += name
+            if isinstance(name, str) and name and not open_.item["name"]:
+                # A name sent after the call's first delta; one repeated in every delta is kept once.
+                tool = self._tools.get(name)
+                open_.item["name"] = tool.name if tool is not None else name
+                if tool is not None and tool.namespace is not None:
+                    open_.item["namespace"] = tool.namespace
         if arguments:
             open_.parts.append(arguments)
             if self.stream and open_.item["type"] == "function_call":
@@ -793,7 +814,7 @@ class ResponsesTranslator:
                 index,
             )
         self._items.append(item)
-        self._calls[key] = _Open(item, index, [], prefix, tool)
+        self._calls[key] = _Open(item, index, [], prefix)
         if not self.stream:
             return b""
         return self._event({"type": "response.output_item.added", "output_index": index, "item": dict(item)})

@@ -54,6 +54,8 @@ SHELL: Any = [
 ]
 # What the fake's tool-calls=1 sends as the first call's arguments.
 CALL_0 = {"call": 0, "city": "Paris", "unit": "celsius"}
+# The fake's answer ends its turn (finish_reason stop) instead of running into max_tokens.
+STOP = {"x-fake": "stop"}
 # The per-model config key that says which APIs a static upstream serves itself.
 NATIVE_KEY = "native-apis"
 _NOTICE_WITHIN_S = 1.0
@@ -285,7 +287,7 @@ def test_openai_responses_create_non_stream(gateway: Running, fake: FakeEngine) 
     """responses.create answers a completed Response with the fake's text and usage."""
     with openai_client(gateway.url) as client:
         response = client.responses.create(
-            model="fake", input="hi", instructions="Be brief.", max_output_tokens=3
+            model="fake", input="hi", instructions="Be brief.", max_output_tokens=3, extra_headers=STOP
         )
     assert response.status == "completed" and response.model == "fake"
     assert response.output_text == "tok0 tok1 tok2 "
@@ -298,7 +300,11 @@ def test_openai_responses_create_non_stream(gateway: Running, fake: FakeEngine) 
 def test_openai_responses_create_stream(gateway: Running, fake: FakeEngine) -> None:
     """responses.create(stream=True) runs response.created .. response.completed with the text deltas."""
     with openai_client(gateway.url) as client:
-        events = list(client.responses.create(model="fake", input="hi", max_output_tokens=3, stream=True))
+        events = list(
+            client.responses.create(
+                model="fake", input="hi", max_output_tokens=3, stream=True, extra_headers=STOP
+            )
+        )
     types = [e.type for e in events]
     assert types[0] == "response.created" and types[-1] == "response.completed"
     deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
@@ -311,12 +317,31 @@ def test_openai_responses_stream_helper_final_response(gateway: Running, fake: F
     """responses.stream() rebuilds the Response, and get_final_response() returns the completed one."""
     with (
         openai_client(gateway.url) as client,
-        client.responses.stream(model="fake", input=ASK, max_output_tokens=4) as stream,
+        client.responses.stream(model="fake", input=ASK, max_output_tokens=4, extra_headers=STOP) as stream,
     ):
         text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
         final = stream.get_final_response()
     assert text == "tok0 tok1 tok2 tok3 " == final.output_text
     assert final.status == "completed"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["create", "stream"])
+def test_openai_answer_cut_at_max_output_tokens_is_incomplete(
+    gateway: Running, fake: FakeEngine, stream: bool
+) -> None:
+    """An answer the engine ends at max tokens is an incomplete Response (max_output_tokens), as OpenAI's."""
+    with openai_client(gateway.url) as client:
+        if stream:
+            events = list(client.responses.create(model="fake", input="hi", max_output_tokens=3, stream=True))
+            last = events[-1]
+            assert last.type == "response.incomplete", last
+            response = last.response
+        else:
+            response = client.responses.create(model="fake", input="hi", max_output_tokens=3)
+    assert response.status == "incomplete" and response.output_text == "tok0 tok1 tok2 "
+    assert (
+        response.incomplete_details is not None and response.incomplete_details.reason == "max_output_tokens"
+    )
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["create", "stream"])
@@ -506,14 +531,14 @@ def test_passthrough_sdk_helpers_and_query_string(passthrough: Running, native_f
             MESSAGES,
             {"max_tokens": 3, "messages": ASK, "stream": True},
             "message_stop",
-            "error",
+            ("error",),
             id="messages",
         ),
         pytest.param(
             RESPONSES,
             {"max_output_tokens": 3, "input": "hi", "stream": True},
             "response.completed",
-            "response.failed",
+            ("response.failed",),
             id="responses",
         ),
     ],
@@ -525,7 +550,7 @@ def test_passthrough_stream_without_its_last_event_gets_an_error_end(
     path: str,
     body: dict[str, Any],
     last: str,
-    error_end: str,
+    error_end: tuple[str, ...],
     fault: str,
 ) -> None:
     """A native stream without its last event is passed on, then ended with the API's own error."""
@@ -538,11 +563,12 @@ def test_passthrough_stream_without_its_last_event_gets_an_error_end(
         assert payload.startswith(sent)
     events = sse_events(payload)
     assert last not in [name for name, _ in events]
-    assert events[-1][0] == error_end, events[-1]
-    if error_end == "error":
-        assert events[-1][1]["error"]["message"]
+    name, data = events[-1]
+    assert name in error_end, events[-1]
+    if name == "response.failed":
+        assert data["response"]["status"] == "failed" and data["response"]["error"]["message"]
     else:
-        assert events[-1][1]["response"]["status"] == "failed"
+        assert data["type"] == "error" and data["error"]["message"]
 
 
 @pytest.mark.fault("upstreams", "a stream without [DONE], or not an event stream")
@@ -567,6 +593,7 @@ def test_passthrough_sdk_sees_a_cut_stream_fail(passthrough: Running, native_fak
             )
         )
     assert events[-1].type == "response.failed"
+    assert "response.completed" not in [e.type for e in events]
 
 
 # -- the real mlx engine ---------------------------------------------------------------------
@@ -595,13 +622,16 @@ def test_mlx_anthropic_stream_answers(mlx: EngineGateway) -> None:
 
 
 def test_mlx_openai_responses_stream_answers(mlx: EngineGateway) -> None:
-    """An openai responses stream through the gateway on mlx answers with text and response.completed."""
-    with (
-        openai_client(mlx.url, timeout_s=60) as client,
-        client.responses.stream(model=DEMO, input="Say hello.", max_output_tokens=12) as stream,
-    ):
-        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
-        final = stream.get_final_response()
+    """An openai responses stream through the gateway on mlx answers with text and a proper end."""
+    with openai_client(mlx.url, timeout_s=60) as client:
+        events = list(
+            client.responses.create(model=DEMO, input="Say hello.", max_output_tokens=12, stream=True)
+        )
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    last = events[-1]
+    # The tiny random-weight model seldom ends its turn: at 12 tokens the Response is incomplete.
+    assert last.type in ("response.completed", "response.incomplete"), last
+    final = last.response
     assert len(deltas) >= 2 and final.output_text == "".join(deltas) and final.output_text.strip()
     assert final.usage is not None and final.usage.output_tokens > 0
 
@@ -762,3 +792,86 @@ def test_admission_limits_apply_to_the_new_routes(
         holder.close()
         if queued is not None:
             queued.close()
+
+
+# -- the engine's errors, in each API's envelope --------------------------------------------
+
+
+@pytest.fixture
+def mixed(start_gateway: StartGateway, fake: FakeEngine, native_fake: FakeEngine, tmp_path: Path) -> Running:
+    """A gateway with "fake" (chat only: translated) and "native" (passed through) side by side."""
+    config = tmp_path / "mixed.toml"
+    config.write_text(
+        f'[models.fake]\nupstream = "{fake.url}/v1"\n\n'
+        f'[models.native]\nupstream = "{native_fake.url}/v1"\n{NATIVE_KEY} = ["messages", "responses"]\n'
+    )
+    return start_gateway({}, "--config", str(config))
+
+
+@pytest.mark.fault("upstreams", "error statuses")
+@pytest.mark.parametrize("model", ["fake", "native"], ids=["translated", "passthrough"])
+def test_engine_errors_reach_the_sdks_in_the_apis_envelope(mixed: Running, model: str) -> None:
+    """An engine's 429 and a malformed or empty reply reach each SDK as its own error class and envelope."""
+    for fault, anthropic_error, openai_error, kind in [
+        ("status=429", anthropic.RateLimitError, openai.RateLimitError, "rate_limit_error"),
+        ("garbage", anthropic.InternalServerError, openai.InternalServerError, "api_error"),
+        ("empty", anthropic.InternalServerError, openai.InternalServerError, "api_error"),
+    ]:
+        with claude(mixed.url) as client, pytest.raises(anthropic_error) as caught:
+            client.messages.create(model=model, max_tokens=2, messages=ASK, extra_headers=fake_header(fault))
+        body: Any = caught.value.body
+        assert body["type"] == "error" and body["error"]["type"] == kind and body["error"]["message"], body
+        with openai_client(mixed.url) as oai, pytest.raises(openai_error) as failed:
+            oai.responses.create(model=model, input="hi", extra_headers=fake_header(fault))
+        envelope: Any = failed.value.body
+        assert set(envelope) >= {"message", "type", "param", "code"}, envelope
+
+
+@pytest.mark.fault("upstreams", "a body cut short or malformed mid-way")
+def test_a_non_stream_answer_cut_by_the_engine_is_a_502_in_the_apis_envelope(
+    gateway: Running, fake: FakeEngine
+) -> None:
+    """A translated non-stream request whose chat stream the engine cuts gets a 502, not a partial answer."""
+    with claude(gateway.url) as client, pytest.raises(anthropic.InternalServerError) as caught:
+        client.messages.create(
+            model="fake", max_tokens=8, messages=ASK, extra_headers=fake_header("die-after=3")
+        )
+    body: Any = caught.value.body
+    assert (
+        caught.value.status_code == 502 and body["type"] == "error" and body["error"]["type"] == "api_error"
+    )
+    with openai_client(gateway.url) as oai, pytest.raises(openai.InternalServerError) as failed:
+        oai.responses.create(
+            model="fake", input="hi", max_output_tokens=8, extra_headers=fake_header("die-after=3")
+        )
+    assert failed.value.status_code == 502
+
+
+def test_passthrough_to_an_http11_engine_keeps_the_bytes(
+    start_fake_engine: StartFakeEngine, start_gateway: StartGateway, tmp_path: Path
+) -> None:
+    """Passthrough to a keep-alive, chunked engine (as llama-server is) still hands on its bytes as sent."""
+    native = start_fake_engine("--native-apis", "messages,responses", "--http11")
+    config = tmp_path / "http11.toml"
+    config.write_text(
+        f'[models.native]\nupstream = "{native.url}/v1"\n{NATIVE_KEY} = ["messages", "responses"]\n'
+    )
+    gateway = start_gateway({}, "--config", str(config))
+    cases = [
+        (MESSAGES, {"max_tokens": 3, "messages": ASK, "stream": True}),
+        (RESPONSES, {"max_output_tokens": 3, "input": "hi", "stream": True}),
+        (MESSAGES, {"max_tokens": 3, "messages": ASK}),
+        (COUNT_TOKENS, {"messages": ASK}),
+    ]
+    for index, (path, body) in enumerate(cases, start=1):
+        status, payload = post_stream(
+            gateway.url + path, {"model": "native", **body}, fake_header("reasoning=2")
+        )
+
+        def answered(record: dict[str, Any], number: int = index) -> bool:
+            return bool(record["id"] == number and record["outcome"] is not None)
+
+        record = native.wait_for_record(answered)
+        assert status == 200 and record["outcome"] == "completed"
+        assert payload == planned(record), path
+    assert len({r["conn_id"] for r in native.records()}) < len(cases)

@@ -65,12 +65,12 @@ def post(url: str, path: str, body: dict[str, Any]) -> httpx.Response:
         return http.post(url + path, json=body)
 
 
-def leave_after(port: int, body: dict[str, Any], wait_s: float) -> None:
+def leave_after(port: int, body: dict[str, Any], wait_s: float, path: str = "/v1/chat/completions") -> None:
     """Send a request on a raw socket and close it after ``wait_s`` without reading an answer."""
     data = orjson.dumps(body)
     head = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n"
-        b"content-length: %d\r\n\r\n" % len(data)
+        b"POST %b HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n" % (path.encode(), len(data))
     )
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.sendall(head + data)
@@ -147,6 +147,30 @@ def test_a_client_that_leaves_a_non_stream_request_frees_the_engine(gateway: Eng
     """The child stops generating within about a second of the client leaving (its CPU says so)."""
     wait_idle(gateway.child_pid)
     leave_after(gateway.port, chat("Tell me a very long story.", _LONG), 1.5)
+    left = cpu_s(gateway.child_pid)
+    time.sleep(3.0)
+    used = cpu_s(gateway.child_pid) - left
+    assert used < 1.0, f"the child used {used:.2f} s of CPU in the 3 s after its client left"
+
+
+_STORY = "Tell me a very long story."
+# Another API's request, as Claude Code and Codex send it: translated, sent to mlx as a stream.
+_OTHER_APIS = [
+    ("/v1/messages", {"model": DEMO, "max_tokens": _LONG, "messages": [{"role": "user", "content": _STORY}]}),
+    ("/v1/responses", {"model": DEMO, "max_output_tokens": _LONG, "input": _STORY}),
+]
+
+
+@pytest.mark.fault("clients", "a client that leaves mid-request")
+@pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
+@pytest.mark.parametrize(("path", "body"), _OTHER_APIS, ids=["messages", "responses"])
+def test_a_client_that_leaves_a_translated_request_frees_the_engine(
+    gateway: EngineGateway, path: str, body: dict[str, Any], stream: bool
+) -> None:
+    """A Messages or Responses request translated for mlx: the child stops generating within about a
+    second of the client leaving, streamed or not (its CPU says so)."""
+    wait_idle(gateway.child_pid)
+    leave_after(gateway.port, {**body, "stream": stream}, 1.5, path)
     left = cpu_s(gateway.child_pid)
     time.sleep(3.0)
     used = cpu_s(gateway.child_pid) - left

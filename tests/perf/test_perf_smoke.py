@@ -98,6 +98,17 @@ def test_paired_smoke(tmp_path: Path) -> None:
     assert "| 1 | blazar-no-log | " in text and "| +0.0 |" in text
 
 
+def test_paired_stream_smoke(tmp_path: Path) -> None:
+    """`perf paired --workloads sse --smoke` streams through each build at once and reports each one's CPU."""
+    _run("paired", "--smoke", "--workloads", "sse", "--baseline", str(ROOT), "--out", str(tmp_path))
+    text = (tmp_path / "paired.md").read_text()
+    assert text.splitlines()[2].startswith("sse (stream, 128 chunks")
+    builds = [line.split("|")[2].strip() for line in text.splitlines() if line.startswith("| 1 |")]
+    assert builds == ["blazar", "blazar-base", "blazar-no-log"]
+    cpu = [float(line.split("|")[3]) for line in text.splitlines() if line.startswith("| 1 |")]
+    assert all(value > 0 for value in cpu), text
+
+
 @pytest.fixture(scope="module")
 def receipt_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One `perf receipt --smoke` run, for the tests that read its reports."""

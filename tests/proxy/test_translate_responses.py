@@ -233,7 +233,7 @@ def test_tools_are_flattened_cleaned_and_hosted_ones_dropped() -> None:
         "input": {"type": "string", "description": patch["parameters"]["properties"]["input"]["description"]}
     }
     assert patch["parameters"]["required"] == ["input"]
-    assert "FREEFORM" in patch["description"] and "not JSON" in patch["description"]
+    assert "FREEFORM" in patch["description"] and "one string argument, `input`" in patch["description"]
     assert "begin_patch hunk+ end_patch" in patch["description"]  # the lark grammar, short enough to help
     assert any("web_search" in note and "tool_search" in note for note in translator.notes)
 
@@ -310,6 +310,22 @@ def test_consecutive_calls_share_the_assistant_turn_and_reasoning_is_dropped() -
     assert messages[3] == {"role": "tool", "tool_call_id": "c2", "content": "2"}
 
 
+@pytest.mark.parametrize("arguments", ["", "  ", '{"cmd": "ls"', "[1, 2]", '"ls"'])
+def test_past_call_arguments_that_are_not_a_json_object_are_wrapped(arguments: str) -> None:
+    """A past call's broken arguments (small models write them) reach the engine as a JSON object."""
+    doc = {
+        "model": "m",
+        "input": [
+            {"type": "function_call", "call_id": "c", "name": "f", "arguments": arguments},
+            {"type": "function_call_output", "call_id": "c", "output": "failed to parse function arguments"},
+        ],
+    }
+    sent = chat_of(doc)["messages"][0]["tool_calls"][0]["function"]["arguments"]
+    parsed = json.loads(sent)
+    assert isinstance(parsed, dict)
+    assert parsed in ({}, {"input": arguments})
+
+
 def test_images_become_image_url_parts() -> None:
     """An input_image is a chat image_url part; a tool's image follows its tool message as the user's."""
     url = "data:image/png;base64,iVBORw0KGgo="
@@ -360,10 +376,8 @@ def test_sampling_fields_and_json_schema_format_map_to_chat() -> None:
     }
     chat = chat_of(doc)
     assert chat["max_tokens"] == 64 and chat["temperature"] == 0.2 and chat["top_p"] == 0.9
-    assert chat["response_format"] == {
-        "type": "json_schema",
-        "json_schema": {"name": "out", "schema": schema, "strict": True},
-    }
+    # llama-cpp-python's form (a grammar from the schema); its server refuses type json_schema.
+    assert chat["response_format"] == {"type": "json_object", "schema": schema}
     assert chat["tool_choice"] == {"type": "function", "function": {"name": "f"}}
     assert "max_output_tokens" not in chat and "text" not in chat
 
@@ -529,6 +543,18 @@ def test_bad_shapes_are_400_naming_the_field(doc: Any, param: str) -> None:
     assert caught.value.status == 400
     assert caught.value.param == param
     assert caught.value.message
+
+
+def test_error_messages_repeat_client_strings_cut_short() -> None:
+    """A huge type or role string is quoted cut to a prefix in the 400, not whole."""
+    for doc in (
+        {"model": "m", "input": [{"type": "x" * 100_000}]},
+        {"model": "m", "input": [{"role": "x" * 100_000, "content": ""}]},
+        {"model": "m", "input": [{"role": "user", "content": [{"type": "x" * 100_000}]}]},
+    ):
+        with pytest.raises(HTTPError) as caught:
+            chat_of(doc)
+        assert len(caught.value.message) < 400 and "100000 characters" in caught.value.message
 
 
 HOSTILE = [None, 0, -1, True, 1.5, "", "x", [], [None], {}, {"type": None}, {"type": "message"}]
@@ -739,8 +765,9 @@ def test_mlx_style_whole_calls_in_the_last_chunk_are_several_items() -> None:
         },
     ]
     chunks = [
-        chunk({"role": "assistant", "content": "Let me look."}),
-        chunk({"role": "assistant", "tool_calls": calls}, "tool_calls"),
+        chunk({"role": "assistant", "content": "Let me"}),
+        # mlx_lm.server's last packet: the text since the last write, every call, the finish reason.
+        chunk({"role": "assistant", "content": " look.", "tool_calls": calls}, "tool_calls"),
         USAGE,
     ]
     _, body = run(codex_doc(stream=True), chunks)
@@ -815,6 +842,24 @@ def test_namespace_call_comes_back_with_name_and_namespace() -> None:
     assert (call.name, call.namespace, call.arguments) == ("spawn_agent", "multi_agent_v1", '{"task":"x"}')
     added = next(e for e in events(body) if e["type"] == "response.output_item.added")["item"]
     assert added["namespace"] == "multi_agent_v1" and added["name"] == "spawn_agent"
+
+
+def test_a_name_repeated_in_every_delta_is_kept_once() -> None:
+    """Servers that repeat the function name in each delta, or send it late, still give the name once."""
+    name = "multi_agent_v1__spawn_agent"
+    chunks = [
+        chunk({"tool_calls": [{"index": 0, "id": "c", "function": {"name": name, "arguments": "{"}}]}),
+        chunk({"tool_calls": [{"index": 0, "function": {"name": name, "arguments": "}"}}]}),
+        chunk({"tool_calls": [{"index": 1, "id": "d", "function": {"arguments": "{"}}]}),
+        chunk({"tool_calls": [{"index": 1, "function": {"name": "exec_command", "arguments": "}"}}]}),
+        chunk({}, "tool_calls"),
+    ]
+    _, body = run(codex_doc(stream=True), chunks)
+    _, final = sdk_stream(body)
+    first, second = final.output
+    assert first.type == "function_call" and second.type == "function_call"
+    assert (first.name, first.namespace, first.arguments) == ("spawn_agent", "multi_agent_v1", "{}")
+    assert (second.name, second.arguments) == ("exec_command", "{}")
 
 
 def test_unknown_tool_name_passes_as_a_plain_function_call() -> None:
