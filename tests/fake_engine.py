@@ -46,6 +46,20 @@ the way OpenAI and vLLM do: a first delta with its index, id, type and
 name, then its arguments in three pieces). An unknown key
 gets a 400 so that a typo in a test cannot pass silently.
 
+A scripted tool round trip, for agent clients that cannot send x-fake (set
+server-wide only)::
+
+    --tool-call 'Bash={"command": "echo hi"}' [--tool-call 'exec_command=...']
+
+A chat request whose tools include a function named by a ``--tool-call``
+(the first that matches) is answered with exactly one call of it with those
+arguments and no text (finish_reason ``tool_calls``); a chat request whose
+last message is a ``tool`` message is answered, whatever its tools, with the
+text ``TOOL_RESULT_PREFIX`` followed by that message's content (text parts
+joined), finish_reason ``stop``. A client that ran the tool and sent its
+output back thus prints that output after the prefix. Streams send the call
+as ``tool-calls=N`` does and the text in a few pieces.
+
 Native APIs, off by default: ``--native-apis messages,responses`` adds the
 routes llama-server (and vLLM) serve themselves: ``POST /v1/messages`` and
 ``/v1/messages/count_tokens`` (Anthropic Messages) and ``POST /v1/responses``
@@ -160,6 +174,8 @@ _DONE_EVENT = b"data: [DONE]\n\n"
 # Half an event after [DONE] (after-done): a comment line with no blank line to end it.
 _AFTER_DONE = b": after"
 _CONTENT_SENTINEL = "@@fake-content@@"
+# The final text of a scripted tool round trip: this, then the tool's output.
+TOOL_RESULT_PREFIX = "fake engine read the tool result: "
 
 OUTCOME_COMPLETED = "completed"
 OUTCOME_PEER_CLOSED = "peer_closed"
@@ -603,9 +619,11 @@ class FakeEngine:
         hang_after: int | None = None,
         options: FakeOptions | None = None,
         native_apis: frozenset[str] = frozenset(),
+        tool_script: tuple[ScriptedCall, ...] = (),
     ) -> None:
         self.http11 = http11
         self.native_apis = native_apis
+        self.tool_script = tool_script
         self.hang_after = hang_after
         self.generations = 0
         self.embeddings = embeddings
@@ -724,7 +742,9 @@ class FakeEngine:
         # From the prompt alone, as an engine counts: a request sent as a stream counts the same.
         prompt = body.get("messages") if is_chat else body.get("prompt")
         prompt_tokens = max(1, len(orjson.dumps(prompt)) // 8)
-        extras = _Extras.of(body, opts) if is_chat else _Extras()
+        extras = _Extras.of(body, opts, self.tool_script) if is_chat else _Extras()
+        if extras.text is not None:
+            count = len(extras.text)
         if body.get("stream", False):
             return self._reply_stream(body, is_chat, model, count, prompt_tokens, opts, extras)
         return self._reply_complete(is_chat, model, count, prompt_tokens, opts, extras)
@@ -738,7 +758,7 @@ class FakeEngine:
         opts: FakeOptions,
         extras: _Extras,
     ) -> _Reply:
-        text = _full_text(count, opts.chunk_bytes)
+        text = _full_text(count, opts.chunk_bytes) if extras.text is None else "".join(extras.text)
         choice: dict[str, Any] = {"index": 0, "finish_reason": extras.finish_reason}
         if is_chat:
             message: dict[str, Any] = {"role": "assistant", "content": text or None}
@@ -804,7 +824,12 @@ class FakeEngine:
         events = [
             b"data: " + orjson.dumps(chunk(None, None, reasoning=r)) + b"\n\n" for r in extras.reasoning
         ]
-        events += [before + p + after for p in _encoded_pieces(count, opts.chunk_bytes)]
+        pieces = (
+            _encoded_pieces(count, opts.chunk_bytes)
+            if extras.text is None
+            else [orjson.dumps(p) for p in extras.text if p]
+        )
+        events += [before + p + after for p in pieces]
         for index, call in enumerate(extras.calls):
             first = {"index": index, "id": call.id, "type": "function"}
             first["function"] = {"name": call.name, "arguments": ""}
@@ -1006,27 +1031,77 @@ class _ToolCall:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class ScriptedCall:
+    """One tool the engine calls when a request offers it (``--tool-call NAME=JSON``)."""
+
+    name: str
+    arguments: str
+
+    @classmethod
+    def parse(cls, text: str) -> ScriptedCall:
+        """``NAME=JSON``: the tool's name and its arguments, a JSON object."""
+        name, sep, arguments = text.partition("=")
+        if not sep or not name.strip():
+            raise ValueError(f"expected NAME=JSON, got {text!r}")
+        try:
+            parsed = json.loads(arguments)
+        except ValueError as exc:
+            raise ValueError(f"the arguments of {name!r} are not JSON: {exc}") from None
+        if not isinstance(parsed, dict):
+            raise ValueError(f"the arguments of {name!r} must be a JSON object")
+        return cls(name.strip(), orjson.dumps(parsed).decode())
+
+
+def _tool_names(body: dict[str, Any]) -> list[str]:
+    tools = body.get("tools")
+    return [
+        name
+        for t in (tools if isinstance(tools, list) else [])
+        if isinstance(t, dict)
+        # Chat nests the name in "function"; Anthropic and Responses tools carry it flat.
+        and isinstance(fn := t.get("function", t), dict)
+        and isinstance(name := fn.get("name"), str)
+    ]
+
+
+def _tool_result(body: dict[str, Any]) -> str | None:
+    """The content of the last message when it is a ``tool`` message, its text parts joined."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return None
+    last = messages[-1]
+    if not isinstance(last, dict) or last.get("role") != "tool":
+        return None
+    content = last.get("content")
+    if isinstance(content, list):
+        return "".join(
+            part["text"] for part in content if isinstance(part, dict) and isinstance(part.get("text"), str)
+        )
+    return content if isinstance(content, str) else json.dumps(content)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class _Extras:
-    """What a chat reply carries besides its text: reasoning before it, tool calls after it."""
+    """What a chat reply carries besides its text: reasoning before it, tool calls after it.
+
+    ``text`` replaces the generated ``tok{i}`` pieces when set (a scripted reply).
+    """
 
     reasoning: tuple[str, ...] = ()
     calls: tuple[_ToolCall, ...] = ()
     # The answer ends its turn (an end-of-sequence token) rather than at max_tokens.
     stop: bool = False
+    text: tuple[str, ...] | None = None
 
     @classmethod
-    def of(cls, body: dict[str, Any], opts: FakeOptions) -> _Extras:
+    def of(cls, body: dict[str, Any], opts: FakeOptions, script: tuple[ScriptedCall, ...] = ()) -> _Extras:
+        if script:
+            scripted = cls._scripted(body, script)
+            if scripted is not None:
+                return scripted
         if not (opts.reasoning or opts.tool_calls or opts.stop):
             return cls()
-        tools = body.get("tools")
-        names = [
-            name
-            for t in (tools if isinstance(tools, list) else [])
-            if isinstance(t, dict)
-            # Chat nests the name in "function"; Anthropic and Responses tools carry it flat.
-            and isinstance(fn := t.get("function", t), dict)
-            and isinstance(name := fn.get("name"), str)
-        ] or ["tool"]
+        names = _tool_names(body) or ["tool"]
         calls = tuple(
             _ToolCall(
                 f"call_{i}",
@@ -1037,9 +1112,24 @@ class _Extras:
         )
         return cls(tuple(f"think{i} " for i in range(opts.reasoning)), calls, opts.stop)
 
+    @classmethod
+    def _scripted(cls, body: dict[str, Any], script: tuple[ScriptedCall, ...]) -> _Extras | None:
+        result = _tool_result(body)
+        if result is not None:
+            text = TOOL_RESULT_PREFIX + result
+            third = max(1, len(text) // 3)
+            return cls(text=(text[:third], text[third : 2 * third], text[2 * third :]))
+        offered = set(_tool_names(body))
+        for call in script:
+            if call.name in offered:
+                return cls(calls=(_ToolCall(_completion_id("call_"), call.name, call.arguments),), text=())
+        return None
+
     @property
     def finish_reason(self) -> str:
-        return "tool_calls" if self.calls else "stop" if self.stop else "length"
+        if self.calls:
+            return "tool_calls"
+        return "stop" if self.stop or self.text is not None else "length"
 
     @property
     def tokens(self) -> int:
@@ -1898,12 +1988,14 @@ async def start_fake_engine(
     broken: bool = False,
     hang_after: int | None = None,
     native_apis: frozenset[str] = frozenset(),
+    tool_script: tuple[ScriptedCall, ...] = (),
     **options: Any,
 ) -> FakeEngine:
     """Start an engine in this event loop; ``options`` are FakeOptions fields."""
     engine = FakeEngine(
         hang_after=hang_after,
         native_apis=native_apis,
+        tool_script=tool_script,
         http11=http11,
         embeddings=embeddings,
         default_max_tokens=default_max_tokens,
@@ -1965,6 +2057,15 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--status", type=_parse_status, default=None, metavar="N")
     parser.add_argument("--chunks", type=_parse_count, default=None, metavar="N")
     parser.add_argument("--chunk-bytes", type=_parse_count, default=None, metavar="N")
+    parser.add_argument(
+        "--tool-call",
+        type=ScriptedCall.parse,
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="call tool NAME with these arguments when a request offers it; "
+        "answer a tool result with TOOL_RESULT_PREFIX and the result (repeatable)",
+    )
     return parser
 
 
@@ -1991,6 +2092,7 @@ async def _serve_until_signal(args: argparse.Namespace) -> None:
         status=args.status,
         chunks=args.chunks,
         chunk_bytes=args.chunk_bytes,
+        tool_script=tuple(args.tool_call),
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

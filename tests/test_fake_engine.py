@@ -18,7 +18,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.fake_engine import start_fake_engine
+from tests.fake_engine import TOOL_RESULT_PREFIX, start_fake_engine
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -317,6 +317,89 @@ def test_in_process_engine_applies_options_and_closes() -> None:
         assert [r.outcome for r in engine.records] == ["completed"]
 
     asyncio.run(scenario())
+
+
+@pytest.fixture(scope="module")
+def scripted() -> Iterator[Engine]:
+    yield from _spawn("--tool-call", 'Bash={"command": "echo hi"}', "--tool-call", 'shell={"cmd": ["ls"]}')
+
+
+def _chat_events(raw: bytes) -> list[dict[str, Any]]:
+    _, _, body = _split(raw)
+    return [orjson.loads(line[6:]) for line in body.split(b"\n") if line.startswith(b"data: {")]
+
+
+_TOOLS = [
+    {"type": "function", "function": {"name": "Read", "parameters": {}}},
+    {"type": "function", "function": {"name": "shell", "parameters": {}}},
+]
+
+
+def test_scripted_tool_call_is_one_call_of_the_offered_tool(scripted: Engine) -> None:
+    """--tool-call answers a request offering that tool with one call of it, its arguments, no text."""
+    body = {"messages": [{"role": "user", "content": "go"}], "tools": _TOOLS}
+    _, _, raw = _split(_exchange(scripted.port, _request(CHAT, body, _tag())))
+    choice = orjson.loads(raw)["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] is None
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "shell", "arguments": '{"cmd":["ls"]}'}
+
+    events = _chat_events(_exchange(scripted.port, _request(CHAT, {**body, "stream": True}, _tag())))
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert not any(d.get("content") for d in deltas)
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert {c["index"] for c in calls} == {0}
+    assert calls[0]["function"]["name"] == "shell"
+    assert "".join(c["function"]["arguments"] for c in calls) == '{"cmd":["ls"]}'
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_scripted_tool_result_is_echoed_in_the_final_text(scripted: Engine) -> None:
+    """A last `tool` message is answered with the prefix and its content (text parts joined), finish stop."""
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": "go"},
+        {
+            "role": "assistant",
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "shell"}}],
+        },
+        {
+            "role": "tool",
+            "tool_call_id": "c1",
+            "content": [{"type": "text", "text": "out-"}, {"type": "text", "text": "42"}],
+        },
+    ]
+    body = {"messages": messages, "tools": _TOOLS, "stream": True}
+    events = _chat_events(_exchange(scripted.port, _request(CHAT, body, _tag())))
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
+    assert text == TOOL_RESULT_PREFIX + "out-42"
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+    assert not any("tool_calls" in e["choices"][0]["delta"] for e in events)
+
+    messages[-1]["content"] = "plain"
+    _, _, raw = _split(_exchange(scripted.port, _request(CHAT, {"messages": messages}, _tag())))
+    assert orjson.loads(raw)["choices"][0]["message"]["content"] == TOOL_RESULT_PREFIX + "plain"
+
+
+def test_scripted_engine_without_the_tool_answers_as_before(scripted: Engine) -> None:
+    """A request that offers none of the scripted tools gets the usual generated text."""
+    body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 3, "tools": _TOOLS[:1]}
+    _, _, raw = _split(_exchange(scripted.port, _request(CHAT, body, _tag())))
+    choice = orjson.loads(raw)["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": "tok0 tok1 tok2 "}
+    assert choice["finish_reason"] == "length"
+
+
+def test_scripted_tool_call_flag_rejects_arguments_that_are_not_a_json_object() -> None:
+    """--tool-call NAME=JSON refuses a value whose arguments are not a JSON object, before listening."""
+    for value in ("Bash", "Bash=[1]", "Bash={oops"):
+        result = subprocess.run(
+            [sys.executable, "-m", "tests.fake_engine", "--port", "0", "--tool-call", value],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            timeout=30,
+        )
+        assert result.returncode == 2 and b"--tool-call" in result.stderr, (value, result)
 
 
 # -- native APIs (--native-apis): llama-server's /v1/messages and /v1/responses ----
