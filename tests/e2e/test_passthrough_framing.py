@@ -1,0 +1,131 @@
+"""Passed-through Messages and Responses streams: their end is judged whatever the engine's SSE framing.
+
+The upstream here is a scripted HTTP/1.1 server on a thread (the fake engine
+writes ``\\n`` only): it answers each stream with the events given, one
+chunk and one read each, framed as the test says.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from tests.e2e.conftest import Running, StartGateway
+
+Events = list[tuple[str, dict[str, Any]]]
+
+MESSAGE_EVENTS: Events = [
+    ("message_start", {"type": "message_start", "message": {"id": "m", "content": [], "usage": {}}}),
+    ("content_block_start", {"type": "content_block_start", "index": 0, "content_block": {"type": "text"}}),
+    ("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": {"text": "hi"}}),
+    ("content_block_stop", {"type": "content_block_stop", "index": 0}),
+    ("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn"}}),
+    ("message_stop", {"type": "message_stop"}),
+]
+RESPONSE_EVENTS: Events = [
+    ("response.created", {"type": "response.created", "response": {"id": "r", "status": "in_progress"}}),
+    ("response.output_text.delta", {"type": "response.output_text.delta", "delta": "hi"}),
+    ("response.completed", {"type": "response.completed", "response": {"id": "r", "status": "completed"}}),
+]
+
+
+class ScriptedUpstream:
+    """Answers every POST with a chunked event stream of ``events``, each event its own chunk."""
+
+    def __init__(self, events: Events, newline: bytes) -> None:
+        self.events = [
+            b"event: " + name.encode() + newline + b"data: " + orjson.dumps(data) + newline + newline
+            for name, data in events
+        ]
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                if not (read := conn.recv(65536)):
+                    return  # a connection opened and closed unused
+                data += read
+            head, _, body = data.partition(b"\r\n\r\n")
+            lines = head.lower().split(b"\r\n")
+            if not lines[0].startswith(b"post "):
+                conn.sendall(b'HTTP/1.1 200 OK\r\ncontent-length: 11\r\nconnection: close\r\n\r\n{"data":[]}')
+                return
+            length = next(int(line.split(b":")[1]) for line in lines if line.startswith(b"content-length:"))
+            while len(body) < length:
+                body += conn.recv(65536)
+            self._stream(conn)
+
+    def _stream(self, conn: socket.socket) -> None:
+        conn.sendall(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n"
+            b"connection: close\r\n\r\n"
+        )
+        for event in self.events:
+            conn.sendall(b"%x\r\n%s\r\n" % (len(event), event))
+            time.sleep(0.05)  # one read per event at the gateway
+        conn.sendall(b"0\r\n\r\n")
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def crlf_upstreams() -> Iterator[dict[str, ScriptedUpstream]]:
+    """A Messages and a Responses engine that frame their events with CRLF."""
+    upstreams = {
+        "/v1/messages": ScriptedUpstream(MESSAGE_EVENTS, b"\r\n"),
+        "/v1/responses": ScriptedUpstream(RESPONSE_EVENTS, b"\r\n"),
+    }
+    yield upstreams
+    for upstream in upstreams.values():
+        upstream.close()
+
+
+def native_gateway(
+    start_gateway: StartGateway, tmp_path: Path, upstreams: dict[str, ScriptedUpstream]
+) -> Running:
+    """A gateway whose model "messages" and "responses" are those upstreams, serving both APIs."""
+    config = tmp_path / "blazar.toml"
+    config.write_text(
+        "".join(
+            f'[models.{path.rsplit("/", 1)[1]}]\nupstream = "http://127.0.0.1:{u.port}/v1"\n'
+            'native-apis = ["messages", "responses"]\n'
+            for path, u in upstreams.items()
+        )
+    )
+    return start_gateway({}, "--config", str(config))
+
+
+@pytest.mark.fault("upstreams", "a stream without [DONE], or not an event stream")
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/responses"])
+def test_crlf_framed_passthrough_stream_is_not_judged_truncated(
+    start_gateway: StartGateway, tmp_path: Path, crlf_upstreams: dict[str, ScriptedUpstream], path: str
+) -> None:
+    """A whole native stream framed with CRLF (as sse-starlette writes), an event per read, ends as sent."""
+    gateway = native_gateway(start_gateway, tmp_path, crlf_upstreams)
+    upstream = crlf_upstreams[path]
+    body = {"model": path.rsplit("/", 1)[1], "stream": True, "max_tokens": 4, "input": "hi", "messages": []}
+    with httpx.Client(trust_env=False, timeout=20) as client:
+        reply = client.post(gateway.url + path, json=body)
+    assert reply.status_code == 200, reply.text
+    assert reply.content == b"".join(upstream.events), reply.content[-300:]
