@@ -16,6 +16,8 @@ from proxy.upstream import Connection, UpstreamError
 _TAIL_BYTES = 32
 # Enough of an event's start to hold its name and its type.
 _HEAD_BYTES = 256
+# How an SSE event ends: a blank line, LF or CRLF (sse-starlette writes CRLF).
+_EVENT_ENDS = (b"\n\n", b"\r\n\r\n")
 # The most of a half-written SSE event held back to wait for its end.
 _PARTIAL_EVENT_LIMIT_BYTES = 64 * 1024
 
@@ -60,7 +62,7 @@ async def relay_events(conn: Connection, out: Writer, outcome: Outcome, read_tim
             tail = chunk[-_TAIL_BYTES:] if len(chunk) >= _TAIL_BYTES else (tail + chunk)[-_TAIL_BYTES:]
             if by_event:
                 head = last_event_head(chunk, head, at_boundary)
-                at_boundary = chunk.endswith(b"\n\n")
+                at_boundary = chunk.endswith(_EVENT_ENDS)
             if len(chunk) > SLICE_BYTES:
                 chunk = await write_all_but_last_slice(out, chunk, outcome)
             last = chunk
