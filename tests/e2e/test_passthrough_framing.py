@@ -1,4 +1,8 @@
-"""Passed-through Messages and Responses streams: their end is judged whatever the engine's SSE framing.
+"""Messages and Responses streams from engines that frame them unlike the fake engine.
+
+Passed through: their end is judged whatever the engine's SSE framing.
+Translated: an engine's error status comes in the API's envelope even when
+its body is an event stream.
 
 The upstream here is a scripted HTTP/1.1 server on a thread (the fake engine
 writes ``\\n`` only): it answers each stream with the events given, one
@@ -40,11 +44,16 @@ RESPONSE_EVENTS: Events = [
 class ScriptedUpstream:
     """Answers every POST with a chunked event stream of ``events``, each event its own chunk."""
 
-    def __init__(self, events: Events, newline: bytes) -> None:
+    def __init__(self, events: Events, newline: bytes, status: bytes = b"200 OK") -> None:
         self.events = [
-            b"event: " + name.encode() + newline + b"data: " + orjson.dumps(data) + newline + newline
+            (b"event: " + name.encode() + newline if name else b"")
+            + b"data: "
+            + orjson.dumps(data)
+            + newline
+            + newline
             for name, data in events
         ]
+        self.status = status
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.thread = threading.Thread(target=self._serve, daemon=True)
@@ -77,7 +86,9 @@ class ScriptedUpstream:
 
     def _stream(self, conn: socket.socket) -> None:
         conn.sendall(
-            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n"
+            b"HTTP/1.1 "
+            + self.status
+            + b"\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n"
             b"connection: close\r\n\r\n"
         )
         for event in self.events:
@@ -129,3 +140,36 @@ def test_crlf_framed_passthrough_stream_is_not_judged_truncated(
         reply = client.post(gateway.url + path, json=body)
     assert reply.status_code == 200, reply.text
     assert reply.content == b"".join(upstream.events), reply.content[-300:]
+
+
+@pytest.mark.fault("upstreams", "error statuses")
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/responses"])
+def test_translated_error_status_with_an_event_stream_body_comes_in_the_api_envelope(
+    start_gateway: StartGateway, tmp_path: Path, path: str, stream: bool
+) -> None:
+    """An engine's 500 whose body is a chat error event: the client gets it in its API's JSON envelope."""
+    upstream = ScriptedUpstream(
+        [("", {"error": {"message": "engine exploded"}})], b"\n", b"500 Internal Server Error"
+    )
+    try:
+        config = tmp_path / "blazar.toml"
+        config.write_text(f'[models.chat]\nupstream = "http://127.0.0.1:{upstream.port}/v1"\n')
+        gateway = start_gateway({}, "--config", str(config))
+        body = {
+            "model": "chat",
+            "stream": stream,
+            "max_tokens": 4,
+            "input": "hi",
+            "messages": [{"role": "user", "content": "hi"}],
+        }
+        with httpx.Client(trust_env=False, timeout=20) as client:
+            reply = client.post(gateway.url + path, json=body)
+    finally:
+        upstream.close()
+    assert reply.status_code == 500, reply.text
+    assert reply.headers["content-type"].startswith("application/json"), reply.text
+    doc = reply.json()
+    if path == "/v1/messages":
+        assert doc["type"] == "error" and doc["error"]["type"] == "api_error", doc
+    assert "engine exploded" in (doc["error"]["message"]), doc
