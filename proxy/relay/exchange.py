@@ -248,7 +248,9 @@ class Exchange:
             message = f"upstream answered a stream request with {given}, not an event stream"
             await self._bad_response(send, outcome, head_at, message)
             return
-        if status >= 400 and not sse:
+        if status >= 400 and (not sse or outcome.translator is not None):
+            # (A translated request's error is never relayed as the engine's events: its client
+            # speaks another API.)
             envelope = outcome.endpoint.envelope
             # The upstream's head came: the same ttfb and overhead a relayed success has.
             outcome.own_s = sent_at - started + perf_counter() - head_at
