@@ -173,3 +173,34 @@ def test_translated_error_status_with_an_event_stream_body_comes_in_the_api_enve
     if path == "/v1/messages":
         assert doc["type"] == "error" and doc["error"]["type"] == "api_error", doc
     assert "engine exploded" in (doc["error"]["message"]), doc
+
+
+@pytest.mark.fault("upstreams", "a stream without [DONE], or not an event stream")
+@pytest.mark.parametrize(
+    "trailer", [b"data: [DONE]\n\n", b": ping\n\ndata: [DONE]\n\n"], ids=["done", "ping-done"]
+)
+@pytest.mark.parametrize("same_read", [False, True], ids=["own-read", "same-read"])
+def test_passthrough_stream_ended_then_done_is_not_judged_truncated(
+    start_gateway: StartGateway, tmp_path: Path, trailer: bytes, same_read: bool
+) -> None:
+    """A Responses stream with ``data: [DONE]`` after response.completed (LiteLLM's) ends as sent."""
+    upstream = ScriptedUpstream(RESPONSE_EVENTS, b"\n")
+    if same_read:
+        upstream.events[-1] += trailer
+    else:
+        upstream.events.append(trailer)
+    try:
+        config = tmp_path / "blazar.toml"
+        config.write_text(
+            f'[models.native]\nupstream = "http://127.0.0.1:{upstream.port}/v1"\n'
+            'native-apis = ["responses"]\n'
+        )
+        gateway = start_gateway({}, "--config", str(config))
+        with httpx.Client(trust_env=False, timeout=20) as client:
+            reply = client.post(
+                gateway.url + "/v1/responses", json={"model": "native", "input": "hi", "stream": True}
+            )
+    finally:
+        upstream.close()
+    assert reply.status_code == 200, reply.text
+    assert reply.content == b"".join(upstream.events), reply.content[-300:]
