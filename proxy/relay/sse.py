@@ -112,11 +112,22 @@ async def relay_events(conn: Connection, out: Writer, outcome: Outcome, read_tim
 
 
 def last_event_head(chunk: bytes, previous: bytes, at_boundary: bool) -> bytes:
-    """The first bytes of the last event in ``chunk`` (``previous`` when the chunk only continues it)."""
+    """The first bytes of the last event in ``chunk`` (``previous`` when the chunk only continues it).
+
+    Comments and ``data: [DONE]`` are passed over: after an API's last event they end nothing
+    of their own (LiteLLM sends ``[DONE]`` after ``response.completed``).
+    """
     body = chunk.rstrip(b"\r\n")
-    lf = body.rfind(b"\n\n")
-    crlf = body.rfind(b"\r\n\r\n")
-    start = max(lf + 2 if lf >= 0 else -1, crlf + 4 if crlf >= 0 else -1)
+    while True:
+        lf = body.rfind(b"\n\n")
+        crlf = body.rfind(b"\r\n\r\n")
+        start = max(lf + 2 if lf >= 0 else -1, crlf + 4 if crlf >= 0 else -1)
+        event = body[start:] if start >= 0 else body
+        if not event.startswith(b":") and event != b"data: [DONE]":
+            break
+        if start < 0:
+            return previous
+        body = body[:start].rstrip(b"\r\n")
     if start >= 0:
         return body[start : start + _HEAD_BYTES]
     return body[:_HEAD_BYTES] if at_boundary else previous
