@@ -204,3 +204,34 @@ def test_passthrough_stream_ended_then_done_is_not_judged_truncated(
         upstream.close()
     assert reply.status_code == 200, reply.text
     assert reply.content == b"".join(upstream.events), reply.content[-300:]
+
+
+@pytest.mark.fault("upstreams", "a body cut short or malformed mid-way")
+@pytest.mark.parametrize("stream", [True, False])
+def test_translated_responses_usage_past_64_bits_when_summed_still_answers(
+    start_gateway: StartGateway, tmp_path: Path, stream: bool
+) -> None:
+    """An engine's usage whose prompt and completion counts sum past 2**64: the Response still comes whole."""
+    huge = 2**64 - 1
+    chunk = {
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": huge, "completion_tokens": huge},
+    }
+    upstream = ScriptedUpstream([("", chunk)], b"\n")
+    upstream.events.append(b"data: [DONE]\n\n")
+    try:
+        config = tmp_path / "blazar.toml"
+        config.write_text(f'[models.chat]\nupstream = "http://127.0.0.1:{upstream.port}/v1"\n')
+        gateway = start_gateway({}, "--config", str(config))
+        with httpx.Client(trust_env=False, timeout=20) as client:
+            reply = client.post(
+                gateway.url + "/v1/responses", json={"model": "chat", "input": "hi", "stream": stream}
+            )
+    finally:
+        upstream.close()
+    assert reply.status_code == 200, reply.text
+    if stream:
+        assert b"event: response.completed\n" in reply.content, reply.content[-300:]
+    else:
+        assert reply.json()["status"] == "completed", reply.text
