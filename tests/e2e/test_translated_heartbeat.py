@@ -63,9 +63,11 @@ def test_translated_head_failure_after_heartbeats_opens_and_ends_the_api_stream(
 @pytest.mark.fault("upstreams", "a long prefill, bridged by heartbeats")
 def test_openai_stream_helper_reads_a_failed_head_after_heartbeats(heartbeat_gateway: Running) -> None:
     """openai's Responses stream helper reads a failed response (was: RuntimeError, no response.created)."""
-    client = openai.OpenAI(base_url=heartbeat_gateway.url + "/v1", api_key="x", max_retries=0)
-    with client.responses.stream(
-        model="fake", input="hi", max_output_tokens=4, extra_headers={"x-fake": "prefill=1; garbage"}
-    ) as stream:
+    with (
+        openai.OpenAI(base_url=heartbeat_gateway.url + "/v1", api_key="x", max_retries=0) as client,
+        client.responses.stream(
+            model="fake", input="hi", max_output_tokens=4, extra_headers={"x-fake": "prefill=1; garbage"}
+        ) as stream,
+    ):
         kinds = [event.type for event in stream]
     assert kinds[0] == "response.created" and kinds[-1] == "response.failed", kinds
