@@ -1,7 +1,11 @@
-"""A translated stream the gateway started with heartbeats ends in its API's shape when the engine fails."""
+"""A stream the gateway started with heartbeats ends in its API's shape when the engine fails.
+
+Translated, and passed through to an engine that serves the API itself.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -71,3 +75,23 @@ def test_openai_stream_helper_reads_a_failed_head_after_heartbeats(heartbeat_gat
     ):
         kinds = [event.type for event in stream]
     assert kinds[0] == "response.created" and kinds[-1] == "response.failed", kinds
+
+
+@pytest.mark.fault("upstreams", "a long prefill, bridged by heartbeats")
+@pytest.mark.parametrize("fault", ["garbage", "status=500"])
+def test_openai_stream_helper_reads_a_failed_passthrough_after_heartbeats(
+    start_fake_engine: StartFakeEngine, start_gateway: StartGateway, tmp_path: Path, fault: str
+) -> None:
+    """Passed through, a head that fails after the heartbeats: openai's helper reads a failed response."""
+    native = start_fake_engine("--native-apis", "responses")
+    config = tmp_path / "blazar.toml"
+    config.write_text(f'[models.native]\nupstream = "{native.url}/v1"\nnative-apis = ["responses"]\n')
+    gateway = start_gateway({}, "--config", str(config), "--sse-heartbeat", "0.2")
+    with (
+        openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0) as client,
+        client.responses.stream(
+            model="native", input="hi", max_output_tokens=4, extra_headers={"x-fake": f"prefill=1; {fault}"}
+        ) as stream,
+    ):
+        kinds = [event.type for event in stream]
+    assert kinds == ["response.created", "response.failed"], kinds
