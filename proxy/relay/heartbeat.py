@@ -80,8 +80,8 @@ async def continue_stream(
 
 def started_stream_error(outcome: Outcome, status: int, message: str, code: str | None) -> bytes:
     """The error that ends a stream the gateway started with heartbeats: for a translated request,
-    its API's first events and its error end; else its API's error event."""
+    its API's first events and its error end; else its API's error events."""
     translator = outcome.translator
     if translator is not None:
         return translator.start() + translator.failed(status, message, code)
-    return outcome.endpoint.envelope.event(status, message, code)
+    return outcome.endpoint.envelope.only_event(status, message, code)
