@@ -235,3 +235,33 @@ def test_translated_responses_usage_past_64_bits_when_summed_still_answers(
         assert b"event: response.completed\n" in reply.content, reply.content[-300:]
     else:
         assert reply.json()["status"] == "completed", reply.text
+
+
+@pytest.mark.fault("upstreams", "a stream without [DONE], or not an event stream")
+@pytest.mark.parametrize("cuts", [(30_000, 90_000), (10, 70_000)], ids=["mid-event", "in-its-name"])
+def test_passthrough_final_event_past_64_kib_split_across_reads_ends_the_stream(
+    start_gateway: StartGateway, tmp_path: Path, cuts: tuple[int, int]
+) -> None:
+    """A response.completed of 100 KB in three reads (past the 64 KiB held back for half an event) ends it."""
+    upstream = ScriptedUpstream(RESPONSE_EVENTS[:-1], b"\n")
+    text = "x" * 100_000
+    final = orjson.dumps({"type": "response.completed", "response": {"status": "completed", "text": text}})
+    last = b"event: response.completed\ndata: " + final + b"\n\n"
+    first, second = cuts
+    upstream.events[-1] += last[:first]
+    upstream.events += [last[first:second], last[second:]]
+    try:
+        config = tmp_path / "blazar.toml"
+        config.write_text(
+            f'[models.native]\nupstream = "http://127.0.0.1:{upstream.port}/v1"\n'
+            'native-apis = ["responses"]\n'
+        )
+        gateway = start_gateway({}, "--config", str(config))
+        with httpx.Client(trust_env=False, timeout=20) as client:
+            reply = client.post(
+                gateway.url + "/v1/responses", json={"model": "native", "input": "hi", "stream": True}
+            )
+    finally:
+        upstream.close()
+    assert reply.status_code == 200, reply.text
+    assert reply.content == b"".join(upstream.events), reply.content[-300:]
