@@ -35,6 +35,7 @@ def _starts(*names: bytes) -> tuple[bytes, ...]:
         for name in names
         for start in (
             b"event: " + name + b"\n",
+            b"event: " + name + b"\r\n",
             b'data: {"type":"' + name + b'"',
             b'data: {"type": "' + name + b'"',
         )

@@ -185,6 +185,11 @@ class Envelope:
         """An upstream's error body (any shape) in this envelope."""
         return normalize_error(status, body)
 
+    def only_event(self, status: int, message: str, code: str | None) -> bytes:
+        """The events of a stream the gateway started itself (its heartbeats) and ends with an
+        error before the upstream sent any."""
+        return self.event(status, message, code)
+
 
 class ResponsesEnvelope(Envelope):
     """OpenAI's envelope; in a started Responses stream, ``response.failed`` with the error in its
@@ -204,6 +209,16 @@ class ResponsesEnvelope(Envelope):
             },
         }
         return b"event: response.failed\ndata: " + orjson.dumps(doc) + b"\n\n"
+
+    def only_event(self, status: int, message: str, code: str | None) -> bytes:
+        # The openai SDK's stream helper reads no event before response.created (a RuntimeError).
+        created = {"type": "response.created", "response": {"object": "response", "status": "in_progress"}}
+        return (
+            b"event: response.created\ndata: "
+            + orjson.dumps(created)
+            + b"\n\n"
+            + self.event(status, message, code)
+        )
 
 
 # Anthropic's error types by status (its "Errors" page); 529 is its "overloaded".

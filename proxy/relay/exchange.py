@@ -28,7 +28,7 @@ from proxy.relay.body import relay_body
 from proxy.relay.built import respond_built
 from proxy.relay.drain import Drain
 from proxy.relay.failures import KEPT_ON_ERRORS, read_error_body, send_upstream_error
-from proxy.relay.heartbeat import await_head_with_heartbeats, continue_stream
+from proxy.relay.heartbeat import await_head_with_heartbeats, continue_stream, started_stream_error
 from proxy.relay.out import writer_for
 from proxy.relay.outcome import Outcome
 from proxy.relay.request import RequestBody
@@ -187,7 +187,7 @@ class Exchange:
         conn.close()
         outcome.failed(exc)
         if outcome.sse_started:
-            event = outcome.endpoint.envelope.event(exc.status, exc.message, exc.code)
+            event = started_stream_error(outcome, exc.status, exc.message, exc.code)
             outcome.bytes_out += len(event)  # after the heartbeats'
             await send({"type": "http.response.body", "body": event})
         else:
@@ -252,7 +252,9 @@ class Exchange:
             message = f"upstream answered a stream request with {given}, not an event stream"
             await self._bad_response(send, outcome, head_at, message)
             return
-        if status >= 400 and not sse:
+        if status >= 400 and (not sse or outcome.translator is not None):
+            # (A translated request's error is never relayed as the engine's events: its client
+            # speaks another API.)
             envelope = outcome.endpoint.envelope
             # The upstream's head came: the same ttfb and overhead a relayed success has.
             outcome.own_s = sent_at - started + perf_counter() - head_at

@@ -62,15 +62,15 @@ async def continue_stream(
     except UpstreamError as exc:
         conn.close()
         outcome.failed(exc)
-        event = _error_event(outcome, 502, exc.message, exc.code)
+        event = started_stream_error(outcome, 502, exc.message, exc.code)
     else:
         if body:
             error = orjson.loads(body)["error"]
-            event = _error_event(outcome, status, error["message"], error.get("code"))
+            event = started_stream_error(outcome, status, error["message"], error.get("code"))
         else:
             conn.close()
             what = "a coded event stream" if conn.content_encoding is not None else "no event stream"
-            event = _error_event(
+            event = started_stream_error(
                 outcome, 502, f"upstream answered {status} with {what}", "upstream_bad_response"
             )
     outcome.error = outcome.error or "upstream_status"
@@ -78,9 +78,10 @@ async def continue_stream(
     await send({"type": "http.response.body", "body": event})
 
 
-def _error_event(outcome: Outcome, status: int, message: str, code: str | None) -> bytes:
-    """The error that ends a stream the gateway started: its translator's end, or its API's error event."""
+def started_stream_error(outcome: Outcome, status: int, message: str, code: str | None) -> bytes:
+    """The error that ends a stream the gateway started with heartbeats: for a translated request,
+    its API's first events and its error end; else its API's error events."""
     translator = outcome.translator
     if translator is not None:
         return translator.start() + translator.failed(status, message, code)
-    return outcome.endpoint.envelope.event(status, message, code)
+    return outcome.endpoint.envelope.only_event(status, message, code)

@@ -16,6 +16,8 @@ from proxy.upstream import Connection, UpstreamError
 _TAIL_BYTES = 32
 # Enough of an event's start to hold its name and its type.
 _HEAD_BYTES = 256
+# How an SSE event ends: a blank line, LF or CRLF (sse-starlette writes CRLF).
+_EVENT_ENDS = (b"\n\n", b"\r\n\r\n")
 # The most of a half-written SSE event held back to wait for its end.
 _PARTIAL_EVENT_LIMIT_BYTES = 64 * 1024
 
@@ -60,7 +62,7 @@ async def relay_events(conn: Connection, out: Writer, outcome: Outcome, read_tim
             tail = chunk[-_TAIL_BYTES:] if len(chunk) >= _TAIL_BYTES else (tail + chunk)[-_TAIL_BYTES:]
             if by_event:
                 head = last_event_head(chunk, head, at_boundary)
-                at_boundary = chunk.endswith(b"\n\n")
+                at_boundary = chunk.endswith(_EVENT_ENDS)
             if len(chunk) > SLICE_BYTES:
                 chunk = await write_all_but_last_slice(out, chunk, outcome)
             last = chunk
@@ -110,11 +112,22 @@ async def relay_events(conn: Connection, out: Writer, outcome: Outcome, read_tim
 
 
 def last_event_head(chunk: bytes, previous: bytes, at_boundary: bool) -> bytes:
-    """The first bytes of the last event in ``chunk`` (``previous`` when the chunk only continues it)."""
+    """The first bytes of the last event in ``chunk`` (``previous`` when the chunk only continues it).
+
+    Comments and ``data: [DONE]`` are passed over: after an API's last event they end nothing
+    of their own (LiteLLM sends ``[DONE]`` after ``response.completed``).
+    """
     body = chunk.rstrip(b"\r\n")
-    lf = body.rfind(b"\n\n")
-    crlf = body.rfind(b"\r\n\r\n")
-    start = max(lf + 2 if lf >= 0 else -1, crlf + 4 if crlf >= 0 else -1)
+    while True:
+        lf = body.rfind(b"\n\n")
+        crlf = body.rfind(b"\r\n\r\n")
+        start = max(lf + 2 if lf >= 0 else -1, crlf + 4 if crlf >= 0 else -1)
+        event = body[start:] if start >= 0 else body
+        if not event.startswith(b":") and event != b"data: [DONE]":
+            break
+        if start < 0:
+            return previous
+        body = body[:start].rstrip(b"\r\n")
     if start >= 0:
         return body[start : start + _HEAD_BYTES]
     return body[:_HEAD_BYTES] if at_boundary else previous

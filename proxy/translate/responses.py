@@ -927,7 +927,7 @@ def response_usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
         return None
     prompt = _count(usage.get("prompt_tokens"))
     completion = _count(usage.get("completion_tokens"))
-    total = _count(usage.get("total_tokens")) or prompt + completion
+    total = _count(usage.get("total_tokens")) or min(prompt + completion, _MAX_COUNT)
     prompt_details = usage.get("prompt_tokens_details")
     completion_details = usage.get("completion_tokens_details")
     cached = _count(prompt_details.get("cached_tokens")) if isinstance(prompt_details, dict) else 0
@@ -943,5 +943,12 @@ def response_usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
     }
 
 
+# The most a count may be: a signed 64-bit integer's (Codex reads them as i64; past 2**64 orjson
+# cannot write the sum of an engine's two counts at all).
+_MAX_COUNT = 2**63 - 1
+
+
 def _count(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+    return (
+        min(value, _MAX_COUNT) if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+    )
