@@ -53,8 +53,15 @@ async def continue_stream(
     conn: Connection, send: Send, status: int, outcome: Outcome, read_timeout_s: float
 ) -> None:
     """The upstream's head after the gateway's heartbeats: relay its events, or its error as one."""
-    if 200 <= status < 300 and is_event_stream_type(conn.content_type) and conn.content_encoding is None:
+    if (
+        outcome.translator is None
+        and 200 <= status < 300
+        and is_event_stream_type(conn.content_type)
+        and conn.content_encoding is None
+    ):
         # The head went out as the gateway's own: the events follow it (rare: no fast path).
+        # A translated request's chat stream (a 200) is translated before this; any other
+        # answer to it ends its stream with its API's error.
         outcome.error = await relay_events(conn, AsgiWriter(send), outcome, read_timeout_s)
         return
     try:

@@ -44,7 +44,9 @@ RESPONSE_EVENTS: Events = [
 class ScriptedUpstream:
     """Answers every POST with a chunked event stream of ``events``, each event its own chunk."""
 
-    def __init__(self, events: Events, newline: bytes, status: bytes = b"200 OK") -> None:
+    def __init__(
+        self, events: Events, newline: bytes, status: bytes = b"200 OK", head_delay_s: float = 0.0
+    ) -> None:
         self.events = [
             (b"event: " + name.encode() + newline if name else b"")
             + b"data: "
@@ -54,6 +56,8 @@ class ScriptedUpstream:
             for name, data in events
         ]
         self.status = status
+        # A prefill before the head: the gateway's heartbeats start the client's stream meanwhile.
+        self.head_delay_s = head_delay_s
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.thread = threading.Thread(target=self._serve, daemon=True)
@@ -85,6 +89,7 @@ class ScriptedUpstream:
             self._stream(conn)
 
     def _stream(self, conn: socket.socket) -> None:
+        time.sleep(self.head_delay_s)
         conn.sendall(
             b"HTTP/1.1 "
             + self.status
@@ -265,3 +270,45 @@ def test_passthrough_final_event_past_64_kib_split_across_reads_ends_the_stream(
         upstream.close()
     assert reply.status_code == 200, reply.text
     assert reply.content == b"".join(upstream.events), reply.content[-300:]
+
+
+CHAT_EVENTS: Events = [
+    ("", {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "raw"}}]}),
+]
+
+
+@pytest.mark.fault("upstreams", "a long prefill, bridged by heartbeats")
+@pytest.mark.parametrize(
+    ("path", "first", "last"),
+    [("/v1/messages", "message_start", "error"), ("/v1/responses", "response.created", "response.failed")],
+    ids=["messages", "responses"],
+)
+def test_a_translated_stream_answered_206_after_heartbeats_ends_with_the_api_error(
+    start_gateway: StartGateway, tmp_path: Path, path: str, first: str, last: str
+) -> None:
+    """A chat event stream under a 2xx other than 200, after the gateway's heartbeats began: the
+    client gets its API's first event and error end, never the engine's raw chat events."""
+    upstream = ScriptedUpstream(CHAT_EVENTS, b"\n", b"206 Partial Content", head_delay_s=1.0)
+    try:
+        config = tmp_path / "blazar.toml"
+        config.write_text(f'[models.chat]\nupstream = "http://127.0.0.1:{upstream.port}/v1"\n')
+        gateway = start_gateway({}, "--config", str(config), "--sse-heartbeat", "0.2")
+        body = {
+            "model": "chat",
+            "stream": True,
+            "max_tokens": 4,
+            "input": "hi",
+            "messages": [{"role": "user", "content": "hi"}],
+        }
+        with httpx.Client(trust_env=False, timeout=20) as client:
+            reply = client.post(gateway.url + path, json=body)
+    finally:
+        upstream.close()
+    assert reply.status_code == 200 and reply.content.startswith(b": keepalive"), reply.content[:200]
+    assert b"chat.completion.chunk" not in reply.content, reply.content[-400:]
+    names = [
+        line.removeprefix(b"event: ").decode()
+        for line in reply.content.split(b"\n")
+        if line.startswith(b"event: ")
+    ]
+    assert names[0] == first and names[-1] == last, names
