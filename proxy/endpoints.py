@@ -14,7 +14,7 @@ Adding the next API is one more ``Endpoint`` here.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.errors import ANTHROPIC, OPENAI, RESPONSES, Envelope
@@ -79,6 +79,9 @@ class Endpoint:
     max_tokens_field: str | None = None
     # What ends its stream, as an error message names it.
     end_name: str = "[DONE]"
+    # A translated request's chat fields that the client named otherwise (chat's name → the API's):
+    # a refusal of the chat document names the client's field.
+    renamed: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def paths(self) -> tuple[str, str]:
@@ -97,6 +100,7 @@ MESSAGES = Endpoint(
     translate=MessagesTranslator,
     max_tokens_field="max_tokens",
     end_name="message_stop",
+    renamed={"stop": "stop_sequences"},
 )
 COUNT_TOKENS = Endpoint(
     "messages/count_tokens",
@@ -116,6 +120,7 @@ RESPONSES_API = Endpoint(
     translate=ResponsesTranslator,
     max_tokens_field="max_output_tokens",
     end_name="response.completed",
+    renamed={"max_tokens": "max_output_tokens"},
 )
 
 ALL: tuple[Endpoint, ...] = (CHAT, COMPLETIONS, EMBEDDINGS, MESSAGES, COUNT_TOKENS, RESPONSES_API)

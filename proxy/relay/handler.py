@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from time import perf_counter
 from typing import Any
 
@@ -200,13 +201,27 @@ class Relay:
         asked = chat.get("max_tokens")
         if cap is not None and (not isinstance(asked, int) or isinstance(asked, bool) or asked > cap):
             chat["max_tokens"] = cap
-        for name in check_request(chat, CHAT.target, guards, entry.fields):
+        try:
+            dropped = check_request(chat, CHAT.target, guards, entry.fields)
+        except HTTPError as exc:
+            raise _renamed(exc, endpoint.renamed) from None
+        for name in dropped:
             del chat[name]
         if translator.notes:
             log.info("%s %s: %s", outcome.request_id.decode(), endpoint.name, "; ".join(translator.notes))
         outcome.translator = translator
         outcome.stream = translator.stream
         return entry, chat, (), {}
+
+
+def _renamed(exc: HTTPError, renamed: Mapping[str, str]) -> HTTPError:
+    """A refusal of a translated chat field, naming the field as the client's API calls it."""
+    param = exc.param
+    name = renamed.get(param) if param is not None else None
+    if param is None or name is None:
+        return exc
+    message = name + exc.message[len(param) :] if exc.message.startswith(param) else exc.message
+    return HTTPError(exc.status, message, code=exc.code, param=name, headers=exc.headers)
 
 
 def _cap(doc: dict[str, Any], name: str | None, cap: int | None, put: dict[str, Any]) -> None:

@@ -646,6 +646,16 @@ def test_mlx_count_tokens_grows_with_the_prompt(mlx: EngineGateway) -> None:
     assert 0 < short.input_tokens < long.input_tokens
 
 
+def test_mlx_refuses_a_translated_field_by_the_clients_name(mlx: EngineGateway) -> None:
+    """Five stop_sequences (mlx takes four stop strings) are a 400 naming stop_sequences, not chat's stop."""
+    body = {"model": DEMO, "max_tokens": 4, "messages": ASK, "stop_sequences": ["a", "b", "c", "d", "e"]}
+    with httpx.Client(trust_env=False, timeout=20) as client:
+        reply = client.post(mlx.url + MESSAGES, json=body)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"].startswith("stop_sequences"), error
+
+
 # -- the relay's duties on the new routes ---------------------------------------------------
 
 
