@@ -35,8 +35,9 @@ async def relay_events(conn: Connection, out: Writer, outcome: Outcome, read_tim
     own, a chained gateway's) ends with an error event in its API's shape.
     """
     pending = b""
-    tail = b""
-    last = b""
+    # The stream's last write, and the one before it: its tail is read from them at the end (a
+    # slice per read would cost every event).
+    last = prev = b""
     # An API whose stream ends with an event of its own (not [DONE]): the start of its last event.
     ends_stream = outcome.endpoint.ends_stream
     by_event = outcome.endpoint.api is not None
@@ -59,19 +60,20 @@ async def relay_events(conn: Connection, out: Writer, outcome: Outcome, read_tim
                         if (wait := out.flush()) is not None:
                             await wait
                         continue
-            tail = chunk[-_TAIL_BYTES:] if len(chunk) >= _TAIL_BYTES else (tail + chunk)[-_TAIL_BYTES:]
             if by_event:
                 head = last_event_head(chunk, head, at_boundary)
                 at_boundary = chunk.endswith(_EVENT_ENDS)
             if len(chunk) > SLICE_BYTES:
+                whole = chunk
                 chunk = await write_all_but_last_slice(out, chunk, outcome)
-            last = chunk
+                last = whole[-len(chunk) - _TAIL_BYTES : -len(chunk)]
+            prev, last = last, chunk
             # Counted once handed on: a write to a client that has gone raises ClientGone.
             if (
                 conn.complete
                 and not conn.close_delimited
                 and not pending
-                and ends_stream(tail, head if by_event else last)
+                and ends_stream(tail_of(prev, last), head if by_event else last)
             ):
                 wait = out.write(chunk, False)
                 outcome.bytes_out += len(chunk)
@@ -91,7 +93,7 @@ async def relay_events(conn: Connection, out: Writer, outcome: Outcome, read_tim
         if wait is not None:
             await wait
         return exc.code
-    if not ends_stream(tail, head if by_event else last):
+    if not ends_stream(tail_of(prev, last), head if by_event else last):
         # An HTTP/1.0 stream ends with the close either way, and a chunked
         # one may end cleanly too: without [DONE], the engine crashed or
         # cut it, or sent something else, and the client must know.
@@ -109,6 +111,11 @@ async def relay_events(conn: Connection, out: Writer, outcome: Outcome, read_tim
     if wait is not None:
         await wait
     return None
+
+
+def tail_of(prev: bytes, last: bytes) -> bytes:
+    """A stream's last bytes (enough to hold ``data: [DONE]``), from its last two writes."""
+    return last[-_TAIL_BYTES:] if len(last) >= _TAIL_BYTES else (prev + last)[-_TAIL_BYTES:]
 
 
 def last_event_head(chunk: bytes, previous: bytes, at_boundary: bool) -> bytes:

@@ -16,7 +16,7 @@ from proxy.endpoints import (
 )
 from proxy.errors import ANTHROPIC, OPENAI, RESPONSES
 from proxy.relay.routes import ROUTE_LABELS, targets_of
-from proxy.relay.sse import last_event_head
+from proxy.relay.sse import last_event_head, tail_of
 from proxy.routing import UpstreamAddress
 
 
@@ -133,3 +133,12 @@ def test_chat_keeps_done_as_its_end() -> None:
     """Chat completions end with [DONE] (or an error event), judged on the tail and the last write."""
     assert CHAT.ends_stream(b"data: [DONE]\n\n", b"data: [DONE]\n\n")
     assert not CHAT.ends_stream(b'data: {"choices":[]}\n\n', b'data: {"choices":[]}\n\n')
+
+
+def test_a_streams_tail_comes_from_its_last_two_writes() -> None:
+    """The tail that holds [DONE] is the last write's end, or reaches into the write before it."""
+    assert tail_of(b"x" * 100, b"data: [DONE]\n\n").endswith(b"data: [DONE]\n\n")
+    assert tail_of(b'data: {"a":1}\n\ndata: [DO', b"NE]\n\n") == b'data: {"a":1}\n\ndata: [DONE]\n\n'
+    long = b"y" * 40 + b"data: [DONE]\n\n"
+    assert tail_of(b"", long) == long[-32:]
+    assert tail_of(b"", b"") == b""
