@@ -137,8 +137,23 @@ class Gateway:
                 await self.relay(scope, receive, send)
             finally:
                 state.leave()
+        elif scope["path"].startswith("/v1/v1/"):
+            await self._doubled_v1(scope, send)
         else:
             await self.admin(scope, receive, _stamped(scope, send, self.relay.request_id_of))
+
+    async def _doubled_v1(self, scope: Scope, send: Send) -> None:
+        """A base URL given with /v1 to a client that adds /v1 itself (Claude Code): say so."""
+        path = scope["path"]
+        refusal = HTTPError(
+            404,
+            f"Invalid URL ({echo(scope['method'])} {echo(path)}): the client's base URL ends in /v1 and "
+            "the client adds /v1 itself; give it the gateway's address without /v1 (Claude Code: "
+            "ANTHROPIC_BASE_URL=http://HOST:PORT; OpenAI clients: base_url=http://HOST:PORT/v1)",
+            code="unknown_url",
+        )
+        headers = [(b"x-request-id", self.relay.request_id_of(scope)), server_timing(perf_counter())]
+        await send_error(send, envelope_of(path[3:]), refusal, headers)
 
     async def _draining(self, scope: Scope, send: Send) -> None:
         started = perf_counter()

@@ -159,7 +159,7 @@ class Relay:
         if entry is None:
             # Logged as the client gave it (made safe for the line); counted under no model's label.
             outcome.model = model
-            raise _not_found(model)
+            raise _not_found(model, [route.model for route in self.table])
         outcome.model, outcome.stats = model, entry.stats
         endpoint = outcome.endpoint
         guards = entry.guards
@@ -233,11 +233,22 @@ def _cap(doc: dict[str, Any], name: str | None, cap: int | None, put: dict[str, 
         put[name] = cap
 
 
-def _not_found(model: str) -> HTTPError:
+# The most model names a 404 lists (GET /v1/models has them all).
+_NAMES_LISTED = 8
+
+
+def _not_found(model: str, served: list[str]) -> HTTPError:
+    if not served:
+        known = "this gateway serves no model"
+    elif len(served) <= _NAMES_LISTED:
+        known = "the models served here: " + ", ".join(served)
+    else:
+        shown = ", ".join(served[:_NAMES_LISTED])
+        known = f"the models served here: {shown} and {len(served) - _NAMES_LISTED} more"
     return HTTPError(
         404,
-        f"The model `{echo(model)}` does not exist or is not served here; "
-        "GET /v1/models lists the models this gateway serves",
+        f"The model `{echo(model)}` does not exist or is not served here; {known} "
+        "(GET /v1/models lists them all)",
         param="model",
         code="model_not_found",
     )
