@@ -13,7 +13,7 @@ import contextlib
 from time import perf_counter
 
 from proxy.asgi import Send
-from proxy.assembly import AssemblyError
+from proxy.errors import HTTPError
 from proxy.relay.failures import send_upstream_error
 from proxy.relay.outcome import Outcome
 from proxy.relay.timing import server_timing, timing_header
@@ -49,34 +49,47 @@ async def respond_built(
                 break
         at = perf_counter()
         body = assembler.reply()
-    except (UpstreamError, AssemblyError) as exc:
-        conn.close()
-        outcome.status, outcome.error = exc.status, exc.code
-        timing = server_timing(started, sent_at, perf_counter())
-        outcome.bytes_out = await send_upstream_error(
-            send, outcome.endpoint.envelope, exc, outcome.request_id, timing
-        )
+    except HTTPError as exc:  # the upstream's failures, and a stream that makes no reply
+        await refuse_built(conn, send, outcome, exc)
         return
+    await send_built(send, outcome, body, own_s + perf_counter() - at, head_at)
+    await await_stream_end(conn, read_timeout_s)
+
+
+async def refuse_built(conn: Connection, send: Send, outcome: Outcome, exc: HTTPError) -> None:
+    """A reply that could not be built: the error in the API's envelope, nothing of the reply."""
+    conn.close()
+    outcome.status, outcome.error = exc.status, exc.code
+    timing = server_timing(outcome.started, outcome.sent_at, perf_counter())
+    outcome.bytes_out = await send_upstream_error(
+        send, outcome.endpoint.envelope, exc, outcome.request_id, timing
+    )
+
+
+async def send_built(send: Send, outcome: Outcome, body: bytes, own_s: float, head_at: float) -> None:
+    """The whole reply, with one Content-Length; ``own_s`` is the gateway's own time in it."""
     outcome.status = 200
     outcome.bytes_out = len(body)
-    own_s += perf_counter() - at
     outcome.own_s = own_s
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", b"%d" % len(body)),
         (b"x-request-id", outcome.request_id),
-        timing_header(own_s, head_at - sent_at),
+        timing_header(own_s, head_at - outcome.sent_at),
     ]
     await send({"type": "http.response.start", "status": 200, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+async def await_stream_end(conn: Connection, read_timeout_s: float) -> None:
+    """After [DONE], the stream's end follows at once (mlx closes; a chunked body sends its last
+    chunk): once the client has its reply, wait for it briefly, so that the connection ends cleanly
+    and the pool can use it again (or opens the next one ahead)."""
+    if conn.complete:
+        return
+    with contextlib.suppress(UpstreamError, ClientGone, TimeoutError):
+        async with asyncio.timeout(_AFTER_DONE_S):
+            while await conn.read(read_timeout_s):
+                pass
     if not conn.complete:
-        # The stream's end follows [DONE] at once (mlx closes; a chunked
-        # body sends its last chunk): once the client has its reply, wait
-        # for it briefly, so that the connection ends cleanly and the pool
-        # opens the next one ahead.
-        with contextlib.suppress(UpstreamError, ClientGone, TimeoutError):
-            async with asyncio.timeout(_AFTER_DONE_S):
-                while await conn.read(read_timeout_s):
-                    pass
-        if not conn.complete:
-            conn.close()
+        conn.close()

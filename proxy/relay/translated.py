@@ -11,8 +11,6 @@ reply once the stream is whole, or an error in its API's envelope.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from time import perf_counter
 from typing import Any
 
@@ -21,17 +19,15 @@ import orjson
 from proxy.asgi import Scope, Send
 from proxy.errors import HTTPError
 from proxy.headers import SSE_HEADERS
-from proxy.relay.failures import send_upstream_error
+from proxy.relay.built import await_stream_end, refuse_built, send_built
 from proxy.relay.out import AsgiWriter, Writer, writer_for
 from proxy.relay.outcome import Outcome
-from proxy.relay.timing import server_timing, timing_header
+from proxy.relay.timing import timing_header
 from proxy.translate import Translator
-from proxy.upstream import ClientGone, Connection, ReadTimeout, UpstreamError
+from proxy.upstream import Connection, ReadTimeout, UpstreamError
 
 # The most of one event held while waiting for its end: an upstream fault past it.
 _EVENT_LIMIT_BYTES = 4 * 1024 * 1024
-# After [DONE], the stream's own end follows at once (mlx closes; chunked sends its last chunk).
-_AFTER_DONE_S = 1.0
 _TRUNCATED = "upstream stream ended without [DONE]: the response is truncated"
 
 
@@ -160,7 +156,7 @@ async def _stream(
             if events.done:
                 pending += translator.finish()
                 await _write(out, outcome, pending, False)
-                await _after_done(conn, read_timeout_s)
+                await await_stream_end(conn, read_timeout_s)
                 return None
             if pending:
                 await _write(out, outcome, pending, True)
@@ -240,35 +236,8 @@ async def _reply(
         at = perf_counter()
         translator.finish()
         body = translator.reply()
-    except (UpstreamError, HTTPError) as exc:
-        conn.close()
-        outcome.status, outcome.error = exc.status, exc.code
-        timing = server_timing(started, sent_at, perf_counter())
-        outcome.bytes_out = await send_upstream_error(
-            send, outcome.endpoint.envelope, exc, outcome.request_id, timing
-        )
+    except HTTPError as exc:  # the upstream's failures (UpstreamError), a bad or cut stream
+        await refuse_built(conn, send, outcome, exc)
         return
-    outcome.status = 200
-    outcome.bytes_out = len(body)
-    outcome.own_s = own_s + perf_counter() - at
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", b"%d" % len(body)),
-        (b"x-request-id", outcome.request_id),
-        timing_header(outcome.own_s, head_at - sent_at),
-    ]
-    await send({"type": "http.response.start", "status": 200, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-    await _after_done(conn, read_timeout_s)
-
-
-async def _after_done(conn: Connection, read_timeout_s: float) -> None:
-    """Wait briefly for the stream's end after [DONE], so that its connection may be used again."""
-    if conn.complete:
-        return
-    with contextlib.suppress(UpstreamError, ClientGone, TimeoutError):
-        async with asyncio.timeout(_AFTER_DONE_S):
-            while await conn.read(read_timeout_s):
-                pass
-    if not conn.complete:
-        conn.close()
+    await send_built(send, outcome, body, own_s + perf_counter() - at, head_at)
+    await await_stream_end(conn, read_timeout_s)
