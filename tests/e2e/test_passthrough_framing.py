@@ -194,21 +194,7 @@ def test_passthrough_stream_ended_then_done_is_not_judged_truncated(
         upstream.events[-1] += trailer
     else:
         upstream.events.append(trailer)
-    try:
-        config = tmp_path / "blazar.toml"
-        config.write_text(
-            f'[models.native]\nupstream = "http://127.0.0.1:{upstream.port}/v1"\n'
-            'native-apis = ["responses"]\n'
-        )
-        gateway = start_gateway({}, "--config", str(config))
-        with httpx.Client(trust_env=False, timeout=20) as client:
-            reply = client.post(
-                gateway.url + "/v1/responses", json={"model": "native", "input": "hi", "stream": True}
-            )
-    finally:
-        upstream.close()
-    assert reply.status_code == 200, reply.text
-    assert reply.content == b"".join(upstream.events), reply.content[-300:]
+    _assert_passed_through_whole(start_gateway, tmp_path, upstream)
 
 
 @pytest.mark.fault("upstreams", "a body cut short or malformed mid-way")
@@ -255,21 +241,7 @@ def test_passthrough_final_event_past_64_kib_split_across_reads_ends_the_stream(
     first, second = cuts
     upstream.events[-1] += last[:first]
     upstream.events += [last[first:second], last[second:]]
-    try:
-        config = tmp_path / "blazar.toml"
-        config.write_text(
-            f'[models.native]\nupstream = "http://127.0.0.1:{upstream.port}/v1"\n'
-            'native-apis = ["responses"]\n'
-        )
-        gateway = start_gateway({}, "--config", str(config))
-        with httpx.Client(trust_env=False, timeout=20) as client:
-            reply = client.post(
-                gateway.url + "/v1/responses", json={"model": "native", "input": "hi", "stream": True}
-            )
-    finally:
-        upstream.close()
-    assert reply.status_code == 200, reply.text
-    assert reply.content == b"".join(upstream.events), reply.content[-300:]
+    _assert_passed_through_whole(start_gateway, tmp_path, upstream)
 
 
 CHAT_EVENTS: Events = [
@@ -312,3 +284,24 @@ def test_a_translated_stream_answered_206_after_heartbeats_ends_with_the_api_err
         if line.startswith(b"event: ")
     ]
     assert names[0] == first and names[-1] == last, names
+
+
+def _assert_passed_through_whole(
+    start_gateway: StartGateway, tmp_path: Path, upstream: ScriptedUpstream
+) -> None:
+    """A Responses stream from ``upstream`` (serving the API itself) reaches the client as it was sent."""
+    try:
+        config = tmp_path / "blazar.toml"
+        config.write_text(
+            f'[models.native]\nupstream = "http://127.0.0.1:{upstream.port}/v1"\n'
+            'native-apis = ["responses"]\n'
+        )
+        gateway = start_gateway({}, "--config", str(config))
+        with httpx.Client(trust_env=False, timeout=20) as client:
+            reply = client.post(
+                gateway.url + "/v1/responses", json={"model": "native", "input": "hi", "stream": True}
+            )
+    finally:
+        upstream.close()
+    assert reply.status_code == 200, reply.text
+    assert reply.content == b"".join(upstream.events), reply.content[-300:]
