@@ -29,12 +29,17 @@ def child_env(
     """The child's environment: the venv first on PATH, its own CUDA_HOME, nothing that leaks in.
 
     ``drop`` names variables the engine reads as settings (its spec's
-    ``server.env_drop``), matched in any case: llama_cpp.server reads its
-    settings from the environment case-insensitively, and its ``HOST`` and
-    ``PORT`` even override the command line.
+    ``server.env_drop``), matched in any case; a name ending in ``*`` drops
+    every variable it begins (llama-server reads each flag from a
+    ``LLAMA_ARG_*`` variable).
     """
-    dropped = {name.upper() for name in drop}
-    env = {k: v for k, v in base.items() if k not in _NOT_INHERITED and k.upper() not in dropped}
+    dropped = {name.upper() for name in drop if not name.endswith("*")}
+    prefixes = tuple(name[:-1].upper() for name in drop if name.endswith("*"))
+    env = {
+        k: v
+        for k, v in base.items()
+        if k not in _NOT_INHERITED and k.upper() not in dropped and not k.upper().startswith(prefixes)
+    }
     env["VIRTUAL_ENV"] = str(venv)
     env["PATH"] = os.pathsep.join([str(venv / "bin"), *filter(None, [base.get("PATH", "")])])
     env["PYTHONUNBUFFERED"] = "1"

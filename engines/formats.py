@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Literal
 
+from engines import kinds
 from engines import spec as specs
 from engines.spec import EngineSpec
 
@@ -163,13 +164,21 @@ def pick_engine(path: str | Path) -> str:
 
 
 def newest_engine(kind: str, candidates: Iterable[EngineSpec]) -> str:
-    """The name of the highest version among ``candidates`` whose model formats include ``kind``."""
+    """The newest version, of the first engine kind (``engines.kinds.KINDS``) that serves format ``kind``.
+
+    Versions compare within a kind only: mlx-lm's numbers and llama.cpp's
+    build numbers are not on one scale.
+    """
     looked_at = list(candidates)
     serving = [spec for spec in looked_at if kind in spec.model_formats]
     if not serving:
         names = ", ".join(spec.name for spec in looked_at) or "none"
         raise FormatError(f"no engine serves {kind} models; engines looked at: {names}")
-    return max(serving, key=lambda spec: (_version_key(spec.version), spec.name)).name
+    order = list(kinds.KINDS)
+    first = min(serving, key=lambda spec: order.index(spec.kind) if spec.kind in order else len(order)).kind
+    same = [spec for spec in serving if spec.kind == first]
+    version_key = kinds.KINDS.get(first, kinds.Kind(first)).version_key
+    return max(same, key=lambda spec: (version_key(spec.version), spec.name)).name
 
 
 def _directory_format(model: Path) -> Format:
@@ -206,8 +215,3 @@ def _file_format(model: Path) -> Format:
     if model.suffix == ".safetensors":
         raise FormatError(f"{model} is a weights file: give the MLX model directory that holds it")
     raise FormatError(f"{model} is not a GGUF file (it starts with {head!r}) nor an MLX model directory")
-
-
-def _version_key(version: str) -> tuple[int, ...]:
-    """Order versions by their numbers: 0.3.36 after 0.3.9."""
-    return tuple(int(n) for n in re.findall(r"\d+", version))

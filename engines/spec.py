@@ -6,14 +6,18 @@ knows about any particular engine.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import string
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
 from typing import Any
+
+from engines import kinds as engine_kinds
 
 VARIANTS = ("cpu", "cuda12", "cuda13", "metal")
 CUDA_VARIANTS = frozenset(v for v in VARIANTS if v.startswith("cuda"))
@@ -25,13 +29,39 @@ VARIANT_CHOICES = ("auto", *VARIANTS)
 # alias: {model} is the model's path and {served_name} its name (an engine
 #   that serves one model, whatever the request's model field says).
 MODEL_FIELD_MODES = frozenset({"run-dir-symlink", "alias"})
-_PLACEHOLDERS = frozenset({"python", "model", "served_name", "host", "port", "half_the_cores", "engines_dir"})
+_PLACEHOLDERS = frozenset(
+    {"python", "model", "served_name", "host", "port", "half_the_cores", "engines_dir"}
+    | {"site_packages", "slots"}
+)
+# What an ``[install.build_env]`` value may name: this machine's cores.
+_BUILD_PLACEHOLDERS = frozenset({"cores"})
+# The argv placeholders whose flags engine-args may not set again: what the
+# gateway fills in itself (the rest, such as {slots}, a model may change).
+_RESERVED = frozenset({"model", "served_name", "host", "port"})
 # A PEP 517 config setting, KEY=VALUE, such as cmake.args=-DGGML_CUDA=on.
 _CONFIG_SETTING = re.compile(r"[A-Za-z_][\w.-]*=")
 
 
 class SpecError(ValueError):
     """An engine spec that is missing, malformed or inconsistent."""
+
+
+@dataclass(frozen=True, slots=True)
+class Slots:
+    """A server's count of requests generated at once, set by one of its flags.
+
+    The default follows the machine: ``per_core`` times its cores, from
+    ``low`` to ``high``. A model's engine-args may set the flag again; the
+    gateway's admission then follows that value (``EngineSpec.slots_for``).
+    """
+
+    flag: str
+    per_core: int = 1
+    low: int = 1
+    high: int = 64
+
+    def default(self, cores: int | None = None) -> int:
+        return max(self.low, min(self.high, self.per_core * (cores or os.cpu_count() or 1)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,12 +261,54 @@ class EngineSpec:
     config_settings: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # Variables the child must not inherit because the engine reads them.
     env_drop: tuple[str, ...] = ()
-    # What is compiled at install (e.g. llama-cpp-python); empty: wheels only.
+    # What is compiled at install (e.g. llama.cpp); empty: wheels only.
     builds_from_source: str = ""
+    # Variables the build reads, per variant ({cores} filled in at install): the
+    # installer sets them and passes each as a config setting too, for uv's cache.
+    build_env: dict[str, tuple[tuple[str, str], ...]] = field(default_factory=dict)
+    # The build needs the system's C and C++ compilers (checked before it starts).
+    needs_compiler: bool = False
+    # Short spellings of the argv's flags (-m for --model): engine-args may not
+    # set what the gateway sets by either.
+    flag_aliases: tuple[tuple[str, str], ...] = ()
+    # The server's parallel slots, where a flag sets them (batch_size is then
+    # their default on this machine).
+    slots: Slots | None = None
+    # Where the server exports Prometheus metrics ("": nowhere).
+    metrics_path: str = ""
 
     def config_settings_for(self, variant: str) -> tuple[str, ...]:
-        """The build's config settings for ``variant`` (none for most engines)."""
-        return self.config_settings.get(variant, ())
+        """The build's config settings for ``variant``: the spec's, then one per build variable."""
+        return (
+            *self.config_settings.get(variant, ()),
+            *(f"build-env.{name}={value}" for name, value in self.build_env_for(variant)),
+        )
+
+    def build_env_for(self, variant: str, cores: int | None = None) -> tuple[tuple[str, str], ...]:
+        """The variables the build of ``variant`` reads, with this machine's values filled in."""
+        values = {"cores": str(cores or os.cpu_count() or 1)}
+        return tuple((name, value.format_map(values)) for name, value in self.build_env.get(variant, ()))
+
+    def slots_for(self, extra_args: Sequence[str] = ()) -> int:
+        """Requests one child generates at once: the slots flag in ``extra_args`` (last), or its default."""
+        if self.slots is None:
+            return self.batch_size
+        flag = self.slots.flag
+        spellings = {flag, *(short for short, long in self.flag_aliases if long == flag)}
+        found = self.slots.default()
+        for index, arg in enumerate(extra_args):
+            flag, equals, value = arg.partition("=")
+            if flag not in spellings:
+                continue
+            if not equals:
+                value = extra_args[index + 1] if index + 1 < len(extra_args) else ""
+            try:
+                found = int(value)
+            except ValueError:
+                raise SpecError(f"{flag} must be followed by a whole number, not {value!r}") from None
+            if found < 1:
+                raise SpecError(f"{flag} {found}: the gateway needs a count of at least 1 (not auto)")
+        return found
 
     def packages_for(self, variant: str) -> tuple[str, ...]:
         try:
@@ -247,7 +319,14 @@ class EngineSpec:
             ) from None
 
     def server_argv(
-        self, *, python: str, model: str, host: str, port: int, served_name: str | None = None
+        self,
+        *,
+        python: str,
+        model: str,
+        host: str,
+        port: int,
+        served_name: str | None = None,
+        site_packages: str = "",
     ) -> list[str]:
         """The child's command line, with the template's placeholders filled."""
         values = {
@@ -260,8 +339,20 @@ class EngineSpec:
             "served_name": model if served_name is None else served_name,
             "host": host,
             "port": str(port),
+            "site_packages": site_packages,
+            "slots": str(self.slots.default() if self.slots else self.batch_size),
         }
         return [part.format_map(values) for part in self.argv]
+
+    def reserved_flags(self) -> frozenset[str]:
+        """The flags (and their short spellings) by which argv sets what the gateway fills in."""
+        reserved = {
+            flag
+            for flag, value in itertools.pairwise(self.argv)
+            if flag.startswith("-")
+            and any(name in _RESERVED for _, name, _, _ in string.Formatter().parse(value) if name)
+        }
+        return frozenset({*reserved, *(short for short, long in self.flag_aliases if long in reserved)})
 
 
 def available() -> list[str]:
@@ -270,9 +361,18 @@ def available() -> list[str]:
     return sorted(p.name.removesuffix(".toml") for p in root.iterdir() if p.name.endswith(".toml"))
 
 
+# Engine versions no longer shipped, and what serves their models now.
+RETIRED = {"llamacpp-0.3.36": "llamacpp-b11434"}
+
+
 def load(name: str) -> EngineSpec:
     """Load the spec of engine version ``name`` (e.g. ``mlx-0.32.0``)."""
     path = resources.files("engines") / "specs" / f"{name}.toml"
+    if name in RETIRED and not path.is_file():
+        raise SpecError(
+            f"engine {name} is retired: {RETIRED[name]} serves the same GGUF files (llama.cpp's own "
+            f"llama-server, several requests at once); `blazar-proxy engines remove {name}` frees its folder"
+        )
     if not path.is_file():
         raise SpecError(f"unknown engine {name!r}; known engines: {', '.join(available())}")
     try:
@@ -298,17 +398,19 @@ def parse(data: dict[str, Any], *, source: str) -> EngineSpec:
         raise SpecError(
             f"{source}: model_field.mode alias needs {{model}} and {{served_name}} in server.argv"
         )
-    health_path = readiness.get("health_path", "")
-    if not isinstance(health_path, str) or (health_path and not health_path.startswith("/")):
-        raise SpecError(f"{source}: readiness.health_path must be a path starting with / (or absent)")
+    health_path = _path(read, readiness, "health_path", "readiness.")
     install = read.table(data, "install")
     config_settings = _config_settings(read, install, packages)
     builds_from_source = install.get("builds_from_source", "")
     if not isinstance(builds_from_source, str):
         raise SpecError(f"{source}: install.builds_from_source must be a string")
     env_drop = server.get("env_drop", [])
-    if not isinstance(env_drop, list) or not all(isinstance(n, str) and n for n in env_drop):
-        raise SpecError(f"{source}: server.env_drop must be a list of variable names")
+    if not isinstance(env_drop, list) or not all(isinstance(n, str) and n.rstrip("*") for n in env_drop):
+        raise SpecError(f"{source}: server.env_drop must be a list of variable names (NAME or PREFIX*)")
+    needs_compiler = read.flag(install, "needs_compiler", False, "install.")
+    build_env = _build_env(read, install, packages)
+    flag_aliases = _flag_aliases(read, server, argv)
+    slots = _slots(read, server, argv)
     spec = EngineSpec(
         name=read.need(data, "name", str, ""),
         kind=read.need(data, "kind", str, ""),
@@ -318,14 +420,23 @@ def parse(data: dict[str, Any], *, source: str) -> EngineSpec:
         packages=packages,
         argv=tuple(argv),
         http_version=str(server.get("http_version", "1.1")),
-        batch_size=int(read.number(server, "batch_size", 1, "server.")),
+        batch_size=slots.default() if slots else int(read.number(server, "batch_size", 1, "server.")),
         readiness=_readiness(read, readiness, health_path),
         model_field=mode,
         guards=_guards(read, data),
         config_settings=config_settings,
         env_drop=tuple(env_drop),
         builds_from_source=builds_from_source,
+        build_env=build_env,
+        needs_compiler=needs_compiler,
+        flag_aliases=flag_aliases,
+        slots=slots,
+        metrics_path=_path(read, server, "metrics_path"),
     )
+    if slots is not None and "batch_size" in server:
+        raise SpecError(f"{source}: server.batch_size and server.slots both set; slots decides")
+    if spec.kind not in engine_kinds.KINDS:
+        raise SpecError(f"{source}: kind {spec.kind!r} is not one of {', '.join(engine_kinds.KINDS)}")
     if source.endswith(".toml") and spec.name != source.removesuffix(".toml"):
         raise SpecError(f"{source}: name {spec.name!r} does not match the file name")
     return spec
@@ -408,6 +519,71 @@ def _config_settings(
             )
         config_settings[variant] = tuple(settings)
     return config_settings
+
+
+def _path(read: _Reader, table: dict[str, Any], key: str, where: str = "server.") -> str:
+    """An optional path of the server's: "" when absent."""
+    value = table.get(key, "")
+    if not isinstance(value, str) or (value and not value.startswith("/")):
+        raise SpecError(f"{read.source}: {where}{key} must be a path starting with / (or absent)")
+    return value
+
+
+def _build_env(
+    read: _Reader, install: dict[str, Any], packages: dict[str, tuple[str, ...]]
+) -> dict[str, tuple[tuple[str, str], ...]]:
+    table = install.get("build_env", {})
+    if not isinstance(table, dict):
+        raise SpecError(f"{read.source}: install.build_env must be a table of variants")
+    found: dict[str, tuple[tuple[str, str], ...]] = {}
+    for variant, variables in table.items():
+        where = f"{read.source}: install.build_env.{variant}"
+        if variant not in packages:
+            raise SpecError(f"{where}: the spec has no such variant")
+        if not isinstance(variables, dict) or not all(
+            isinstance(k, str) and re.fullmatch(r"[A-Z_][A-Z0-9_]*", k) and isinstance(v, str)
+            for k, v in variables.items()
+        ):
+            raise SpecError(f'{where} must be a table of NAME = "value"')
+        for name, value in variables.items():
+            used = {n for _, n, _, _ in string.Formatter().parse(value) if n}
+            if used - _BUILD_PLACEHOLDERS:
+                raise SpecError(f"{where}.{name}: unknown placeholders {sorted(used - _BUILD_PLACEHOLDERS)}")
+        found[variant] = tuple(variables.items())
+    return found
+
+
+def _flag_aliases(read: _Reader, server: dict[str, Any], argv: list[str]) -> tuple[tuple[str, str], ...]:
+    table = server.get("flag_aliases", {})
+    if not isinstance(table, dict) or not all(
+        isinstance(k, str) and k.startswith("-") and isinstance(v, str) and v in argv
+        for k, v in table.items()
+    ):
+        raise SpecError(f"{read.source}: server.flag_aliases must map short flags to flags of server.argv")
+    return tuple(table.items())
+
+
+def _slots(read: _Reader, server: dict[str, Any], argv: list[str]) -> Slots | None:
+    table = server.get("slots")
+    if table is None:
+        return None
+    where = "server.slots."
+    if not isinstance(table, dict) or set(table) - {"flag", "per_core", "min", "max"}:
+        raise SpecError(f"{read.source}: server.slots must be a table of flag, per_core, min and max")
+    flag = read.need(table, "flag", str, where)
+    if flag not in argv or argv.index(flag) + 1 >= len(argv) or argv[argv.index(flag) + 1] != "{slots}":
+        raise SpecError(
+            f"{read.source}: server.slots.flag {flag!r} must be followed by {{slots}} in server.argv"
+        )
+    slots = Slots(
+        flag=flag,
+        per_core=int(read.number(table, "per_core", 1, where)),
+        low=int(read.number(table, "min", 1, where)),
+        high=int(read.number(table, "max", 64, where)),
+    )
+    if not 1 <= slots.low <= slots.high or slots.per_core < 1:
+        raise SpecError(f"{read.source}: server.slots needs 1 <= min <= max and per_core >= 1")
+    return slots
 
 
 def _readiness(read: _Reader, table: dict[str, Any], health_path: str) -> Readiness:

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from time import perf_counter
 
+import httpx
 import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -32,7 +33,7 @@ from proxy.endpoints import envelope_of
 from proxy.errors import HTTPError, echo, error_body
 from proxy.health import DEFAULT_INTERVAL_S
 from proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from proxy.metrics import Metrics
+from proxy.metrics import Metrics, merge_expositions
 from proxy.readiness import NOT_CHECKED, Readiness
 from proxy.relay import ENDPOINTS, Relay, RelaySettings, RequestIds, deployment_path, server_timing
 from proxy.routing import Route as RouteConfig
@@ -257,6 +258,10 @@ def build_app(
     return Gateway(relay, admin, api_keys, state, cors, hosts)
 
 
+# How long an engine's metrics scrape may take, through the gateway.
+_SCRAPE_TIMEOUT_S = 5.0
+
+
 class _AdminRoutes:
     """What the gateway answers itself: the model list, load and unload, the probes, metrics, version."""
 
@@ -283,6 +288,7 @@ class _AdminRoutes:
             Route("/models/{model:path}", self.get_model, methods=["GET"]),
             Route("/admin/models/{model:path}/load", self.load_model, methods=["POST"]),
             Route("/admin/models/{model:path}/unload", self.unload_model, methods=["POST"]),
+            Route("/admin/models/{model:path}/metrics", self.engine_metrics, methods=["GET"]),
             Route("/livez", self.livez, methods=["GET"]),
             # What mlx_lm.server, vLLM and llama.cpp's server answer; benchmark tools
             # (guidellm) probe it first and give up on a 404.
@@ -364,6 +370,40 @@ class _AdminRoutes:
         if problem is not None:
             return _json(409, error_body(409, problem, param="model", code="model_busy"))
         return _json(200, orjson.dumps(self.describe(route)))
+
+    async def engine_metrics(self, request: Request) -> Response:
+        """The model's engine metrics, scraped now from each ready replica, labelled model and replica."""
+        route = self.route_of(request)
+        if isinstance(route, Response):
+            return route
+        if not route.metrics_path:
+            message = f"model `{route.model}`'s engine exports no metrics"
+            return _json(404, error_body(404, message, param="model", code="no_engine_metrics"))
+        ready = [
+            (index, replica)
+            for index, replica in enumerate(route.all_replicas)
+            if replica.gate is not None and replica.gate.ready
+        ]
+        if not ready:
+            state = route.gate.state if route.gate is not None else "unknown"
+            message = f"model `{route.model}` has no ready engine child to scrape (it is {state})"
+            return _json(503, error_body(503, message, code="model_not_ready"), headers={"retry-after": "2"})
+        async with httpx.AsyncClient(timeout=_SCRAPE_TIMEOUT_S) as client:
+            answers = await asyncio.gather(
+                *(
+                    client.get(f"http://{r.upstream.host}:{r.upstream.port}{route.metrics_path}")
+                    for _, r in ready
+                ),
+                return_exceptions=True,
+            )
+        texts = []
+        for (index, _), answer in zip(ready, answers, strict=True):
+            if isinstance(answer, httpx.Response) and answer.status_code == 200:
+                texts.append(({"model": route.model, "replica": str(index)}, answer.text))
+        if not texts:
+            message = f"model `{route.model}`'s engine did not answer its metrics scrape"
+            return _json(502, error_body(502, message, code="engine_metrics_failed"))
+        return Response(merge_expositions(texts), media_type=METRICS_CONTENT_TYPE)
 
     async def metrics_route(self, request: Request) -> Response:
         assert self.metrics is not None

@@ -42,6 +42,10 @@ _DROP_REQUEST = HOP_BY_HOP | {
     # Rebuilt by the gateway from the trusted chain (proxy/forwarded.py).
     b"x-forwarded-for",
     b"forwarded",
+    # llama-server keeps generating a stream sent with it after its client
+    # has gone, for anyone to replay with GET /v1/stream?conv_id=: a client
+    # must not detach a generation from its connection, nor read another's.
+    b"x-conversation-id",
 }
 
 # Towards the client, uvicorn writes Date and the framing; the request id and

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -342,3 +343,45 @@ class _EngineCollector(Collector):
         yield ready
         yield restarts
         yield starts
+
+
+def merge_expositions(texts: Iterable[tuple[dict[str, str], str]]) -> str:
+    """Other servers' Prometheus texts as one, each sample given its server's labels.
+
+    Each family's ``# HELP`` and ``# TYPE`` lines come once, with every
+    server's samples of it together under them (the text format wants a
+    family's samples in one group).
+    """
+    families: dict[str, list[str]] = {}
+    for labels, text in texts:
+        added = ",".join(f'{name}="{_escape_label(value)}"' for name, value in labels.items())
+        family = ""
+        for line in text.splitlines():
+            if line.startswith("#"):
+                parts = line.split(None, 3)
+                if len(parts) >= 3 and parts[1] in ("HELP", "TYPE"):
+                    family = parts[2]
+                    lines = families.setdefault(family, [])
+                    if line not in lines:
+                        lines.append(line)
+                continue
+            match = _METRIC_NAME.match(line)
+            if match is None:
+                continue  # blank, or nothing Prometheus would read either
+            name, rest = match.group(0), line[match.end() :]
+            if not family or not name.startswith(family):
+                family = name
+            if rest.startswith("{"):
+                inner = rest[1:].lstrip()
+                sample = f"{name}{{{added}{'' if inner.startswith('}') else ','}{inner}"
+            else:
+                sample = f"{name}{{{added}}}{rest}"
+            families.setdefault(family, []).append(sample)
+    return "".join(line + "\n" for lines in families.values() for line in lines)
+
+
+_METRIC_NAME = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")
+
+
+def _escape_label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

@@ -122,6 +122,9 @@ class Route:
     max_in_flight: int | None = None
     aliases: tuple[str, ...] = ()
     replicas: tuple[Replica, ...] = ()
+    # Where its engine serves Prometheus metrics ("": it does not), scraped
+    # through the gateway's /admin/models/NAME/metrics.
+    metrics_path: str = ""
 
     @property
     def all_replicas(self) -> tuple[Replica, ...]:

@@ -203,7 +203,7 @@ class Catalog:
             keeper=self.registry,
             description=f"{first.engine} ({first.variant}), {len(children)} replica(s)",
         )
-        batch = spec.batch_size * len(children)
+        batch = spec.slots_for(config.engine_args) * len(children)
         self._batch[prepared.name] = batch
         return Route(
             model=prepared.name,
@@ -215,6 +215,7 @@ class Catalog:
                 ),
                 config,
             ),
+            metrics_path=spec.metrics_path,
             # The engines generate this many at once; more would only queue inside them.
             max_in_flight=config.max_in_flight or self.max_in_flight or batch,
             aliases=config.aliases,

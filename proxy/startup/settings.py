@@ -96,7 +96,7 @@ class Settings:
     engine: str | None = _setting(
         None,
         "--engine",
-        "Run an engine child of this version (e.g. mlx-0.32.0, llamacpp-0.3.36), installing it first "
+        "Run an engine child of this version (e.g. mlx-0.32.0, llamacpp-b11434), installing it first "
         "if needed; auto picks the newest engine for the --model's format (MLX directory or GGUF file).",
         kind=str,
         metavar="ENGINE",
