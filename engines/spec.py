@@ -276,6 +276,11 @@ class EngineSpec:
     slots: Slots | None = None
     # Where the server exports Prometheus metrics ("": nowhere).
     metrics_path: str = ""
+    # A CUDA variant's toolkit: "wheels" (an engine-local CUDA_HOME made from
+    # the venv's nvidia-* wheels, for run-time compilers such as mlx's NVRTC)
+    # or "system" (the machine's toolkit, which a build from source compiles
+    # against; the child gets that CUDA_HOME).
+    cuda_toolkit: str = "wheels"
 
     def config_settings_for(self, variant: str) -> tuple[str, ...]:
         """The build's config settings for ``variant``: the spec's, then one per build variable."""
@@ -432,6 +437,7 @@ def parse(data: dict[str, Any], *, source: str) -> EngineSpec:
         flag_aliases=flag_aliases,
         slots=slots,
         metrics_path=_path(read, server, "metrics_path"),
+        cuda_toolkit=_choice(read, install, "cuda_toolkit", ("wheels", "system"), "install."),
     )
     if slots is not None and "batch_size" in server:
         raise SpecError(f"{source}: server.batch_size and server.slots both set; slots decides")
@@ -519,6 +525,13 @@ def _config_settings(
             )
         config_settings[variant] = tuple(settings)
     return config_settings
+
+
+def _choice(read: _Reader, table: dict[str, Any], key: str, choices: tuple[str, ...], where: str) -> str:
+    value = table.get(key, choices[0])
+    if value not in choices:
+        raise SpecError(f"{read.source}: {where}{key} must be one of {', '.join(choices)}")
+    return str(value)
 
 
 def _path(read: _Reader, table: dict[str, Any], key: str, where: str = "server.") -> str:
