@@ -14,7 +14,7 @@ from engines.builtin import BuiltinError, ensure_builtin
 from engines.environment import ServedNameError
 from engines.home import Home
 from engines.install import Installation
-from engines.plan import PlanError, free_port, plan
+from engines.plan import PlanError, check_engine_args, free_port, plan
 from engines.spec import EngineSpec, load
 
 MLX = "mlx-0.32.0"
@@ -142,6 +142,33 @@ def test_extra_args_may_not_override_what_the_gateway_sets(
             model=str(gguf(tmp_path / "m.gguf")),
             extra_args=args,
         )
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["-m", "x"], ["--alias", "y"], ["-a", "y"], ["--port", "1"], ["-m=x"], ["--parallel", "2", "-m", "x"]],
+)
+def test_engine_args_may_not_set_what_the_gateway_sets_by_a_short_spelling(
+    llamacpp: EngineSpec, args: list[str]
+) -> None:
+    """llama-server's -m and -a (flag_aliases) are refused like --model and --alias."""
+    with pytest.raises(PlanError, match="would override what the gateway sets"):
+        check_engine_args(llamacpp, args)
+
+
+@pytest.mark.parametrize(
+    "args", [["--parallel", "8"], ["-np", "8"], ["--parallel=8"], ["--ctx-size", "4096"]]
+)
+def test_engine_args_may_set_the_slots(llamacpp: EngineSpec, args: list[str]) -> None:
+    """--parallel is the model's to change: the gateway's admission follows it."""
+    check_engine_args(llamacpp, args)
+
+
+@pytest.mark.parametrize("args", [["--parallel", "x"], ["-np", "0"], ["--parallel=-1"], ["--parallel"]])
+def test_a_bad_slots_count_is_a_plan_error(llamacpp: EngineSpec, args: list[str]) -> None:
+    """A --parallel that is not a count of at least 1 fails the plan, naming the argument."""
+    with pytest.raises(PlanError, match=r"engine argument (--parallel|-np)"):
+        check_engine_args(llamacpp, args)
 
 
 def test_extra_args_must_be_a_list_of_strings(home: Home, llamacpp: EngineSpec, tmp_path: Path) -> None:

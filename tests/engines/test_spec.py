@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
+import re
 import tomllib
 from importlib import resources
 from pathlib import Path
@@ -13,11 +15,13 @@ import pytest
 
 import engines
 from engines.spec import (
+    RETIRED,
     VARIANTS,
     EngineSpec,
     Guards,
     Readiness,
     RequestField,
+    Slots,
     SpecError,
     available,
     load,
@@ -491,3 +495,163 @@ def test_a_malformed_apis_table_fails_when_the_spec_is_loaded(table: dict[str, A
     data["apis"] = table
     with pytest.raises(SpecError, match=message):
         parse(data, source="mlx-0.32.0.toml")
+
+
+# [server] slots, flag_aliases, metrics_path; [install] build_env; kinds; retired names.
+
+
+@pytest.mark.parametrize(("cores", "want"), [(1, 4), (2, 4), (3, 6), (8, 16), (64, 16)])
+def test_slots_default_follows_the_cores_between_min_and_max(cores: int, want: int) -> None:
+    """llamacpp's slots: twice the cores, no fewer than 4, no more than 16."""
+    spec = load(LLAMACPP)
+    assert spec.slots == Slots(flag="--parallel", per_core=2, low=4, high=16)
+    assert spec.slots.default(cores) == want
+
+
+def test_slots_defaults_when_only_the_flag_is_given() -> None:
+    """slots = { flag } alone: one per core, from 1 to 64."""
+    data = llamacpp_table()
+    data["server"]["slots"] = {"flag": "--parallel"}
+    slots = parse(data, source=f"{LLAMACPP}.toml").slots
+    assert slots == Slots(flag="--parallel", per_core=1, low=1, high=64)
+    assert (slots.default(1), slots.default(12), slots.default(200)) == (1, 12, 64)
+
+
+def test_without_slots_the_batch_size_is_the_spec_s() -> None:
+    """A spec without slots keeps its batch_size, and slots_for ignores engine-args."""
+    spec = load(SHIPPED)
+    assert spec.slots is None
+    assert spec.slots_for(["--parallel", "8"]) == spec.batch_size == 32
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"batch_size": 2}, "batch_size and server.slots both set"),
+        (
+            {"slots": {"flag": "--threads", "per_core": 1}},
+            r"slots\.flag '--threads' must be followed by \{slots\}",
+        ),
+        ({"slots": {"flag": "--nope"}}, r"slots\.flag '--nope' must be followed by \{slots\}"),
+        ({"slots": {"flag": "--parallel", "min": 8, "max": 4}}, "1 <= min <= max"),
+        ({"slots": {"flag": "--parallel", "per_core": 0}}, "per_core >= 1"),
+        ({"slots": {"flag": "--parallel", "step": 2}}, "table of flag, per_core, min and max"),
+        ({"flag_aliases": {"-x": "--ctx-size"}}, "flag_aliases must map short flags to flags of server.argv"),
+        ({"flag_aliases": {"x": "--model"}}, "flag_aliases must map short flags"),
+        ({"metrics_path": "metrics"}, r"server\.metrics_path must be a path starting with /"),
+        ({"env_drop": ["*"]}, "env_drop must be a list of variable names"),
+    ],
+)
+def test_a_malformed_server_table_fails_when_the_spec_is_loaded(change: dict[str, Any], message: str) -> None:
+    """Slots beside batch_size or not before {slots}, aliases of no argv flag, a bare metrics path: errors."""
+    data = llamacpp_table()
+    data["server"].update(change)
+    with pytest.raises(SpecError, match=message):
+        parse(data, source=f"{LLAMACPP}.toml")
+
+
+def test_env_drop_takes_a_prefix_ending_in_a_star() -> None:
+    """server.env_drop ["LLAMA_ARG_*"] is kept as written (environment.child_env reads the star)."""
+    data = llamacpp_table()
+    data["server"]["env_drop"] = ["LLAMA_ARG_*", "HOST"]
+    assert parse(data, source=f"{LLAMACPP}.toml").env_drop == ("LLAMA_ARG_*", "HOST")
+
+
+def test_build_env_fills_in_the_cores_and_passes_as_config_settings() -> None:
+    """install.build_env's {cores} is this machine's; each variable is a build-env.* config setting too."""
+    spec = load(LLAMACPP)
+    cpu = dict(spec.build_env_for("cpu", cores=6))
+    assert cpu["LLAMA_CPP_BUILD_JOBS"] == "6"
+    assert "-DLLAMA_BUILD_TESTS=OFF" in cpu["CMAKE_ARGS"] and "-DGGML_CUDA=ON" not in cpu["CMAKE_ARGS"]
+    assert "-DGGML_CUDA=ON" in dict(spec.build_env_for("cuda12"))["CMAKE_ARGS"]
+    assert spec.build_env_for("cuda13") == ()
+    settings = spec.config_settings_for("cpu")
+    assert f"build-env.CMAKE_ARGS={cpu['CMAKE_ARGS']}" in settings
+    assert f"build-env.LLAMA_CPP_BUILD_JOBS={os.cpu_count()}" in settings
+
+
+@pytest.mark.parametrize(
+    ("build_env", "message"),
+    [
+        (
+            {"cpu": {"JOBS": "{cores}", "ARGS": "-j{threads}"}},
+            r"build_env\.cpu\.ARGS: unknown placeholders \['threads'\]",
+        ),
+        ({"rocm": {"JOBS": "1"}}, r"build_env\.rocm: the spec has no such variant"),
+        ({"cpu": {"jobs": "1"}}, r'build_env\.cpu must be a table of NAME = "value"'),
+        ({"cpu": {"JOBS": 1}}, r'build_env\.cpu must be a table of NAME = "value"'),
+        (["JOBS=1"], "build_env must be a table of variants"),
+    ],
+)
+def test_a_malformed_build_env_fails_when_the_spec_is_loaded(build_env: Any, message: str) -> None:
+    """build_env names a variant of the spec, NAME = "value" pairs, and no placeholder but {cores}."""
+    data = llamacpp_table()
+    data["install"]["build_env"] = build_env
+    with pytest.raises(SpecError, match=message):
+        parse(data, source=f"{LLAMACPP}.toml")
+
+
+def test_needs_compiler_must_be_true_or_false() -> None:
+    """install.needs_compiler is a flag: "yes" is refused, absent is false."""
+    data = llamacpp_table()
+    data["install"]["needs_compiler"] = "yes"
+    with pytest.raises(SpecError, match="needs_compiler"):
+        parse(data, source=f"{LLAMACPP}.toml")
+    assert not load(SHIPPED).needs_compiler
+
+
+def test_an_unknown_kind_fails_when_the_spec_is_loaded() -> None:
+    """A kind engines.kinds does not know is a SpecError naming the known ones."""
+    data = shipped_table()
+    data["kind"] = "vllm"
+    with pytest.raises(SpecError, match=r"kind 'vllm' is not one of mlx, llamacpp"):
+        parse(data, source=f"{SHIPPED}.toml")
+
+
+def test_a_retired_engine_names_what_replaces_it() -> None:
+    """Loading llamacpp-0.3.36 says it is retired and that llamacpp-b11434 serves its models."""
+    assert RETIRED == {"llamacpp-0.3.36": "llamacpp-b11434"}
+    assert "llamacpp-0.3.36" not in available()
+    with pytest.raises(SpecError, match=r"llamacpp-0\.3\.36 is retired: llamacpp-b11434 serves") as info:
+        load("llamacpp-0.3.36")
+    assert "engines remove llamacpp-0.3.36" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("args", "want"),
+    [
+        ([], 4),
+        (["--parallel", "8"], 8),
+        (["-np", "8"], 8),
+        (["--parallel=8"], 8),
+        (["--parallel", "2", "--ctx-size", "4096", "-np", "6"], 6),
+        (["--ctx-size", "8"], 4),
+        (["--parallelism", "9"], 4),
+    ],
+)
+def test_slots_for_reads_the_slots_flag_in_engine_args(
+    monkeypatch: pytest.MonkeyPatch, args: list[str], want: int
+) -> None:
+    """--parallel N, -np N or --parallel=N sets the slots (the last one wins); without it, the default."""
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert load(LLAMACPP).slots_for(args) == want
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--parallel", "many"], "--parallel must be followed by a whole number, not 'many'"),
+        (["--parallel"], "--parallel must be followed by a whole number, not ''"),
+        (["-np", "0"], "-np 0: the gateway needs a count of at least 1"),
+        (["--parallel=-1"], "--parallel -1: the gateway needs a count of at least 1"),
+    ],
+)
+def test_slots_for_refuses_what_is_not_a_count(args: list[str], message: str) -> None:
+    """Not a number, 0 or -1 (llama-server's auto) is a SpecError: admission needs a count."""
+    with pytest.raises(SpecError, match=re.escape(message)):
+        load(LLAMACPP).slots_for(args)
+
+
+def test_reserved_flags_are_the_gateway_s_with_their_short_spellings() -> None:
+    """What the gateway fills in (model, alias, host, port) by either spelling; --parallel is the model's."""
+    assert load(LLAMACPP).reserved_flags() == {"--model", "-m", "--alias", "-a", "--host", "--port"}
