@@ -147,12 +147,13 @@ def install(
         ):
             progress(f"{spec.name} ({variant}) is installed in {current.venv}")
             return current
+        # Before anything is removed: a machine that cannot build keeps the install it has.
+        if spec.needs_compiler:
+            check_compilers(spec)
         engine_dir = home.engine_dir(spec.name)
         if engine_dir.exists():
             progress(f"removing the previous or unfinished install in {engine_dir}")
             shutil.rmtree(engine_dir)
-        if spec.needs_compiler:
-            check_compilers(spec)
         engine_dir.mkdir(parents=True)
         started = time.monotonic()
         try:

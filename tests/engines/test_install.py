@@ -372,6 +372,24 @@ def test_an_engine_that_needs_a_compiler_is_checked_before_its_build(
     assert not other.engine_dir("llamacpp-b11434").exists()
 
 
+def test_a_failed_compiler_check_leaves_the_installed_variant(
+    home: Home, installer: FakeInstaller, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Asking for another variant on a machine without compilers keeps the install that works."""
+    llamacpp = load("llamacpp-b11434")
+    monkeypatch.setattr(engines.install, "check_compilers", lambda spec: None)
+    first = install(llamacpp, "cpu", home)
+
+    def no_compiler(spec: EngineSpec) -> None:
+        raise InstallError("no c++")
+
+    monkeypatch.setattr(engines.install, "check_compilers", no_compiler)
+    with pytest.raises(InstallError, match=r"no c\+\+"):
+        install(llamacpp, "metal", home)
+    assert read_manifest(home, "llamacpp-b11434") == first
+    assert len(installer.calls) == 1
+
+
 def test_a_wheel_only_engine_needs_no_compiler(
     home: Home, spec: EngineSpec, installer: FakeInstaller, monkeypatch: pytest.MonkeyPatch
 ) -> None:
