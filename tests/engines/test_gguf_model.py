@@ -99,7 +99,7 @@ def python() -> str:
         if os.environ.get("BLAZAR_TEST_LLAMACPP") == "required":
             pytest.fail(f"{ENGINE} must be installed for this run (BLAZAR_TEST_LLAMACPP=required)")
         pytest.skip(
-            f"needs the {ENGINE} engine venv (compiled, ~7 min): run scripts/test, or set {ENGINE_PYTHON_VAR}"
+            f"needs the {ENGINE} engine venv (compiled, ~10 min): run scripts/test or set {ENGINE_PYTHON_VAR}"
         )
     return found
 
