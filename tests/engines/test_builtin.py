@@ -16,7 +16,7 @@ from engines.home import Home
 from engines.install import Installation
 
 MLX = "mlx-0.32.0"
-LLAMACPP = "llamacpp-0.3.36"
+LLAMACPP = "llamacpp-b11434"
 
 # A stand-in engine python: records its arguments, and makes --out as the real script would.
 RECORDING_PYTHON = """#!/bin/sh

@@ -152,7 +152,7 @@ async def test_unhealthy_child_is_restarted(tmp_path: Path) -> None:
 
 @pytest.mark.fault("engines", "a child that crashes, hangs or turns unhealthy")
 async def test_child_without_health_path_is_watched_by_the_probe_alone(tmp_path: Path) -> None:
-    """With no health path (llama_cpp.server has none) nothing but the generation probe reaches the child."""
+    """With no health path (a spec may have none) nothing but the generation probe reaches the child."""
     child = Child(config(tmp_path, health_path="", probe_interval_s=0.3))
     try:
         await child.ensure_ready(15)

