@@ -764,15 +764,17 @@ def test_the_retired_engine_says_what_replaces_it() -> None:
 
 @pytest.mark.fault("engines", "requests that would break the engine")
 def test_guards_answer_400_before_the_engine(gateway: EngineGateway) -> None:
-    """max_tokens 0 (llama-server reads it as no limit in some paths) and a chat without messages get a
-    400 from the gateway; the engine's prompt counter does not move."""
+    """max_tokens 0 (OpenAI's 400; llama-server answers it with a token) and -1 (llama-server's "until
+    the context is full", a slot held) and a chat without messages get a 400 from the gateway; the
+    engine's prompt counter does not move."""
     metrics_url = f"{gateway.url}/admin/models/{SERVED}/metrics"
     labels = {"model": SERVED, "replica": "0"}
     with httpx.Client(trust_env=False, timeout=30) as http:
         before = http.get(metrics_url).text
-        zero = http.post(f"{gateway.url}/v1/chat/completions", json=chat("x", 0))
-        assert zero.status_code == 400, zero.text
-        assert zero.json()["error"]["param"] == "max_tokens"
+        for max_tokens in (0, -1):
+            refused = http.post(f"{gateway.url}/v1/chat/completions", json=chat("x", max_tokens))
+            assert refused.status_code == 400, refused.text
+            assert refused.json()["error"]["param"] == "max_tokens"
         empty = http.post(f"{gateway.url}/v1/chat/completions", json={"model": SERVED, "messages": []})
         assert empty.status_code == 400 and empty.json()["error"]["param"] == "messages"
         after = http.get(metrics_url).text
