@@ -50,9 +50,12 @@ def test_engines_list_shows_what_can_be_installed(tmp_path: Path) -> None:
     result = run_cli("engines", "list", env={"BLAZAR_HOME": str(tmp_path)})
     assert result.returncode == 0, result.stderr
     rows = {line.split()[0]: line for line in result.stdout.splitlines()[1:] if line.split()}
-    for engine in ("mlx-0.32.0", "llamacpp-0.3.36"):
+    for engine in ("mlx-0.32.0", "llamacpp-b11434"):
         assert engine in rows and " no " in rows[engine], result.stdout
     assert "cuda12" in rows["mlx-0.32.0"]
+    assert "cpu" in rows["llamacpp-b11434"] and "compiled from source" in rows["llamacpp-b11434"]
+    # The retired llama-cpp-python engine is not offered.
+    assert "llamacpp-0.3.36" not in result.stdout
     assert str(tmp_path / "engines") in result.stdout
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.conftest import ROOT, free_port
+from tests.e2e.test_engine_llamacpp import ENGINE as LLAMACPP
 from tests.e2e.test_engine_llamacpp import engine_python as engine_python
 from tests.e2e.test_engine_mlx import ENGINE, _env, engine_home
 from tests.e2e.test_engine_mlx import engine_installed as engine_installed
@@ -114,14 +115,13 @@ def test_an_always_loaded_model_whose_engine_exits_at_once_ends_the_gateway(tmp_
 def test_a_gguf_file_that_does_not_load_ends_the_llamacpp_one_line_start(
     engine_python: Path, tmp_path: Path
 ) -> None:
-    """A file with the GGUF magic and garbage after it: llama_cpp.server exits twice the same way; exit 1."""
+    """A file with the GGUF magic and garbage after it: llama-server exits the same way twice; exit 1,
+    the one line saying why (it cannot read the header), within seconds."""
     model = tmp_path / "truncated.gguf"
     model.write_bytes(b"GGUF\x03\x00\x00\x00" + b"garbage after the magic")
-    result, took_s = run_to_exit(
-        "--engine", "llamacpp-0.3.36", "--engine-variant", "cpu", "--model", str(model)
-    )
-    assert_stopped_with_reason(result, "truncated", "failed to load model")
-    assert "exited with code 1" in result.stderr
+    result, took_s = run_to_exit("--engine", LLAMACPP, "--engine-variant", "cpu", "--model", str(model))
+    assert_stopped_with_reason(result, "truncated", "failed to read header", "failed to load model")
+    assert "its engine did not become ready: exited with code 1" in result.stderr
     assert took_s < _EXIT_WITHIN_S
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -321,16 +322,34 @@ def test_mlx_children_of_a_set_are_watched_by_their_manager_only(
 
 
 def test_llamacpp_children_of_a_set_stay_in_rotation(engine_python: Path, tmp_path: Path) -> None:
-    """llama_cpp.server has no /health: two of its children, checked every 0.2 s, are not ejected by
-    checks it cannot answer (they were, for good, 0.4 s after starting); neither is asked for them."""
-    logs = _child_logs(LLAMACPP, "lcpair")
+    """Two llama-server children, checked by the gateway every 0.2 s, stay in rotation (none ejected);
+    eight requests at once are spread over both (each child's own token counter, scraped through
+    /admin/models/NAME/metrics with its replica label, moves), and every one is answered."""
     gateway = _engine_pair(tmp_path, "lcpair", LLAMACPP, "--health-interval", "0.2")
     try:
         time.sleep(2.0)  # ten rounds of the gateway's checks
-        for turn in range(4):
-            response = gateway.http.post(CHAT, json={**_chat(f"llama {turn}", 1), "model": "lcpair"})
-            assert response.status_code == 200, response.text
-        assert [log.gets("/readyz") + log.gets("/health") for log in logs] == [0, 0]
+        scrape = "/admin/models/lcpair/metrics"
+        before = gateway.http.get(scrape).text
+        with ThreadPoolExecutor(8) as pool:
+            replies = list(
+                pool.map(
+                    lambda turn: gateway.http.post(
+                        CHAT, json={**_chat(f"llama {turn}", 1), "model": "lcpair", "max_tokens": 48}
+                    ),
+                    range(8),
+                )
+            )
+        assert [reply.status_code for reply in replies] == [200] * 8, [reply.text for reply in replies]
+        after = gateway.http.get(scrape).text
+        for replica in ("0", "1"):
+            sample = f'llamacpp:n_decode_total{{model="lcpair",replica="{replica}"}} '
+            counts = [
+                float(line.rsplit(" ", 1)[1])
+                for text in (before, after)
+                for line in text.splitlines()
+                if line.startswith(sample)
+            ]
+            assert len(counts) == 2 and counts[1] > counts[0], (replica, before, after)
         metrics = gateway.http.get("/metrics").text
         ejections = [
             line for line in metrics.splitlines() if line.startswith("blazar_replica_ejections_total{")
