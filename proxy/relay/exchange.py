@@ -1,7 +1,8 @@
 """The exchange with the upstream: send the request, await the head, relay the response.
 
-No retry once the request is written (the upstream may have acted on it);
-the connection goes back to its pool, or is closed, in one ``finally``.
+No retry once the request is written (the upstream may have acted on it),
+but for a pooled connection that the upstream closed without a byte of
+answer (``_exchange``); the connection goes back to its pool, or is closed, in one ``finally``.
 Errors before the response starts are OpenAI JSON; after a stream has
 started, one SSE ``data: {"error": ...}`` event ends it; after a non-stream
 body has started, the client's connection is cut before its declared end.
@@ -38,7 +39,7 @@ from proxy.relay.sse import relay_events
 from proxy.relay.timing import server_timing, timing_header
 from proxy.relay.translated import respond_translated
 from proxy.relay.watch import ClientWatch, arm_guards
-from proxy.upstream import ClientGone, ConnectFailed, Connection, Draining, UpstreamError
+from proxy.upstream import ClientGone, ConnectFailed, Connection, Draining, EmptyReply, UpstreamError
 
 
 def _chat_stream(conn: Connection) -> bool:
@@ -83,9 +84,39 @@ class Exchange:
         conn = await self._open(send, peer, outcome, may_move)
         if not isinstance(conn, Connection):
             return conn
+        if await self._exchange(conn, head, scope, receive, send, peer, body, outcome, may_resend=True):
+            conn = await self._open(send, peer, outcome, False, fresh=True)
+            if isinstance(conn, Connection):
+                await self._exchange(conn, head, scope, receive, send, peer, body, outcome, may_resend=False)
+        return None
+
+    async def _exchange(
+        self,
+        conn: Connection,
+        head: bytes,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        peer: Peer,
+        body: RequestBody,
+        outcome: Outcome,
+        *,
+        may_resend: bool,
+    ) -> bool:
+        """One request on ``conn``; True when it must be sent again on a new connection.
+
+        No retry once the request is written (the upstream may have acted on
+        it), but for one case: a pooled connection that the upstream closed
+        without a byte of answer. An upstream may close a connection it had
+        kept alive just as it is taken from the pool (llama-server does after
+        every stream, though its head said keep-alive): a request that waited
+        in the queue takes it in the same instant, before the close is seen.
+        Nothing was read, so nothing was acted on; browsers and Go's HTTP
+        client send such a request again too. A new connection has no such
+        excuse: its empty reply is the upstream's answer.
+        """
         drain, pool, health = self._drain, peer.pool, peer.health
-        # No retry once the request is written: the upstream may have acted
-        # on it. Dead idle connections are weeded out by acquire() instead.
+        resend = False
         conn.send(head, body.data)
         outcome.sent_at = perf_counter()
         guards, arm_stall_watch = arm_guards(conn, outcome, scope, self._total_timeout_s, self._send_stall_s)
@@ -100,16 +131,20 @@ class Exchange:
                 else:
                     await conn.read_head(self._head_timeout_s)
             except UpstreamError as exc:
+                if may_resend and _closed_when_reused(conn, exc) and not outcome.sse_started:
+                    conn.close()
+                    resend = True
+                else:
+                    body.drop()
+                    if health is not None and exc.status >= 500:
+                        # Suspect only: the request's own content may be the cause (its probe decides).
+                        health.answered(exc.status, peer.targets[scope["path"]])
+                    await self._head_failed(conn, send, outcome, exc)
+            else:
                 body.drop()
-                if health is not None and exc.status >= 500:
-                    # Suspect only: the request's own content may be the cause (its probe decides).
-                    health.answered(exc.status, peer.targets[scope["path"]])
-                await self._head_failed(conn, send, outcome, exc)
-                return None
-            body.drop()
-            if health is not None and conn.status >= 500:
-                health.answered(conn.status, peer.targets[scope["path"]])
-            await self._respond(conn, scope, send, outcome)
+                if health is not None and conn.status >= 500:
+                    health.answered(conn.status, peer.targets[scope["path"]])
+                await self._respond(conn, scope, send, outcome)
         except ClientGone as exc:
             outcome.client_gone = True
             if exc.nothing_sent:
@@ -128,14 +163,15 @@ class Exchange:
             for guard in guards:
                 guard.cancel()
             drain.active.discard(conn)
-            if watch.stop():
+            gone = watch.stop()
+            if gone:
                 conn.close()
             else:
                 pool.release(conn)
-        return None
+        return resend and not gone
 
     async def _open(
-        self, send: Send, peer: Peer, outcome: Outcome, may_move: bool
+        self, send: Send, peer: Peer, outcome: Outcome, may_move: bool, *, fresh: bool = False
     ) -> Connection | ConnectFailed | None:
         """A connection to ``peer``; else the client is answered (None), or, with ``may_move``,
         the connect failure is returned for the caller to try another peer."""
@@ -145,7 +181,7 @@ class Exchange:
             await self._refuse(send, outcome, Draining("the gateway is shutting down"))
             return None
         try:
-            conn = await peer.pool.acquire()
+            conn = await (peer.pool.connect() if fresh else peer.pool.acquire())
         except UpstreamError as exc:
             if peer.health is not None and isinstance(exc, ConnectFailed):
                 peer.health.connect_failed(str(exc))
@@ -300,3 +336,8 @@ class Exchange:
         outcome.bytes_out = await send_error(
             send, outcome.endpoint.envelope, error, [(b"x-request-id", outcome.request_id), timing]
         )
+
+
+def _closed_when_reused(conn: Connection, exc: UpstreamError) -> bool:
+    """Whether ``exc`` is a pooled connection's close before any byte of answer (see ``_exchange``)."""
+    return isinstance(exc, EmptyReply) and conn.requests_sent > 1
