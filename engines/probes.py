@@ -108,7 +108,7 @@ async def watch_health(config: ChildConfig, cpu_s: Callable[[], float | None] = 
                     busy = 0
                 next_probe = time.monotonic() + config.probe_interval_s
             if not config.health_path:
-                continue  # no health route (llama_cpp.server): the probe alone watches it
+                continue  # no health route: the probe alone watches it
             try:
                 response = await client.get(config.base_url + config.health_path)
                 problem = None if response.status_code == 200 else f"health answered {response.status_code}"

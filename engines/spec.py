@@ -192,7 +192,7 @@ class Guards:
     require_input: bool = False
     # The fields the server reads, with their types and ranges: a value it
     # cannot take is a 400 naming the field (mlx_lm.server closes the socket
-    # without a reply, llama_cpp.server answers 500). None for a server the
+    # without a reply). None for a server the
     # gateway knows nothing of: its fields go as they are.
     fields: tuple[RequestField, ...] = field(default=(), metadata=_FIELDS)
     # Fields of ``loads`` that this model's config allows (a model's

@@ -87,10 +87,10 @@ def test_a_hub_shaped_path_under_an_existing_directory_does_not_exist(tmp_path: 
 
 
 def test_a_text_file_for_llamacpp_is_not_gguf_before_the_build(tmp_path: Path) -> None:
-    """llamacpp-0.3.36 with --model notes.txt says the file is not GGUF at once, compiling nothing."""
+    """llamacpp-b11434 with --model notes.txt says the file is not GGUF at once, compiling nothing."""
     (tmp_path / "notes.txt").write_text("shopping list\n")
     result, took_s = run_to_exit(
-        "--engine", "llamacpp-0.3.36", "--model", "notes.txt", home=tmp_path / "home", cwd=tmp_path
+        "--engine", "llamacpp-b11434", "--model", "notes.txt", home=tmp_path / "home", cwd=tmp_path
     )
     assert_failed_before_install(
         result, tmp_path / "home", "notes.txt is not a GGUF file", "serves a GGUF file"
@@ -104,13 +104,13 @@ def test_a_gguf_file_for_mlx_names_the_engine_that_serves_it(tmp_path: Path) -> 
     result, _ = run_to_exit(
         "--engine", "mlx-0.32.0", "--model", "m.gguf", home=tmp_path / "home", cwd=tmp_path
     )
-    assert_failed_before_install(result, tmp_path / "home", "is a GGUF file", "llamacpp-0.3.36")
+    assert_failed_before_install(result, tmp_path / "home", "is a GGUF file", "llamacpp-b11434")
 
 
 def test_a_hub_repo_for_llamacpp_does_not_exist(tmp_path: Path) -> None:
     """llama.cpp downloads nothing: org/name is a local path for it, and it does not exist."""
     result, _ = run_to_exit(
-        "--engine", "llamacpp-0.3.36", "--model", "org/name", home=tmp_path / "home", cwd=tmp_path
+        "--engine", "llamacpp-b11434", "--model", "org/name", home=tmp_path / "home", cwd=tmp_path
     )
     assert_failed_before_install(result, tmp_path / "home", "does not exist", "it downloads nothing")
 
@@ -155,7 +155,7 @@ def test_a_later_model_in_the_file_is_checked_before_the_first_is_installed(tmp_
     path = tmp_path / "blazar.toml"
     path.write_text(
         f'[models.good]\nengine = "mlx-0.32.0"\nmodel = "{model}"\n\n'
-        '[models.bad]\nengine = "llamacpp-0.3.36"\nmodel = "missing.gguf"\n'
+        '[models.bad]\nengine = "llamacpp-b11434"\nmodel = "missing.gguf"\n'
     )
     result, _ = run_to_exit("--config", str(path), home=tmp_path / "home", cwd=tmp_path)
     assert_failed_before_install(result, tmp_path / "home", f"{path}: [models.bad] model: ", "does not exist")
@@ -177,11 +177,16 @@ def test_an_unknown_variant_and_a_reserved_engine_argument_are_found_before_the_
 ) -> None:
     """A variant the engine lacks, an engine argument the gateway sets itself: errors before any install."""
     path = tmp_path / "blazar.toml"
-    path.write_text('[models.a]\nengine = "llamacpp-0.3.36"\nvariant = "cuda12"\nmodel = "x.gguf"\n')
+    path.write_text('[models.a]\nengine = "llamacpp-b11434"\nvariant = "cuda13"\nmodel = "x.gguf"\n')
     result, _ = run_to_exit("--config", str(path), home=tmp_path / "home")
     assert_failed_before_install(
-        result, tmp_path / "home", f"{path}: [models.a] variant:", "no 'cuda12' variant"
+        result, tmp_path / "home", f"{path}: [models.a] variant:", "no 'cuda13' variant"
     )
+    path.write_text(
+        '[models.a]\nengine = "llamacpp-b11434"\nengine-args = ["-m", "other.gguf"]\nmodel = "x.gguf"\n'
+    )
+    result, _ = run_to_exit("--config", str(path), home=tmp_path / "home")
+    assert_failed_before_install(result, tmp_path / "home", f"{path}: [models.a] engine-args:", "'-m'")
     path.write_text('[models.a]\nengine = "mlx-0.32.0"\nengine-args = ["--port", "1"]\nmodel = "org/a"\n')
     result, _ = run_to_exit("--config", str(path), home=tmp_path / "home")
     assert_failed_before_install(result, tmp_path / "home", f"{path}: [models.a] engine-args:", "'--port'")
