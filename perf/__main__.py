@@ -1,4 +1,4 @@
-"""python -m perf receipt|matrix|paired|assembly|translation|affinity|accesslog [--quick|--smoke] [--out D]"""
+"""python -m perf receipt|matrix|paired|assembly|translation|affinity|accesslog [--smoke]"""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from perf import report
+
+# --cpu not given: each command's own default.
+_UNSET = -1
 
 
 def _cpu(text: str) -> int | None:
@@ -26,10 +29,19 @@ def _numbers(text: str) -> tuple[int, ...]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf", description=__doc__)
     parser.add_argument(
-        "what", choices=("receipt", "matrix", "paired", "assembly", "translation", "affinity", "accesslog")
-    )
+        "what",
+        choices=(
+            "receipt", "matrix", "paired", "assembly", "translation", "affinity", "accesslog"
+        ),
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help="output folder [perf/results/<what>-<time>]")
-    parser.add_argument("--cpu", type=_cpu, default=0, help="core to pin every process to, or 'none' [0]")
+    parser.add_argument(
+        "--cpu",
+        type=_cpu,
+        default=_UNSET,
+        help="core to pin every process to, or 'none' [0; engine-ladder: none]; receipt, engine-ladder: "
+        "the client and the gateway, the engine child going to CPU 1",
+    )
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="a short version (tox -e perf)")
     size.add_argument("--smoke", action="store_true", help="a few seconds, to prove the harness runs")
@@ -59,14 +71,23 @@ def main(argv: list[str] | None = None) -> int:
         "--ladder",
         type=_numbers,
         default=None,
-        help="matrix, paired, translation: comma-separated concurrencies",
+        help="matrix, paired, translation, engine-ladder: comma-separated concurrencies",
+    )
+    parser.add_argument(
+        "--engine",
+        default=None,
+        help="receipt, engine-ladder: the engine [receipt: mlx-0.32.0; engine-ladder: llamacpp-b11434]",
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, default=None, help="receipt, engine-ladder: max_tokens [128]"
     )
     parser.add_argument("--runs", type=int, default=None, help="receipt runs per surface")
     parser.add_argument(
         "--model",
         default=None,
-        help="receipt, affinity: builtin:NAME (smollm2, the real model; tiny or bench: random weights) "
-        "or a model directory [receipt: builtin:smollm2, --smoke: builtin:tiny; affinity: builtin:tiny]",
+        help="receipt, affinity, engine-ladder: builtin:NAME (smollm2, the real model; tiny or bench: random "
+        "weights) or a model directory or file [receipt: builtin:smollm2, --smoke: builtin:tiny; affinity: "
+        "builtin:tiny; engine-ladder: the engine's default (no --model), --smoke: builtin:tiny]",
     )
     parser.add_argument("--modes", default=None, help="affinity: comma-separated modes [all four]")
     parser.add_argument("--slack", type=int, default=None, help="affinity: the affinity slack [4]")
@@ -89,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         "--concurrent", type=int, default=None, help="receipt: also aggregate tok/s at C=N [off]"
     )
     args = parser.parse_args(argv)
+    if args.cpu == _UNSET:
+        # Pinned by default, except the engine ladder: it measures as a user runs it.
+        args.cpu = None if args.what == "engine-ladder" else 0
 
     out = args.out or Path(__file__).parent / "results" / f"{args.what}-{time.strftime('%Y%m%d-%H%M%S')}"
     # Absolute: nginx reads its config relative to its prefix, which is under it.
@@ -208,8 +232,12 @@ def main(argv: list[str] | None = None) -> int:
                 max_tokens=8,
                 concurrent=2,
             )
+        if args.engine:
+            rplan.engine = args.engine
         if args.model:
             rplan.model = args.model
+        if args.max_tokens:
+            rplan.max_tokens = args.max_tokens
         if args.runs:
             rplan.runs = args.runs
         if args.concurrent is not None:
