@@ -1,4 +1,4 @@
-"""python -m perf receipt|matrix|paired|assembly|translation|affinity|accesslog [--smoke]"""
+"""python -m perf receipt|engine-ladder|matrix|paired|assembly|translation|affinity|accesslog [--smoke]"""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "what",
         choices=(
-            "receipt", "matrix", "paired", "assembly", "translation", "affinity", "accesslog"
+            "receipt", "engine-ladder", "matrix", "paired", "assembly", "translation", "affinity", "accesslog"
         ),
     )  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help="output folder [perf/results/<what>-<time>]")
@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--max-tokens", type=int, default=None, help="receipt, engine-ladder: max_tokens [128]"
+    )
+    parser.add_argument(
+        "--stream", action="store_true", help="engine-ladder: streamed requests too, in their own cells"
     )
     parser.add_argument("--runs", type=int, default=None, help="receipt runs per surface")
     parser.add_argument(
@@ -141,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.what == "affinity":
         return _affinity(args, out)
+    if args.what == "engine-ladder":
+        return _engine_ladder(args, out)
     if args.what == "paired":
         from perf.paired import run_paired
 
@@ -251,6 +256,48 @@ def main(argv: list[str] | None = None) -> int:
         (out / "receipt.md").write_text(report.receipt_markdown(data))
         print(report.receipt_markdown(data))
         print(f"written: {out / 'receipt.md'}, {out / 'receipt.json'}")
+    return 0
+
+
+def _engine_ladder(args: argparse.Namespace, out: Path) -> int:
+    from perf.engine_ladder import LadderError, LadderPlan, markdown, run_engine_ladder
+
+    plan = LadderPlan(cpu=args.cpu)
+    if args.quick:
+        plan = LadderPlan(cpu=args.cpu, rounds=2, warmup_s=2.0, duration_s=6.0)
+    if args.smoke:
+        plan = LadderPlan(
+            cpu=args.cpu,
+            model="builtin:tiny",
+            ladder=(1, 2),
+            rounds=1,
+            max_tokens=8,
+            warmup_s=0.5,
+            duration_s=1.5,
+        )
+    if args.engine:
+        plan.engine = args.engine
+    if args.model:
+        plan.model = args.model
+    if args.ladder:
+        plan.ladder = args.ladder
+    if args.rounds:
+        plan.rounds = args.rounds
+    if args.duration:
+        plan.duration_s = args.duration
+    if args.max_tokens:
+        plan.max_tokens = args.max_tokens
+    if args.stream:
+        plan.stream = True
+    try:
+        data = run_engine_ladder(plan, out)
+    except LadderError as exc:
+        print(f"perf engine-ladder: {exc}", file=sys.stderr)
+        return 2
+    report.write_json(out / "engine-ladder.json", data)
+    (out / "engine-ladder.md").write_text(markdown(data))
+    print(markdown(data))
+    print(f"written: {out / 'engine-ladder.md'}, {out / 'engine-ladder.json'}")
     return 0
 
 
