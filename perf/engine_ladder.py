@@ -7,9 +7,10 @@ gateway started and loads it two ways, one after the other: straight to the
 child's port ("direct") and through the gateway. At each concurrency C, C
 workers each send chat completions back to back (temperature 0, a fixed
 max_tokens, each worker its own prompt, the same prompts on both sides) for a
-warmup and then a measured window. A request's completion tokens count in the
-window in proportion to the part of its time that falls inside it, so a
-window's figure is not quantized to whole requests. Each round measures every
+warmup and then a measured window. A non-stream request's completion tokens count in the window in
+proportion to the part of its time that falls inside it, so a window's
+figure is not quantized to whole requests; a stream's count by the arrival
+time of its events. Each round measures every
 C on both sides, the side first measured alternating round by round; the
 ratio gateway ÷ direct is taken per round (adjacent cells) and its median over
 rounds is the goal's figure.
@@ -95,6 +96,8 @@ class Request:
     end: float
     tokens: int
     finish: str | None
+    # A stream: when each event with content arrived (its tokens are spread over them).
+    times: list[float] | None = None
 
 
 @dataclass
@@ -139,9 +142,11 @@ def _one(client: httpx.Client, url: str, body: dict[str, Any]) -> Request:
         tokens = int(data["usage"]["completion_tokens"])
         return Request(start, end, tokens, data["choices"][0].get("finish_reason"))
     tokens, finish, buffer = 0, None, b""
+    times: list[float] = []
     with client.stream("POST", url, json=body) as response:
         response.raise_for_status()
         for chunk in response.iter_raw():
+            now = time.perf_counter()
             buffer += chunk
             *events, buffer = buffer.split(b"\n\n")
             for event in events:
@@ -152,7 +157,9 @@ def _one(client: httpx.Client, url: str, body: dict[str, Any]) -> Request:
                     tokens = int(data["usage"]["completion_tokens"])
                 for choice in data.get("choices") or ():
                     finish = choice.get("finish_reason") or finish
-    return Request(start, time.perf_counter(), tokens, finish)
+                    if (choice.get("delta") or {}).get("content"):
+                        times.append(now)
+    return Request(start, time.perf_counter(), tokens, finish, times)
 
 
 def _cpu_s(pid: int) -> float:
@@ -166,9 +173,17 @@ def _cpu_s(pid: int) -> float:
 
 
 def in_window(requests: list[Request], lo: float, hi: float) -> tuple[float, float]:
-    """(tokens, requests) inside [lo, hi]: each request counts by the share of its time inside."""
+    """(tokens, requests) inside [lo, hi]: each request counts by the share of its time inside.
+
+    A stream's tokens count by the share of its content events that arrived inside.
+    """
     tokens = count = 0.0
     for r in requests:
+        if r.times:
+            share = sum(lo <= t <= hi for t in r.times) / len(r.times)
+            tokens += r.tokens * share
+            count += share
+            continue
         overlap = min(r.end, hi) - max(r.start, lo)
         if overlap <= 0 or r.end <= r.start:
             continue
