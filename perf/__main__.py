@@ -1,4 +1,4 @@
-"""python -m perf receipt|matrix|paired|assembly|translation|affinity|accesslog [--quick|--smoke] [--out D]"""
+"""python -m perf receipt|engine-ladder|matrix|paired|assembly|translation|affinity|accesslog [--smoke]"""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from perf import report
+
+# --cpu not given: each command's own default.
+_UNSET = -1
 
 
 def _cpu(text: str) -> int | None:
@@ -26,10 +29,19 @@ def _numbers(text: str) -> tuple[int, ...]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf", description=__doc__)
     parser.add_argument(
-        "what", choices=("receipt", "matrix", "paired", "assembly", "translation", "affinity", "accesslog")
-    )
+        "what",
+        choices=(
+            "receipt", "engine-ladder", "matrix", "paired", "assembly", "translation", "affinity", "accesslog"
+        ),
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help="output folder [perf/results/<what>-<time>]")
-    parser.add_argument("--cpu", type=_cpu, default=0, help="core to pin every process to, or 'none' [0]")
+    parser.add_argument(
+        "--cpu",
+        type=_cpu,
+        default=_UNSET,
+        help="core to pin every process to, or 'none' [0; engine-ladder: none]; receipt, engine-ladder: "
+        "the client and the gateway, the engine child going to CPU 1",
+    )
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="a short version (tox -e perf)")
     size.add_argument("--smoke", action="store_true", help="a few seconds, to prove the harness runs")
@@ -59,14 +71,26 @@ def main(argv: list[str] | None = None) -> int:
         "--ladder",
         type=_numbers,
         default=None,
-        help="matrix, paired, translation: comma-separated concurrencies",
+        help="matrix, paired, translation, engine-ladder: comma-separated concurrencies",
+    )
+    parser.add_argument(
+        "--engine",
+        default=None,
+        help="receipt, engine-ladder: the engine [receipt: mlx-0.32.0; engine-ladder: llamacpp-b11434]",
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, default=None, help="receipt, engine-ladder: max_tokens [128]"
+    )
+    parser.add_argument(
+        "--stream", action="store_true", help="engine-ladder: streamed requests too, in their own cells"
     )
     parser.add_argument("--runs", type=int, default=None, help="receipt runs per surface")
     parser.add_argument(
         "--model",
         default=None,
-        help="receipt, affinity: builtin:NAME (smollm2, the real model; tiny or bench: random weights) "
-        "or a model directory [receipt: builtin:smollm2, --smoke: builtin:tiny; affinity: builtin:tiny]",
+        help="receipt, affinity, engine-ladder: builtin:NAME (smollm2, the real model; tiny or bench: random "
+        "weights) or a model directory or file [receipt: builtin:smollm2, --smoke: builtin:tiny; affinity: "
+        "builtin:tiny; engine-ladder: the engine's default (no --model), --smoke: builtin:tiny]",
     )
     parser.add_argument("--modes", default=None, help="affinity: comma-separated modes [all four]")
     parser.add_argument("--slack", type=int, default=None, help="affinity: the affinity slack [4]")
@@ -89,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         "--concurrent", type=int, default=None, help="receipt: also aggregate tok/s at C=N [off]"
     )
     args = parser.parse_args(argv)
+    if args.cpu == _UNSET:
+        # Pinned by default, except the engine ladder: it measures as a user runs it.
+        args.cpu = None if args.what == "engine-ladder" else 0
 
     out = args.out or Path(__file__).parent / "results" / f"{args.what}-{time.strftime('%Y%m%d-%H%M%S')}"
     # Absolute: nginx reads its config relative to its prefix, which is under it.
@@ -117,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.what == "affinity":
         return _affinity(args, out)
+    if args.what == "engine-ladder":
+        return _engine_ladder(args, out)
     if args.what == "paired":
         from perf.paired import run_paired
 
@@ -208,8 +237,12 @@ def main(argv: list[str] | None = None) -> int:
                 max_tokens=8,
                 concurrent=2,
             )
+        if args.engine:
+            rplan.engine = args.engine
         if args.model:
             rplan.model = args.model
+        if args.max_tokens:
+            rplan.max_tokens = args.max_tokens
         if args.runs:
             rplan.runs = args.runs
         if args.concurrent is not None:
@@ -223,6 +256,48 @@ def main(argv: list[str] | None = None) -> int:
         (out / "receipt.md").write_text(report.receipt_markdown(data))
         print(report.receipt_markdown(data))
         print(f"written: {out / 'receipt.md'}, {out / 'receipt.json'}")
+    return 0
+
+
+def _engine_ladder(args: argparse.Namespace, out: Path) -> int:
+    from perf.engine_ladder import LadderError, LadderPlan, markdown, run_engine_ladder
+
+    plan = LadderPlan(cpu=args.cpu)
+    if args.quick:
+        plan = LadderPlan(cpu=args.cpu, rounds=2, warmup_s=2.0, duration_s=6.0)
+    if args.smoke:
+        plan = LadderPlan(
+            cpu=args.cpu,
+            model="builtin:tiny",
+            ladder=(1, 2),
+            rounds=1,
+            max_tokens=8,
+            warmup_s=0.5,
+            duration_s=1.5,
+        )
+    if args.engine:
+        plan.engine = args.engine
+    if args.model:
+        plan.model = args.model
+    if args.ladder:
+        plan.ladder = args.ladder
+    if args.rounds:
+        plan.rounds = args.rounds
+    if args.duration:
+        plan.duration_s = args.duration
+    if args.max_tokens:
+        plan.max_tokens = args.max_tokens
+    if args.stream:
+        plan.stream = True
+    try:
+        data = run_engine_ladder(plan, out)
+    except LadderError as exc:
+        print(f"perf engine-ladder: {exc}", file=sys.stderr)
+        return 2
+    report.write_json(out / "engine-ladder.json", data)
+    (out / "engine-ladder.md").write_text(markdown(data))
+    print(markdown(data))
+    print(f"written: {out / 'engine-ladder.md'}, {out / 'engine-ladder.json'}")
     return 0
 
 

@@ -1,6 +1,7 @@
 """`python -m perf receipt`: the reference gateway's receipt, regenerated for blazar-proxy on a real model.
 
-A real engine child (mlx-0.32.0; by default the built-in SmolLM2-135M-Instruct,
+A real engine child (mlx-0.32.0 unless ``--engine`` names another, e.g.
+llamacpp-b11434; by default the built-in SmolLM2-135M-Instruct,
 ``--model builtin:smollm2``) behind the gateway, which runs as a user runs it
 (its defaults: access log and metrics on). The same non-streamed chat goes
 direct to the child and through the gateway, interleaved. Reported: the warm
@@ -31,6 +32,8 @@ import httpx
 from perf import report, surfaces
 
 ENGINE = "mlx-0.32.0"
+# What the report calls the engine's own server, by engine kind.
+SERVERS = {"mlx": "mlx_lm.server", "llamacpp": "llama-server"}
 PROMPT = "Explain in two sentences why the sky is blue."
 # The timed prompt first: its parity is read from the timed runs themselves.
 PARITY_PROMPTS = (PROMPT, "What is the capital of France?", "Count from 1 to 5.")
@@ -43,6 +46,7 @@ class ReceiptError(RuntimeError):
 
 @dataclass
 class ReceiptPlan:
+    engine: str = ENGINE
     cpu: int | None = 0
     # The engine child's core: apart from the gateway's, so that its compute
     # does not delay the gateway's turn on the CPU. None: same as `cpu`.
@@ -109,21 +113,42 @@ def _prepare_model(plan: ReceiptPlan) -> tuple[Path, dict[str, Any]]:
     from engines.home import Home, blazar_home
 
     home = Home(blazar_home())
-    _, installation = install.ensure_installed(ENGINE, plan.variant, home, progress=print)
+    _, installation = install.ensure_installed(plan.engine, plan.variant, home, progress=print)
     return resolve_model(plan.model, installation, home, print)
 
 
-def _start_gateway(model: Path, plan: ReceiptPlan, log_dir: Path) -> tuple[surfaces.Process, int, str]:
-    """The gateway with its defaults, serving ``model``: (process, the child's port, the served name)."""
+def model_argument(spec: str, path: Path) -> str:
+    """What the gateway is given as ``--model``: a built-in by its name, as a user gives it; else the path."""
+    return spec if spec.startswith("builtin:") else str(path)
+
+
+def _start_gateway(model: Path, plan: ReceiptPlan, log_dir: Path) -> tuple[surfaces.Process, int, int, str]:
+    """The gateway with its defaults, serving ``model``: (process, the child's pid and port, served name)."""
+    gateway, child_pid, child_port, served = start_gateway(
+        plan.engine, plan.variant, model_argument(plan.model, model), plan.cpu, log_dir, "receipt"
+    )
+    if plan.engine_cpu is not None and plan.cpu is not None:
+        pin_process(child_pid, plan.engine_cpu)
+    return gateway, child_pid, child_port, served
+
+
+def start_gateway(
+    engine: str, variant: str, model: str | None, cpu: int | None, log_dir: Path, label: str
+) -> tuple[surfaces.Process, int, int, str]:
+    """``blazar-proxy --engine ENGINE [--model M]`` with its defaults otherwise, ready.
+
+    (process, the engine child's pid and port, the served model name).
+    """
     port = surfaces.free_port()
-    log_path = log_dir / f"receipt-gateway-{port}.log"
+    log_path = log_dir / f"{label}-gateway-{port}.log"
     argv = [
-        sys.executable, "-m", "proxy", "--engine", ENGINE, "--engine-variant", plan.variant,
-        "--model", str(model), "--port", str(port),
+        sys.executable, "-m", "proxy", "--engine", engine, "--engine-variant", variant, "--port", str(port),
     ]  # fmt: skip
+    if model is not None:
+        argv += ["--model", model]
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            surfaces.pinned(argv, plan.cpu),
+            surfaces.pinned(argv, cpu),
             cwd=surfaces.ROOT,
             env=surfaces.child_env(),
             stdout=log,
@@ -132,7 +157,7 @@ def _start_gateway(model: Path, plan: ReceiptPlan, log_dir: Path) -> tuple[surfa
     gateway = surfaces.Process("blazar", proc, port)
     try:
         surfaces.wait_until_ready(f"{gateway.url}/readyz", proc, timeout_s=900)
-        child_pid, child_port = _engine_child(proc.pid)
+        child_pid, child_port = engine_child(proc.pid)
         with httpx.Client(trust_env=False, timeout=10) as client:
             served = str(client.get(f"{gateway.url}/v1/models").json()["data"][0]["id"])
     except Exception as exc:
@@ -141,12 +166,10 @@ def _start_gateway(model: Path, plan: ReceiptPlan, log_dir: Path) -> tuple[surfa
             f"the gateway did not get ready ({exc}); its log, {log_path}:\n"
             + log_path.read_text(errors="replace")[-3000:]
         ) from exc
-    if plan.engine_cpu is not None and plan.cpu is not None:
-        _pin_process(child_pid, plan.engine_cpu)
-    return gateway, child_port, served
+    return gateway, child_pid, child_port, served
 
 
-def _engine_child(gateway_pid: int) -> tuple[int, int]:
+def engine_child(gateway_pid: int) -> tuple[int, int]:
     """(pid, port) of the gateway's engine child: the descendant started with ``--port``."""
     pending, seen = [gateway_pid], set()
     while pending:
@@ -162,7 +185,16 @@ def _engine_child(gateway_pid: int) -> tuple[int, int]:
     raise ReceiptError(f"no engine child under the gateway (pid {gateway_pid})")
 
 
-def _pin_process(pid: int, cpu: int) -> None:
+def child_cmdline(pid: int) -> list[str]:
+    """A running process's command line ([] once it is gone)."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return []
+    return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+
+
+def pin_process(pid: int, cpu: int) -> None:
     """Move every thread of a running process to one core."""
     for task in os.listdir(f"/proc/{pid}/task"):
         os.sched_setaffinity(int(task), {cpu})
@@ -224,7 +256,8 @@ def run_receipt(plan: ReceiptPlan, out_dir: Path) -> dict[str, Any]:
     log_dir = out_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     model_path, model_info = _prepare_model(plan)
-    gateway, child_port, served = _start_gateway(model_path, plan, log_dir)
+    gateway, child_pid, child_port, served = _start_gateway(model_path, plan, log_dir)
+    child_argv = child_cmdline(child_pid)
     bases = {"direct": f"http://127.0.0.1:{child_port}", "gateway": gateway.url}
     answers: dict[str, list[Answer]] = {"direct": [], "gateway": []}
     warmups: dict[str, list[Answer]] = {"direct": [], "gateway": []}
@@ -259,7 +292,8 @@ def run_receipt(plan: ReceiptPlan, out_dir: Path) -> dict[str, Any]:
     parity += [_parity(p, [pair["direct"]], [pair["gateway"]]) for p, pair in others.items()]
     return {
         "kind": "receipt",
-        "engine": ENGINE,
+        "engine": plan.engine,
+        "engine_server": engine_server(plan.engine),
         "variant": plan.variant,
         "model": served,
         "model_info": model_info,
@@ -278,7 +312,7 @@ def run_receipt(plan: ReceiptPlan, out_dir: Path) -> dict[str, Any]:
         "streams": streams,
         "parity": parity,
         "concurrent_tok_s": at_c,
-        "environment": report.environment(_engine_versions()),
+        "environment": report.environment(engine_versions(plan.engine, child_argv)),
     }
 
 
@@ -370,15 +404,44 @@ def summarize(
     }
 
 
-def _engine_versions() -> dict[str, Any]:
+def engine_server(engine: str) -> str:
+    """The engine's own server, as the reports name it (mlx_lm.server, llama-server)."""
+    from engines import spec as specs
+
+    try:
+        kind = specs.load(engine).kind
+    except Exception:
+        return engine
+    return SERVERS.get(kind, engine)
+
+
+def engine_versions(engine: str, child_argv: list[str] | None = None) -> dict[str, Any]:
+    """The engine's name and the versions of its packages as installed; its server's own ``--version``.
+
+    ``child_argv``: the running child's command line, whose executable is asked
+    its version when it is not a Python (llama-server prints its build).
+    """
     import json
 
     from engines import install
     from engines.home import Home, blazar_home
 
     home = Home(blazar_home())
-    if install.read_manifest(home, ENGINE) is None:
-        return {}
-    data = json.loads(home.manifest(ENGINE).read_text())
-    wanted = ("mlx==", "mlx-lm==", "mlx-cpu==", "mlx-cuda-12==", "mlx-cuda-13==", "transformers==")
-    return {"engine_packages": [p for p in data.get("resolved", []) if p.lower().startswith(wanted)]}
+    if install.read_manifest(home, engine) is None:
+        return {"engine": engine}
+    data = json.loads(home.manifest(engine).read_text())
+    # The engine's own requirements, and what mlx_lm pulls in that decides its output.
+    names = {re.split(r"[=<>~!\[ ]", p, maxsplit=1)[0].lower() for p in data.get("packages", [])}
+    names |= {"mlx", "mlx-lm", "mlx-cpu", "mlx-cuda-12", "mlx-cuda-13", "transformers"}
+    versions: dict[str, Any] = {
+        "engine": engine,
+        "engine_variant": data.get("variant"),
+        "engine_packages": [p for p in data.get("resolved", []) if p.split("==")[0].lower() in names],
+    }
+    if child_argv and "python" not in Path(child_argv[0]).name:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            result = subprocess.run(
+                [child_argv[0], "--version"], capture_output=True, text=True, timeout=20, check=False
+            )
+            versions["engine_server_version"] = " ".join((result.stdout + result.stderr).split())[:300]
+    return versions

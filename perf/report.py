@@ -270,6 +270,16 @@ def _ms(value: float | None, digits: int = 3, unit: str = " ms") -> str:
     return "–" if value is None else f"{value:.{digits}f}{unit}"
 
 
+def engine_line(env: dict[str, Any]) -> str:
+    """The engine's packages and its server's own version, as the environment recorded them."""
+    parts = []
+    if env.get("engine_packages"):
+        parts.append(", ".join(env["engine_packages"]))
+    if env.get("engine_server_version"):
+        parts.append(f"`--version`: {env['engine_server_version']}")
+    return f" Engine: {'; '.join(parts)}." if parts else ""
+
+
 def receipt_markdown(data: dict[str, Any]) -> str:
     env = data["environment"]
     s = data["summary"]
@@ -285,6 +295,7 @@ def receipt_markdown(data: dict[str, Any]) -> str:
         if data["cpu"] is not None
         else "nothing pinned"
     )
+    server = data.get("engine_server", "mlx_lm.server")
     lines = [
         "# blazar-proxy receipt",
         "",
@@ -292,14 +303,14 @@ def receipt_markdown(data: dict[str, Any]) -> str:
         f"(`{info.get('source', '?')}`{', via ' + info['via'] if info.get('via') else ''}); "
         f"git {env['git_sha'][:12]}{' (dirty)' if env['git_dirty'] else ''}, {env['cpu']}, {env['cpus']} CPUs"
         f"{', GPU ' + env['gpu'] if env.get('gpu') else ''}; {pinning}. "
-        "The gateway runs with its defaults (access log and metrics on).",
+        "The gateway runs with its defaults (access log and metrics on)." + engine_line(env),
         f'Non-stream chat "{data.get("prompt", "")}", max_tokens {data["max_tokens"]}, temperature 0; '
         f"{_count(data['runs'], 'run')} per surface after {data['warmup']} warmup, direct and gateway interleaved "
         "(the order alternates).",
         "",
         "| Surface | warm mean | tokens | tok/s | overhead (wall clock) | gateway's own time (Server-Timing), p50 / max |",
         "|---|---|---|---|---|---|",
-        f"| direct mlx_lm.server | {s['direct_mean_s']:.3f} s | {s['completion_tokens']:g} | "
+        f"| direct {server} | {s['direct_mean_s']:.3f} s | {s['completion_tokens']:g} | "
         f"~{s['direct_tok_s']:.1f} | — | — |",
         f"| via blazar-proxy | {s['gateway_mean_s']:.3f} s | {s['completion_tokens']:g} | ~{s['gateway_tok_s']:.1f} | "
         f"{s['overhead_ms']:+.2f} ms ({s['overhead_pct']:+.2f} %), {s['gateway_tok_s'] - s['direct_tok_s']:+.2f} tok/s | "
@@ -321,7 +332,7 @@ def receipt_markdown(data: dict[str, Any]) -> str:
         "",
         "| Surface | TTFB p50 | TTFB max | added p50 | gateway's own time to the head, p50 / max |",
         "|---|---|---|---|---|",
-        f"| direct mlx_lm.server | {_ms(s['direct_ttfb_ms'], 2)} | {_ms(s.get('direct_ttfb_max_ms'), 2)} | — | — |",
+        f"| direct {server} | {_ms(s['direct_ttfb_ms'], 2)} | {_ms(s.get('direct_ttfb_max_ms'), 2)} | — | — |",
         f"| via blazar-proxy | {_ms(s['gateway_ttfb_ms'], 2)} | {_ms(s.get('gateway_ttfb_max_ms'), 2)} | "
         + (
             f"{s['gateway_ttfb_ms'] - s['direct_ttfb_ms']:+.2f} ms"
