@@ -111,9 +111,11 @@ class Exchange:
         kept alive just as it is taken from the pool (llama-server does after
         every stream, though its head said keep-alive): a request that waited
         in the queue takes it in the same instant, before the close is seen.
-        Nothing was read, so nothing was acted on; browsers and Go's HTTP
-        client send such a request again too. A new connection has no such
-        excuse: its empty reply is the upstream's answer.
+        Such a close comes back at once (``_STALE_CLOSE_S``): nothing was
+        read, so nothing was acted on, and browsers send such a request again
+        too. An upstream that closed later may have taken the request and
+        worked on it, and a new connection has no excuse: their empty reply
+        is the upstream's answer (502), never sent twice.
         """
         drain, pool, health = self._drain, peer.pool, peer.health
         resend = False
@@ -131,7 +133,7 @@ class Exchange:
                 else:
                     await conn.read_head(self._head_timeout_s)
             except UpstreamError as exc:
-                if may_resend and _closed_when_reused(conn, exc) and not outcome.sse_started:
+                if may_resend and _closed_when_reused(conn, exc, outcome.sent_at) and not outcome.sse_started:
                     conn.close()
                     resend = True
                 else:
@@ -338,6 +340,13 @@ class Exchange:
         )
 
 
-def _closed_when_reused(conn: Connection, exc: UpstreamError) -> bool:
-    """Whether ``exc`` is a pooled connection's close before any byte of answer (see ``_exchange``)."""
-    return isinstance(exc, EmptyReply) and conn.requests_sent > 1
+# How soon after the request an empty close means the upstream had closed the
+# connection already: a loopback or LAN round trip, far less than any work.
+_STALE_CLOSE_S = 0.05
+
+
+def _closed_when_reused(conn: Connection, exc: UpstreamError, sent_at: float) -> bool:
+    """Whether ``exc`` is a pooled connection's close, at once, with no byte of answer (``_exchange``)."""
+    return (
+        isinstance(exc, EmptyReply) and conn.requests_sent > 1 and perf_counter() - sent_at < _STALE_CLOSE_S
+    )
