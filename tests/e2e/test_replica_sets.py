@@ -321,6 +321,7 @@ def test_mlx_children_of_a_set_are_watched_by_their_manager_only(
         gateway.stop()
 
 
+@pytest.mark.llamacpp
 def test_llamacpp_children_of_a_set_stay_in_rotation(engine_python: Path, tmp_path: Path) -> None:
     """Two llama-server children, checked by the gateway every 0.2 s, stay in rotation (none ejected);
     eight requests at once are spread over both (each child's own token counter, scraped through
@@ -355,6 +356,38 @@ def test_llamacpp_children_of_a_set_stay_in_rotation(engine_python: Path, tmp_pa
             line for line in metrics.splitlines() if line.startswith("blazar_replica_ejections_total{")
         ]
         assert len(ejections) == 2 and all(line.endswith(" 0.0") for line in ejections), ejections
+    finally:
+        gateway.stop()
+
+
+@pytest.mark.llamacpp
+def test_llamacpp_second_turn_is_served_from_its_prompt_cache(engine_python: Path, tmp_path: Path) -> None:
+    """Two llama-server replicas: turn 2 of a conversation with a ~1,000-token system prompt goes where
+    turn 1 went (least-busy alone would send it to the other, idle one), and that child reports nearly
+    all of turn 1's prompt as cached_tokens: each slot keeps its prompt."""
+    gateway = _engine_pair(tmp_path, "lcaff", LLAMACPP)
+    try:
+        # About a token a character with builtin:tiny's tokenizer.
+        system = "".join(f"rule {index}: answer briefly. " for index in range(45))[:1000]
+        messages: list[dict[str, str]] = [
+            {"role": "system", "content": system},
+            {"role": "user", "content": "first question"},
+        ]
+        body = {"model": "lcaff", "max_tokens": 2, "temperature": 0}
+        first = gateway.http.post(CHAT, json={**body, "messages": messages})
+        assert first.status_code == 200, first.text
+        first_prompt = first.json()["usage"]["prompt_tokens"]
+        assert first_prompt >= 900
+        messages += [
+            {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "second question"},
+        ]
+        second = gateway.http.post(CHAT, json={**body, "messages": messages})
+        assert second.status_code == 200, second.text
+        usage = second.json()["usage"]
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= 0.9 * first_prompt, usage
+        assert cached < usage["prompt_tokens"]
     finally:
         gateway.stop()
 
