@@ -360,34 +360,41 @@ def test_llamacpp_children_of_a_set_stay_in_rotation(engine_python: Path, tmp_pa
         gateway.stop()
 
 
+def _second_turn_is_cached(http: httpx.Client, model: str) -> None:
+    """Turn 2 of a conversation with a ~1,000-token system prompt is served from turn 1's prompt cache.
+
+    Plain least-busy would send turn 2 to the other replica (fewer served): an empty cache there.
+    """
+    # builtin:tiny's tokenizers make about a token of a character.
+    system = "".join(f"rule {index}: answer briefly. " for index in range(45))[:1000]
+    messages: list[dict[str, str]] = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "first question"},
+    ]
+    body = {"model": model, "max_tokens": 2, "temperature": 0}
+    first = http.post(CHAT, json={**body, "messages": messages})
+    assert first.status_code == 200, first.text
+    first_prompt = first.json()["usage"]["prompt_tokens"]
+    assert first_prompt >= 900
+    messages += [
+        {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "second question"},
+    ]
+    second = http.post(CHAT, json={**body, "messages": messages})
+    assert second.status_code == 200, second.text
+    usage = second.json()["usage"]
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= 0.9 * first_prompt, usage
+    assert cached < usage["prompt_tokens"]
+
+
 @pytest.mark.llamacpp
 def test_llamacpp_second_turn_is_served_from_its_prompt_cache(engine_python: Path, tmp_path: Path) -> None:
-    """Two llama-server replicas: turn 2 of a conversation with a ~1,000-token system prompt goes where
-    turn 1 went (least-busy alone would send it to the other, idle one), and that child reports nearly
-    all of turn 1's prompt as cached_tokens: each slot keeps its prompt."""
+    """Two llama-server replicas: turn 2 of a conversation goes where turn 1 went, and that child
+    reports nearly all of turn 1's prompt as cached_tokens: each slot keeps its prompt."""
     gateway = _engine_pair(tmp_path, "lcaff", LLAMACPP)
     try:
-        # About a token a character with builtin:tiny's tokenizer.
-        system = "".join(f"rule {index}: answer briefly. " for index in range(45))[:1000]
-        messages: list[dict[str, str]] = [
-            {"role": "system", "content": system},
-            {"role": "user", "content": "first question"},
-        ]
-        body = {"model": "lcaff", "max_tokens": 2, "temperature": 0}
-        first = gateway.http.post(CHAT, json={**body, "messages": messages})
-        assert first.status_code == 200, first.text
-        first_prompt = first.json()["usage"]["prompt_tokens"]
-        assert first_prompt >= 900
-        messages += [
-            {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
-            {"role": "user", "content": "second question"},
-        ]
-        second = gateway.http.post(CHAT, json={**body, "messages": messages})
-        assert second.status_code == 200, second.text
-        usage = second.json()["usage"]
-        cached = usage["prompt_tokens_details"]["cached_tokens"]
-        assert cached >= 0.9 * first_prompt, usage
-        assert cached < usage["prompt_tokens"]
+        _second_turn_is_cached(gateway.http, "lcaff")
     finally:
         gateway.stop()
 
@@ -395,28 +402,7 @@ def test_llamacpp_second_turn_is_served_from_its_prompt_cache(engine_python: Pat
 def test_mlx_second_turn_is_served_from_its_prompt_cache(mlx_pair: ConfigGateway) -> None:
     """Two mlx replicas: turn 2 of a conversation with a ~1,000-token system prompt goes where turn 1
     went, and the engine reports nearly all of turn 1's prompt as cached_tokens."""
-    # builtin:tiny's tokenizer is byte-level: a character is a token.
-    system = "".join(f"rule {index}: answer briefly. " for index in range(45))[:1000]
-    messages: list[dict[str, str]] = [
-        {"role": "system", "content": system},
-        {"role": "user", "content": "first question"},
-    ]
-    body = {"model": "pair", "max_tokens": 2, "temperature": 0}
-    first = mlx_pair.http.post(CHAT, json={**body, "messages": messages})
-    assert first.status_code == 200, first.text
-    first_prompt = first.json()["usage"]["prompt_tokens"]
-    assert first_prompt >= 1000
-    # Plain least-busy would send turn 2 to the other replica (fewer served): an empty cache there.
-    messages += [
-        {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
-        {"role": "user", "content": "second question"},
-    ]
-    second = mlx_pair.http.post(CHAT, json={**body, "messages": messages})
-    assert second.status_code == 200, second.text
-    usage = second.json()["usage"]
-    cached = usage["prompt_tokens_details"]["cached_tokens"]
-    assert cached >= 0.9 * first_prompt, usage
-    assert cached < usage["prompt_tokens"]
+    _second_turn_is_cached(mlx_pair.http, "pair")
 
 
 @pytest.mark.fault("fleet", "requests whose own content fails on every server")
