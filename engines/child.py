@@ -121,6 +121,13 @@ class Child:
         # Set by ``kill_now``: the gateway itself ends the process, so its exit is no crash.
         self._killed = False
         self._owner: asyncio.Task[None] | None = None
+        # Told after each change of state or of its last error (the status page); never asked anything.
+        self.on_change: Callable[[], None] | None = None
+
+    def observe(self, on_change: Callable[[], None], on_line: Callable[[str], None]) -> None:
+        """Be told of each change of state (``on_change``) and each line the child writes (``on_line``)."""
+        self.on_change = on_change
+        self._output.on_line = on_line
 
     def __repr__(self) -> str:
         return f"<Child {self.config.name} {self.state.name} pid={self.pid} port={self.config.port}>"
@@ -225,6 +232,8 @@ class Child:
         async with self._changed:
             self.state = to
             self._changed.notify_all()
+        if self.on_change is not None:
+            self.on_change()
 
     def output(self) -> list[str]:
         """The tail's lines written by the last process started (all it still holds of them)."""
@@ -239,6 +248,8 @@ class Child:
             self.hopeless = hopeless
             self._attempts += 1
             self._changed.notify_all()
+        if self.on_change is not None:
+            self.on_change()
 
     async def _own(self) -> None:
         backoff_s = self.config.backoff_initial_s

@@ -22,7 +22,7 @@ import re
 import signal
 import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,6 +89,8 @@ class Output:
         self._lines_before = 0
         # Lines the log file could not take (a full disk), over all processes.
         self.dropped_lines = 0
+        # Told each line as it is kept (the status page's live log); None: nobody listens.
+        self.on_line: Callable[[str], None] | None = None
 
     def latest(self) -> list[str]:
         """The tail's lines written by the last process started (all it still holds of them)."""
@@ -119,8 +121,11 @@ class Output:
         self.dropped_lines += logfile.dropped_lines
 
     def _keep(self, line: bytes) -> None:
-        self.tail.append(line[:_TAIL_LINE_CHARS].decode("utf-8", "replace"))
+        text = line[:_TAIL_LINE_CHARS].decode("utf-8", "replace")
+        self.tail.append(text)
         self._lines += 1
+        if self.on_line is not None:
+            self.on_line(text)
 
     def process_started(self) -> None:
         """What comes next is the new process's (``latest``)."""

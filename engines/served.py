@@ -31,7 +31,7 @@ import contextlib
 import enum
 import logging
 import time
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -119,6 +119,8 @@ class ServedModel:
         *,
         keeper: Keeper | None = None,
         description: str = "",
+        engine: str = "",
+        variant: str = "",
     ) -> None:
         if not children:
             raise ValueError(f"model {name!r} needs at least one child")
@@ -126,6 +128,9 @@ class ServedModel:
         self.children = tuple(children)
         self.keeper = keeper
         self.description = description
+        # The engine and its variant (mlx-0.32.0, cpu), for people to read.
+        self.engine = engine
+        self.variant = variant
         self._lifetime = lifetime
         self._state = ModelState.UNLOADED
         # Read per request: whether the state holds a slot, kept beside the state by _move.
@@ -138,6 +143,8 @@ class ServedModel:
         self._loading: asyncio.Task[None] | None = None
         self._stopping: asyncio.Task[None] | None = None
         self._idle: asyncio.Event | None = None
+        # Told after each move of the state machine (the status page); never asked anything.
+        self.on_change: Callable[[], None] | None = None
 
     def __repr__(self) -> str:
         return f"<ServedModel {self.name} {self._state.name} in_flight={self.in_flight}>"
@@ -157,6 +164,8 @@ class ServedModel:
         log.debug("model %s: %s → %s", self.name, self._state.name, to.name)
         self._state = to
         self._holding = to in HOLDING
+        if self.on_change is not None:
+            self.on_change()
 
     # -- read per request by the relay ----------------------------------------
 

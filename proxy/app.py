@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from proxy import __version__
+from proxy import __version__, ui
 from proxy.accesslog import AccessLog
 from proxy.asgi import Message, Receive, Scope, Send, send_error
 from proxy.auth import PUBLIC_PATHS, ApiKeys
@@ -35,9 +35,10 @@ from proxy.health import DEFAULT_INTERVAL_S
 from proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from proxy.metrics import Metrics, merge_expositions
 from proxy.readiness import NOT_CHECKED, Readiness
-from proxy.relay import ENDPOINTS, Relay, RelaySettings, RequestIds, deployment_path, server_timing
+from proxy.relay import ENDPOINTS, ModelLoad, Relay, RelaySettings, RequestIds, deployment_path, server_timing
 from proxy.routing import Route as RouteConfig
 from proxy.routing import RoutingTable
+from proxy.status import ModelView, Status
 
 
 @dataclass
@@ -71,9 +72,11 @@ class Gateway:
         state: GatewayState | None = None,
         cors: Cors | None = None,
         hosts: AllowedHosts | None = None,
+        status: Status | None = None,
     ) -> None:
         self.relay = relay
         self.admin = admin
+        self.status = status or Status()
         self.keys = keys or ApiKeys(())
         self.state = state or GatewayState()
         self.cors = cors or Cors(())
@@ -219,29 +222,37 @@ def build_app(
     access_log: AccessLog | None = None,
     cors: Cors | None = None,
     hosts: AllowedHosts | None = None,
+    status: Status | None = None,
+    engine_view: EngineView | None = None,
 ) -> Gateway:
     """Build the gateway for a routing table and the relay's settings, resolved before.
 
     ``settings`` is the gateway's own ``Settings`` (the composition root's,
     with every default): the relay reads it as it is. ``on_startup`` and
     ``on_shutdown`` run in the server's event loop (the engine manager's
-    start and stop).
+    start and stop). ``status`` is where the gateway's state is read
+    (made here if not given); ``engine_view`` adds an engine model's
+    engine, children and lifetime to its view (the composition root's).
     """
     state = GatewayState()
-    relay = Relay(table, settings, metrics, access_log)
+    status = status if status is not None else Status(metrics)
+    relay = Relay(table, settings, metrics, access_log, arrived=status.activity.append)
+    status.bind(lambda: model_views(relay.table, relay.load(), engine_view))
     # The static upstreams' readiness, checked at most as often as a replica set's servers are.
     readiness = Readiness(lambda: relay.table, settings.health_interval_s or DEFAULT_INTERVAL_S)
-    routes = _AdminRoutes(relay, state, cors, metrics, readiness)
+    routes = _AdminRoutes(relay, state, cors, metrics, readiness, status)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         if on_startup is not None:
             await on_startup()
         relay.checks.start()
+        status.start()
         try:
             yield
         finally:
             try:
+                await status.close()
                 await readiness.stop()
                 await relay.checks.stop()
                 if on_shutdown is not None:
@@ -255,7 +266,57 @@ def build_app(
         exception_handlers={HTTPException: _http_exception, Exception: _unexpected},
         lifespan=lifespan,
     )
-    return Gateway(relay, admin, api_keys, state, cors, hosts)
+    return Gateway(relay, admin, api_keys, state, cors, hosts, status)
+
+
+# Adds an engine model's engine, children and lifetime to its view (the composition root's).
+EngineView = Callable[[RouteConfig, ModelView], None]
+
+
+def model_views(
+    table: RoutingTable, load: Mapping[str, ModelLoad], engine_view: EngineView | None
+) -> list[ModelView]:
+    """Each model as the gateway shows it (README, "Status page"): from the routing table and the
+    relay's counts; an engine model's engine part from ``engine_view``."""
+    views = []
+    for route in table:
+        counts = load.get(route.model)
+        peers = counts.peers if counts is not None else ()
+        view: ModelView = {
+            "id": route.model,
+            "kind": "engine" if route.gate is not None else "upstream",
+            # Static upstreams are always there as far as the gateway knows.
+            "state": route.gate.state if route.gate is not None else "loaded",
+            "reason": None,
+            "engine": None,
+            "variant": None,
+            "aliases": list(route.aliases),
+            "in_flight": counts.in_flight if counts is not None else 0,
+            "queued": counts.queued if counts is not None else 0,
+            "max_in_flight": route.max_in_flight,
+            "ttl_s": 0,
+            "idle_s": None,
+            "always_loaded": False,
+            "replicas": [
+                {
+                    "name": peer.name,
+                    "state": "in rotation" if peer.up else "out of rotation",
+                    "healthy": peer.up,
+                    "pid": None,
+                    "address": peer.addr,
+                    "restarts": 0,
+                    "starts": 0,
+                    "in_flight": peer.in_flight,
+                    "last_error": peer.reason or None,
+                    "log": None,
+                }
+                for peer in peers
+            ],
+        }
+        if route.gate is not None and engine_view is not None:
+            engine_view(route, view)
+        views.append(view)
+    return views
 
 
 # How long an engine's metrics scrape may take, through the gateway.
@@ -272,8 +333,10 @@ class _AdminRoutes:
         cors: Cors | None,
         metrics: Metrics | None,
         readiness: Readiness,
+        status: Status,
     ) -> None:
         self.relay = relay
+        self.status = status
         self.readiness = readiness
         self.state = state
         self.cors = cors
@@ -289,6 +352,12 @@ class _AdminRoutes:
             Route("/admin/models/{model:path}/load", self.load_model, methods=["POST"]),
             Route("/admin/models/{model:path}/unload", self.unload_model, methods=["POST"]),
             Route("/admin/models/{model:path}/metrics", self.engine_metrics, methods=["GET"]),
+            Route("/admin/requests/{request_id:path}/cancel", self.cancel_request, methods=["POST"]),
+            # The status page and its stream (proxy.status, proxy/ui).
+            Route("/events", _Asgi(self.status.stream), methods=["GET"]),
+            Route("/ui", self.page, methods=["GET"]),
+            Route("/ui/", self.page, methods=["GET"]),
+            Route("/ui/{name}", self.page_file, methods=["GET"]),
             Route("/livez", self.livez, methods=["GET"]),
             # What mlx_lm.server, vLLM and llama.cpp's server answer; benchmark tools
             # (guidellm) probe it first and give up on a 404.
@@ -301,19 +370,23 @@ class _AdminRoutes:
             Route("/", self.root, methods=["GET", "HEAD"]),
         ]
 
-    def describe(self, route: RouteConfig) -> dict[str, object]:
+    def describe(self, route: RouteConfig, view: ModelView | None = None) -> dict[str, object]:
+        if view is None:
+            view = self.status.model(route.model)
         return {
             "id": route.model,
             "object": "model",
             "created": self.created,
             "owned_by": "blazar-proxy",
-            # Static upstreams are always there as far as the gateway knows.
-            "state": route.gate.state if route.gate is not None else "loaded",
+            # The status page's state (proxy.status): static upstreams are always there as far
+            # as the gateway knows.
+            "state": view["state"] if view is not None else "loaded",
             **({"aliases": list(route.aliases)} if route.aliases else {}),
         }
 
     async def list_models(self, request: Request) -> Response:
-        models = [self.describe(r) for r in self.relay.table]
+        views = {view["id"]: view for view in self.status.models()}
+        models = [self.describe(r, views.get(r.model)) for r in self.relay.table]
         return _json(200, orjson.dumps({"object": "list", "data": models}))
 
     def route_of(self, request: Request) -> RouteConfig | Response:
@@ -338,11 +411,8 @@ class _AdminRoutes:
         return _json(200, orjson.dumps(self.describe(route)))
 
     def engine_route(self, request: Request, verb: str) -> RouteConfig | Response:
-        cors = self.cors
-        if "origin" in request.headers and (cors is None or cors.origin_of(request.scope) is None):
-            # A web page may POST here without a preflight; only allowed origins may act.
-            message = "this origin may not load or unload models (see --cors-origin)"
-            return _json(403, error_body(403, message, code="origin_not_allowed"))
+        # A web page's POST got here only from an origin CORS allows or the gateway's own page
+        # (proxy.browser refused every other before any route).
         route = self.route_of(request)
         if isinstance(route, Response) or route.gate is not None:
             return route
@@ -405,6 +475,21 @@ class _AdminRoutes:
             return _json(502, error_body(502, message, code="engine_metrics_failed"))
         return Response(merge_expositions(texts), media_type=METRICS_CONTENT_TYPE)
 
+    async def cancel_request(self, request: Request) -> Response:
+        """End a request under way: its engine stops, its client gets an error (``request_cancelled``)."""
+        request_id = request.path_params["request_id"]
+        status, reason = self.status.cancel(request_id)
+        if status != 200:
+            code = "request_not_found" if status == 404 else "request_not_cancellable"
+            return _json(status, error_body(status, reason, code=code))
+        return _json(200, orjson.dumps({"id": request_id, "cancelled": True}))
+
+    async def page(self, request: Request) -> Response:
+        return ui.response("index.html")
+
+    async def page_file(self, request: Request) -> Response:
+        return ui.response(request.path_params["name"])
+
     async def metrics_route(self, request: Request) -> Response:
         assert self.metrics is not None
         return Response(await self.metrics.render_off_loop(), media_type=METRICS_CONTENT_TYPE)
@@ -461,6 +546,17 @@ async def _readiness(table: RoutingTable, readiness: Readiness) -> Response:
             headers={"retry-after": "2"},
         )
     return _json(200, orjson.dumps({"status": "ready", "models": models}))
+
+
+class _Asgi:
+    """An ASGI callable as Starlette's ``Route`` takes one as an app (a bound method would be
+    taken for a request-response endpoint)."""
+
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.app(scope, receive, send)
 
 
 def _json(status: int, body: bytes, headers: Mapping[str, str] | None = None) -> Response:

@@ -15,7 +15,11 @@ from proxy.asgi import Scope
 
 # Paths that answer without a key: liveness and readiness probes.
 # "/": what Claude Code asks first (HEAD /), whether the server is there at all.
-PUBLIC_PATHS = frozenset({"/livez", "/readyz", "/health", "/"})
+# The status page's files: a browser asks for them with no key; the page then asks for the key
+# and sends it with every request for data (they hold none).
+PUBLIC_PATHS = frozenset(
+    {"/livez", "/readyz", "/health", "/", "/ui", "/ui/", "/ui/index.html", "/ui/app.js", "/ui/app.css"}
+)
 CREDENTIAL_HEADERS = frozenset({b"authorization", b"x-api-key", b"api-key"})
 
 

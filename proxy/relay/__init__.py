@@ -20,8 +20,17 @@ disconnect and stall watchers), ``failures`` (what the client is told),
 from proxy.endpoints import ENDPOINTS
 from proxy.relay.handler import Relay
 from proxy.relay.ids import RequestIds
-from proxy.relay.routes import deployment_path
+from proxy.relay.routes import ModelLoad, PeerLoad, deployment_path
 from proxy.relay.settings import RelaySettings
 from proxy.relay.timing import server_timing
 
-__all__ = ["ENDPOINTS", "Relay", "RelaySettings", "RequestIds", "deployment_path", "server_timing"]
+__all__ = [
+    "ENDPOINTS",
+    "ModelLoad",
+    "PeerLoad",
+    "Relay",
+    "RelaySettings",
+    "RequestIds",
+    "deployment_path",
+    "server_timing",
+]

@@ -6,6 +6,7 @@ import logging
 
 from proxy.relay.out import Writer
 from proxy.relay.outcome import Outcome
+from proxy.status import USAGE_BYTES
 from proxy.upstream import Connection, UpstreamError
 
 log = logging.getLogger("blazar.relay")
@@ -28,6 +29,7 @@ async def relay_body(conn: Connection, out: Writer, outcome: Outcome, read_timeo
                 chunk = await write_all_but_last_slice(out, chunk, outcome)
             # Counted once handed on: a write to a client that has gone raises ClientGone.
             if conn.complete:
+                outcome.tail = chunk[-USAGE_BYTES:]
                 wait = out.write(chunk, False)
                 outcome.bytes_out += len(chunk)
                 if wait is not None:

@@ -17,6 +17,7 @@ from proxy.errors import HTTPError
 from proxy.relay.failures import send_upstream_error
 from proxy.relay.outcome import Outcome
 from proxy.relay.timing import server_timing, timing_header
+from proxy.status import USAGE_BYTES
 from proxy.upstream import ClientGone, Connection, UpstreamError
 
 # A built reply waits this long after [DONE] for its stream's end (it follows at once).
@@ -71,6 +72,7 @@ async def send_built(send: Send, outcome: Outcome, body: bytes, own_s: float, he
     outcome.status = 200
     outcome.bytes_out = len(body)
     outcome.own_s = own_s
+    outcome.tail = body[-USAGE_BYTES:]
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", b"%d" % len(body)),

@@ -119,6 +119,7 @@ class Exchange:
         """
         drain, pool, health = self._drain, peer.pool, peer.health
         resend = False
+        outcome.peer, outcome.conn = peer, conn
         conn.send(head, body.data)
         outcome.sent_at = perf_counter()
         guards, arm_stall_watch = arm_guards(conn, outcome, scope, self._total_timeout_s, self._send_stall_s)
@@ -165,6 +166,7 @@ class Exchange:
             for guard in guards:
                 guard.cancel()
             drain.active.discard(conn)
+            outcome.conn = None
             gone = watch.stop()
             if gone:
                 conn.close()

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from time import perf_counter
 from typing import Any
 
@@ -23,7 +24,7 @@ from proxy.relay.failures import refuse
 from proxy.relay.ids import RequestIds
 from proxy.relay.outcome import Outcome
 from proxy.relay.request import BodyBudget, RequestBody, read_request
-from proxy.relay.routes import Peer, RouteEntry, Routes
+from proxy.relay.routes import ModelLoad, Peer, RouteEntry, Routes
 from proxy.relay.settings import RelaySettings
 from proxy.relay.ticket import Ticket
 from proxy.routing import RoutingTable, UpstreamAddress
@@ -42,8 +43,12 @@ class Relay:
         settings: RelaySettings,
         metrics: Metrics | None = None,
         access_log: AccessLog | None = None,
+        arrived: Callable[[Outcome], None] | None = None,
     ) -> None:
         self._routes = Routes(settings, metrics)
+        # Told of each request as it arrives: the status page's bounded deque's append (its only
+        # cost here); by default a deque that keeps none.
+        self._arrived = arrived or collections.deque[Outcome](maxlen=0).append
         self.pools: dict[UpstreamAddress, Pool] = self._routes.pools
         self._entries: dict[str, RouteEntry] = {}
         self.update(table)
@@ -65,6 +70,10 @@ class Relay:
     def table(self) -> RoutingTable:
         return self._routes.table
 
+    def load(self) -> dict[str, ModelLoad]:
+        """Each model's requests in flight and queued, and its replicas' (``Routes.load``)."""
+        return self._routes.load()
+
     def update(self, table: RoutingTable) -> None:
         """Serve ``table`` from now on (a configuration reload); see ``Routes.update``."""
         self._entries = self._routes.update(table)
@@ -76,6 +85,7 @@ class Relay:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """One request: read, parse, admit, exchange, record."""
         outcome = Outcome(self.request_id_of(scope), ENDPOINTS[scope["path"]])
+        self._arrived(outcome)
         ticket = Ticket()
         body = RequestBody(self._body_budget)
         try:

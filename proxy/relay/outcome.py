@@ -15,9 +15,9 @@ from proxy.assembly import ReplyAssembler
 from proxy.endpoints import Endpoint
 from proxy.errors import HTTPError
 from proxy.metrics import Metrics, ModelMetrics
-from proxy.relay.routes import ROUTE_LABELS
+from proxy.relay.routes import ROUTE_LABELS, Peer
 from proxy.translate import Translator
-from proxy.upstream import UpstreamError
+from proxy.upstream import Connection, UpstreamError
 
 
 class Outcome:
@@ -28,12 +28,15 @@ class Outcome:
         "built",
         "bytes_out",
         "client_gone",
+        "conn",
+        "duration_s",
         "endpoint",
         "error",
         "gone_early",
         "head_s",
         "model",
         "own_s",
+        "peer",
         "refusal",
         "request_id",
         "sends",
@@ -44,6 +47,7 @@ class Outcome:
         "stats",
         "status",
         "stream",
+        "tail",
         "translator",
         "upstreams",
     )
@@ -83,6 +87,19 @@ class Outcome:
         self.stalled = False
         # A request that moved between servers of a set: each one tried, in order (else None).
         self.upstreams: list[str] | None = None
+        # The replica it was sent to, and its connection while the exchange runs (to cancel it).
+        self.peer: Peer | None = None
+        self.conn: Connection | None = None
+        # The last bytes of the response (its usage, read for the status page); set at its end.
+        self.tail = b""
+        # Set once recorded: the request is over.
+        self.duration_s: float | None = None
+
+    @property
+    def replica(self) -> str | None:
+        """The replica that served it, as the status page names it."""
+        peer = self.peer
+        return None if peer is None else peer.name
 
     def refuse(self, exc: HTTPError) -> None:
         self.refusal = exc
@@ -97,6 +114,7 @@ class Outcome:
     def record(self, scope: Scope, metrics: Metrics | None, access: AccessLog | None) -> None:
         """Write the request's metrics and its access-log line: once, after its response."""
         if self.gone_early:
+            self.status, self.duration_s = 499, perf_counter() - self.started
             if metrics is not None:
                 metrics.client_disconnects += 1
             return
@@ -121,6 +139,7 @@ class Outcome:
             duration_s = now - self.arrived
             if stats is not None:
                 self._count(stats, metrics, ROUTE_LABELS[scope["path"]], duration_s)
+        self.duration_s = duration_s
         if access is not None:
             access.write(
                 scope,

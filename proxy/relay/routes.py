@@ -107,6 +107,24 @@ class Peer:
         return (gate is None or gate.ready) and (health is None or health.up)
 
 
+class PeerLoad(NamedTuple):
+    """A replica's requests and whether it is in rotation, read for the status page."""
+
+    name: str
+    addr: str
+    in_flight: int
+    up: bool
+    reason: str
+
+
+class ModelLoad(NamedTuple):
+    """A model's requests in flight and queued (or waiting for its load), and its replicas'."""
+
+    in_flight: int
+    queued: int
+    peers: tuple[PeerLoad, ...]
+
+
 class RouteEntry(NamedTuple):
     """Everything the hot path needs about a model, resolved once."""
 
@@ -293,6 +311,26 @@ class Routes:
                     )
                 )
         return rows
+
+    def load(self) -> dict[str, ModelLoad]:
+        """Each model's requests in flight and queued, and its replicas' (for the status page)."""
+        return {
+            route.model: ModelLoad(
+                entry.admission.in_flight,
+                entry.admission.queued + entry.admission.loading,
+                tuple(
+                    PeerLoad(
+                        peer.name,
+                        peer.addr,
+                        peer.in_flight,
+                        peer.health is None or peer.health.up,
+                        peer.health.reason if peer.health is not None else "",
+                    )
+                    for peer in entry.peers
+                ),
+            )
+            for route, entry in self._built.items()
+        }
 
     def admission_sample(self) -> list[tuple[str, int, int]]:
         """(model, in flight, queued or waiting for its load), read at scrape time."""

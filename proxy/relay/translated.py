@@ -23,6 +23,7 @@ from proxy.relay.built import await_stream_end, refuse_built, send_built
 from proxy.relay.out import AsgiWriter, Writer, writer_for
 from proxy.relay.outcome import Outcome
 from proxy.relay.timing import timing_header
+from proxy.status import USAGE_BYTES
 from proxy.translate import Translator
 from proxy.upstream import Connection, ReadTimeout, UpstreamError
 
@@ -155,6 +156,7 @@ async def _stream(
             pending += b"".join([translator.feed(parsed) for parsed in events.feed(chunk)])
             if events.done:
                 pending += translator.finish()
+                outcome.tail = pending[-USAGE_BYTES:]
                 await _write(out, outcome, pending, False)
                 await await_stream_end(conn, read_timeout_s)
                 return None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from proxy.relay import Relay
 from proxy.routing import Replica, Route, RoutingTable, UpstreamAddress, UpstreamSpecError, parse_upstream_url
 from proxy.startup.configfile import ConfigError, FileConfig, ModelConfig, check_names
 from proxy.startup.settings import variables
+from proxy.status import Status
 
 log = logging.getLogger("blazar.catalog")
 
@@ -70,8 +72,11 @@ class Catalog:
         registry: Registry | None,
         max_in_flight: int | None = None,
         announce: Callable[[str], None] = log.info,
+        status: Status | None = None,
     ) -> None:
         self.home = home
+        # Told of each engine model's and child's change and of each line a child writes.
+        self.status = status
         self.registry = registry
         self.max_in_flight = max_in_flight
         self.announce = announce
@@ -202,7 +207,13 @@ class Catalog:
             Lifetime(always_loaded=config.always_loaded, ttl_s=config.ttl_s),
             keeper=self.registry,
             description=f"{first.engine} ({first.variant}), {len(children)} replica(s)",
+            engine=first.engine,
+            variant=first.variant,
         )
+        if self.status is not None:
+            served.on_change = self.status.changed
+            for child in children:
+                child.observe(self.status.changed, functools.partial(self.status.log_line, child.config.name))
         batch = spec.slots_for(config.engine_args) * len(children)
         self._batch[prepared.name] = batch
         return Route(

@@ -24,7 +24,6 @@ import uvicorn
 
 from engines import install as installing
 from engines import spec as specs
-from engines.child import Child
 from engines.home import Home, blazar_home
 from engines.registry import Registry
 from proxy import __version__
@@ -33,7 +32,7 @@ from proxy.app import Gateway, build_app
 from proxy.auth import ApiKeys, read_key_file
 from proxy.browser import AllowedHosts
 from proxy.cors import Cors
-from proxy.metrics import EngineSample, Metrics
+from proxy.metrics import Metrics
 from proxy.protocol import protocol_class
 from proxy.routing import RoutingTable, UpstreamAddress, UpstreamSpecError, parse_upstream_spec
 from proxy.startup import configfile
@@ -43,6 +42,8 @@ from proxy.startup.options import gateway_options, given_as, settings_from
 from proxy.startup.reload import Reloader
 from proxy.startup.server import GatewayServer
 from proxy.startup.settings import Settings, flags
+from proxy.startup.status import child_logs, engine_samples, engine_view
+from proxy.status import Status
 
 log = logging.getLogger("blazar.cli")
 
@@ -122,8 +123,14 @@ def main(ctx: click.Context, /, **given: Any) -> None:
     registry = Registry(
         max_loaded=settings.max_loaded, announce=_echo, unload_wait_s=settings.drain_timeout_s
     )
+    # What the gateway is doing (the status page, /v1/models, /metrics): told of each engine change.
+    status = Status()
     catalog = Catalog(
-        home=Home(blazar_home()), registry=registry, max_in_flight=settings.max_in_flight, announce=_echo
+        home=Home(blazar_home()),
+        registry=registry,
+        max_in_flight=settings.max_in_flight,
+        announce=_echo,
+        status=status,
     )
     _build_catalog(ctx, catalog, configs, settings)
     keep = list(catalog.entries)[:from_command_line]
@@ -151,7 +158,7 @@ def main(ctx: click.Context, /, **given: Any) -> None:
         if file
         else None
     )
-    serve(settings, registry=registry, reloader=reloader)
+    serve(settings, registry=registry, reloader=reloader, status=status)
 
 
 def _model_configs(settings: Settings) -> list[ModelConfig]:
@@ -272,11 +279,19 @@ def engines_remove(engine: str) -> None:
     click.echo(f"removed {engine}")
 
 
-def serve(settings: Settings, *, registry: Registry | None = None, reloader: Reloader | None = None) -> None:
+def serve(
+    settings: Settings,
+    *,
+    registry: Registry | None = None,
+    reloader: Reloader | None = None,
+    status: Status | None = None,
+) -> None:
     """Run the gateway until it is stopped."""
     _configure_logging(settings.log_level)
     _close_to_own_user()
     metrics = Metrics() if settings.metrics else None
+    status = status or Status()
+    status.metrics = metrics
     app: Gateway
 
     async def startup() -> None:
@@ -311,10 +326,14 @@ def serve(settings: Settings, *, registry: Registry | None = None, reloader: Rel
         access_log=AccessLog(settings.log_format, settings.forwarded_allow_ips)
         if settings.access_log
         else None,
+        status=status,
+        engine_view=engine_view,
     )
+    relay = app.relay
+    status.bind_logs(child_logs(lambda: relay.table))
     if metrics is not None:
-        relay = app.relay
-        metrics.watch_engines(lambda: _engine_samples(relay.table))
+        # The children as the page shows them: one snapshot for both.
+        metrics.watch_engines(lambda: engine_samples(status.models()))
     config = _uvicorn_config(settings, app)
     on_hangup = reloader.reload_soon if reloader is not None else None
     announcing: set[asyncio.Task[None]] = set()
@@ -535,24 +554,6 @@ async def _refusal(address: UpstreamAddress) -> str | None:
         return exc.strerror or str(exc)
     writer.close()
     return None
-
-
-def _engine_samples(table: RoutingTable) -> list[EngineSample]:
-    # The replica gates of engine routes are the children the catalog made.
-    return [
-        EngineSample(
-            model=route.model,
-            replica=str(index),
-            up=replica.gate.pid is not None,
-            ready=replica.gate.ready,
-            restarts=replica.gate.restarts,
-            starts=replica.gate.starts,
-        )
-        for route in table
-        if route.gate is not None
-        for index, replica in enumerate(route.replicas)
-        if isinstance(replica.gate, Child)
-    ]
 
 
 # -- the configuration file ------------------------------------------------------

@@ -104,6 +104,12 @@ class GatewayServer(uvicorn.Server):
             self.failure = reason
         self.should_exit = True
 
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        # The status page's streams never end by themselves: ended first, or uvicorn would wait
+        # for their connections without end.
+        await self.gateway.status.close()
+        await super().shutdown(sockets)
+
     def _start_drain(self) -> None:
         self._drain_task = asyncio.ensure_future(self.drain())
 
@@ -123,6 +129,7 @@ class GatewayServer(uvicorn.Server):
         """Stop taking requests, let those in flight finish, then shut down."""
         state = self.gateway.state
         state.draining = True
+        self.gateway.status.set_draining()
         log.info("draining: %d requests in flight, up to %.0f s", state.in_flight, self.drain_timeout_s)
         try:
             await asyncio.wait_for(state.wait_idle(), self.drain_timeout_s)

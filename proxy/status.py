@@ -1,0 +1,476 @@
+"""What the gateway is doing, for people and tools: one snapshot, then each change.
+
+``Status`` is the one place the gateway's state is read from: the models
+(``models()``: each model's state, engine, replicas, requests in flight and
+queued, TTL) that ``/v1/models``, ``/metrics`` and the status page show; the
+activity (the last ``ACTIVITY_LIMIT`` requests); a 15-minute series of
+requests per second, time to first token and tokens per second; and each
+engine child's log. ``GET /events`` streams it as server-sent events: a
+``snapshot`` first, then each change (``model``, ``model_removed``,
+``activity``, ``series``, ``log``, ``gateway``); README's "Status page" has
+the format.
+
+What it costs the request path: the relay appends each request's ``Outcome``
+to a bounded deque when it arrives, and that is all. The rows are read from
+those records off the request path: when someone watches, a tick every
+``TICK_S`` sends what is new or ended; tokens are read from the last bytes of
+each response (its usage) only then. Model transitions come from the engine
+manager (``changed``), and a child's log lines as it writes them
+(``log_line``); nothing polls the children. Nothing runs per watcher but its
+queue: an event is encoded once for all of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import re
+import time
+from collections.abc import Callable, Iterable
+from time import perf_counter
+from typing import Any, Protocol
+
+import orjson
+
+from proxy import __version__
+from proxy.asgi import Receive, Scope, Send
+from proxy.endpoints import Endpoint
+from proxy.errors import HTTPError
+from proxy.metrics import Metrics
+from proxy.routing import RoutingTable
+from proxy.upstream import Connection, UpstreamError
+
+log = logging.getLogger("blazar.status")
+
+# Requests kept for the activity list, newest last.
+ACTIVITY_LIMIT = 300
+# The series: one point a step, 15 minutes of them.
+SERIES_STEP_S = 10.0
+SERIES_POINTS = 90
+# While someone watches: how often what is new in the activity and the logs goes out.
+TICK_S = 0.5
+# A comment this often keeps proxies and browsers from closing an idle stream.
+KEEPALIVE_S = 15.0
+# Events waiting for one watcher that does not read: past this, its stream ends (it comes back
+# to a fresh snapshot) rather than the gateway keeping its backlog.
+QUEUE_LIMIT = 2000
+# A child's lines in the snapshot (the engine manager keeps this many).
+LOG_LINES = 200
+# The end of a response kept for its usage: the usage chunk and [DONE] fit in it.
+USAGE_BYTES = 2048
+
+# The completion's token count in an answer's usage: OpenAI's, Anthropic's and the Responses API's.
+_TOKENS = re.compile(rb'"(?:completion_tokens|output_tokens)"\s*:\s*(\d+)')
+
+
+class Cancelled(UpstreamError):
+    """An operator ended the request (the status page, or ``POST /admin/requests/ID/cancel``)."""
+
+    status = 503
+    code = "request_cancelled"
+
+
+class Record(Protocol):
+    """What the activity reads of a request: the relay's ``Outcome``."""
+
+    request_id: bytes
+    endpoint: Endpoint
+    model: str
+    status: int
+    stream: bool
+    arrived: float
+    head_s: float
+    own_s: float | None
+    bytes_out: int
+    error: str | None
+    refusal: HTTPError | None
+    duration_s: float | None
+    tail: bytes
+    conn: Connection | None
+
+    @property
+    def replica(self) -> str | None: ...
+
+
+def tokens_of(tail: bytes) -> int | None:
+    """The completion tokens an answer's usage reports, from its last bytes; None without usage."""
+    found = _TOKENS.findall(tail)
+    return int(found[-1]) if found else None
+
+
+def activity_row(record: Record, wall_offset: float) -> dict[str, Any]:
+    """One request as the activity list shows it; ``wall_offset``: the wall clock minus perf_counter."""
+    done = record.duration_s is not None
+    ttft_s = record.head_s if record.own_s is not None else None
+    tokens = tokens_of(record.tail) if done else None
+    tps = None
+    if tokens and record.duration_s is not None:
+        # Generation speed: a stream's tokens came after its head, a reply's in its whole time.
+        spent = record.duration_s - (ttft_s or 0.0) if record.stream else record.duration_s
+        tps = round(tokens / spent, 1) if spent > 0 else None
+    return {
+        "id": record.request_id.decode("latin-1"),
+        "time": round(wall_offset + record.arrived, 3),
+        "model": record.model,
+        "api": record.endpoint.name,
+        "stream": record.stream,
+        "in_flight": not done,
+        "status": record.status if done else None,
+        "ttft_ms": round(ttft_s * 1000, 1) if ttft_s is not None else None,
+        "duration_ms": round(record.duration_s * 1000, 1) if record.duration_s is not None else None,
+        "bytes": record.bytes_out,
+        "tokens": tokens,
+        "tps": tps,
+        "replica": record.replica,
+        "error": record.error or (record.refusal.code if record.refusal is not None else None),
+        "cancellable": not done and record.conn is not None,
+    }
+
+
+# A model as the gateway shows it (README, "Status page"): plain JSON data.
+ModelView = dict[str, Any]
+# Each model's view, from the routing table: the engine manager's part is added by the composition root.
+Views = Callable[[], list[ModelView]]
+# Each child's log lines so far: (child, model, replica index, lines).
+Logs = Callable[[], Iterable[tuple[str, str, int, list[str]]]]
+
+
+class _Watcher:
+    """One ``GET /events`` stream: the events waiting for it."""
+
+    __slots__ = ("events", "overflowed", "wake")
+
+    def __init__(self) -> None:
+        self.events: collections.deque[bytes] = collections.deque()
+        self.wake = asyncio.Event()
+        self.overflowed = False
+
+    def put(self, event: bytes) -> None:
+        if len(self.events) >= QUEUE_LIMIT:
+            self.overflowed = True
+        else:
+            self.events.append(event)
+        self.wake.set()
+
+
+def event(name: str, data: object) -> bytes:
+    """One server-sent event: its name and its JSON data."""
+    return b"event: %s\ndata: %s\n\n" % (name.encode(), orjson.dumps(data))
+
+
+class Status:
+    """The gateway's state, read in one place and streamed to whoever watches."""
+
+    def __init__(self, metrics: Metrics | None = None) -> None:
+        self.metrics = metrics
+        # The relay appends each request here as it arrives (its whole cost on the request path).
+        self.activity: collections.deque[Record] = collections.deque(maxlen=ACTIVITY_LIMIT)
+        self.started = time.time()
+        self.draining = False
+        self._views: Views = list
+        self._logs: Logs = tuple
+        self._table: Callable[[], RoutingTable] | None = None
+        self._watchers: set[_Watcher] = set()
+        # Each model's state as last seen, and since when (the wall clock).
+        self._since: dict[str, tuple[str, float]] = {}
+        # Each model's view as last sent to the watchers.
+        self._sent: dict[str, ModelView] = {}
+        # The newest record the watchers were told of, and those told of while in flight.
+        self._newest: Record | None = None
+        self._open: dict[bytes, Record] = {}
+        # Log lines waiting for the next tick, by child.
+        self._lines: dict[str, list[str]] = {}
+        self._series: collections.deque[dict[str, Any]] = collections.deque(maxlen=SERIES_POINTS)
+        self._totals: tuple[float, int, float, int] | None = None
+        self._models_soon: asyncio.Handle | None = None
+        self._ticker: asyncio.Task[None] | None = None
+        self._sampler: asyncio.Task[None] | None = None
+        self._closed = False
+
+    def bind(self, views: Views) -> None:
+        """Where the models' views come from (``proxy.app.model_views``)."""
+        self._views = views
+
+    def bind_logs(self, logs: Logs) -> None:
+        """Where the children's logs come from (the composition root's)."""
+        self._logs = logs
+
+    # -- the one snapshot ----------------------------------------------------
+
+    def models(self) -> list[ModelView]:
+        """Every model's view now: what /v1/models, /metrics and the page show."""
+        now = time.time()
+        views = self._views()
+        for view in views:
+            state = view["state"]
+            seen = self._since.get(view["id"])
+            if seen is None or seen[0] != state:
+                seen = self._since[view["id"]] = (state, now if seen is not None else self.started)
+            view["since"] = seen[1]
+        if len(self._since) > len(views):
+            names = {view["id"] for view in views}
+            for name in [n for n in self._since if n not in names]:
+                del self._since[name]
+        return views
+
+    def model(self, name: str) -> ModelView | None:
+        """One model's view now (None: no such model)."""
+        return next((view for view in self.models() if view["id"] == name), None)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything the page shows, at one instant."""
+        offset = time.time() - perf_counter()
+        return {
+            "gateway": self._gateway(),
+            "models": self.models(),
+            "activity": [activity_row(r, offset) for r in reversed(self.activity)],
+            "series": list(self._series),
+            "logs": [
+                {"child": child, "model": model, "replica": index, "lines": lines[-LOG_LINES:]}
+                for child, model, index, lines in self._logs()
+            ],
+        }
+
+    def _gateway(self) -> dict[str, Any]:
+        return {
+            "version": __version__,
+            "now": time.time(),
+            "started": self.started,
+            "draining": self.draining,
+            "activity_limit": ACTIVITY_LIMIT,
+            "series_step_s": SERIES_STEP_S,
+        }
+
+    # -- told by the engine manager ------------------------------------------
+
+    def changed(self) -> None:
+        """A model or a child changed state: its view goes out (once, however many changes came at once)."""
+        if self._models_soon is None and not self._closed:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no loop: a test's direct call; the next look sees it
+                return
+            self._models_soon = loop.call_soon(self._send_models)
+
+    def log_line(self, child: str, line: str) -> None:
+        """A line a child wrote: it goes out with the next tick, if anyone watches."""
+        if self._watchers:
+            self._lines.setdefault(child, []).append(line)
+
+    def set_draining(self) -> None:
+        """The gateway began to shut down: the page says so."""
+        self.draining = True
+        self._send(event("gateway", {"draining": True, "now": time.time()}))
+
+    # -- cancelling ------------------------------------------------------------
+
+    def cancel(self, request_id: str) -> tuple[int, str]:
+        """End a request under way; (200, "") or the status and reason it could not be."""
+        wanted = request_id.encode("latin-1", "replace")
+        for record in reversed(self.activity):
+            if record.request_id != wanted:
+                continue
+            if record.duration_s is not None:
+                return 409, f"request {request_id} has already ended"
+            conn = record.conn
+            if conn is None:
+                return 409, (
+                    f"request {request_id} is not with an engine yet (it is being read, or waits for "
+                    "its model or a slot); only a request under way can be cancelled"
+                )
+            log.info("request %s cancelled by an operator", request_id)
+            conn.abort(Cancelled("the request was cancelled by the gateway's operator"))
+            return 200, ""
+        return 404, f"no request {request_id} is among the last {ACTIVITY_LIMIT}"
+
+    # -- the stream ------------------------------------------------------------
+
+    async def stream(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``GET /events``: a snapshot, then each change, until the client or the gateway leaves."""
+        watcher = _Watcher()
+        watcher.put(event("snapshot", self.snapshot()))
+        # Told of what happens from the instant of its snapshot on.
+        self._note_sent()
+        self._watchers.add(watcher)
+        self._start_ticker()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"text/event-stream; charset=utf-8"),
+                    (b"cache-control", b"no-cache, no-store"),
+                    (b"x-accel-buffering", b"no"),
+                ],
+            }
+        )
+        gone = asyncio.ensure_future(_disconnect(receive))
+        try:
+            while not gone.done() and not watcher.overflowed and not self._closed:
+                if watcher.events:
+                    body = b"".join(watcher.events)
+                    watcher.events.clear()
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
+                    continue
+                watcher.wake.clear()
+                woken = asyncio.ensure_future(watcher.wake.wait())
+                done, _ = await asyncio.wait(
+                    {woken, gone}, timeout=KEEPALIVE_S, return_when=asyncio.FIRST_COMPLETED
+                )
+                woken.cancel()
+                if not done:
+                    await send({"type": "http.response.body", "body": b": keepalive\n\n", "more_body": True})
+            if not gone.done():
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            gone.cancel()
+            self._watchers.discard(watcher)
+
+    def _send(self, data: bytes) -> None:
+        for watcher in self._watchers:
+            watcher.put(data)
+
+    def _note_sent(self) -> None:
+        """What a new snapshot showed: from here on only what changes goes out."""
+        self._sent = {view["id"]: view for view in self.models()}
+        if self.activity:
+            self._newest = self.activity[-1]
+            self._open = {r.request_id: r for r in self.activity if r.duration_s is None}
+
+    def _send_models(self) -> None:
+        self._models_soon = None
+        views = {view["id"]: view for view in self.models()}
+        if not self._watchers:
+            self._sent = views
+            return
+        for name, view in views.items():
+            if self._sent.get(name) != _without_clock(view, self._sent.get(name)):
+                self._send(event("model", view))
+        for name in self._sent.keys() - views.keys():
+            self._send(event("model_removed", {"id": name}))
+        self._sent = views
+
+    def _send_activity(self) -> None:
+        fresh = []
+        newest = self._newest
+        for record in reversed(self.activity):
+            if record is newest:
+                break
+            fresh.append(record)
+        if self.activity:
+            self._newest = self.activity[-1]
+        if not fresh and not self._open:
+            return
+        offset = time.time() - perf_counter()
+        rows = []
+        for request_id, record in list(self._open.items()):
+            if record.duration_s is not None:
+                rows.append(activity_row(record, offset))
+                del self._open[request_id]
+        for record in reversed(fresh):
+            rows.append(activity_row(record, offset))
+            if record.duration_s is None:
+                self._open[record.request_id] = record
+        if rows:
+            self._send(event("activity", {"rows": rows}))
+
+    def _send_logs(self) -> None:
+        lines, self._lines = self._lines, {}
+        for child, new in lines.items():
+            self._send(event("log", {"child": child, "lines": new}))
+
+    def _start_ticker(self) -> None:
+        if self._ticker is None or self._ticker.done():
+            self._ticker = asyncio.ensure_future(self._tick())
+
+    async def _tick(self) -> None:
+        """While anyone watches: what is new in the activity, the logs and the counts."""
+        while self._watchers and not self._closed:
+            await asyncio.sleep(TICK_S)
+            try:
+                self._send_activity()
+                self._send_logs()
+                self._send_models()
+            except Exception:
+                log.exception("the status stream's update failed; trying again")
+        self._lines.clear()
+
+    # -- the series ------------------------------------------------------------
+
+    def start(self) -> None:
+        """Begin the series (in the server's loop): a point every ``SERIES_STEP_S``."""
+        if self._sampler is None:
+            self._totals = self._read_totals()
+            self._sampler = asyncio.ensure_future(self._sample())
+
+    async def _sample(self) -> None:
+        while True:
+            await asyncio.sleep(SERIES_STEP_S)
+            try:
+                point = self.series_point(time.time())
+            except Exception:
+                log.exception("the status series' sample failed; trying again")
+                continue
+            self._series.append(point)
+            self._send(event("series", point))
+
+    def series_point(self, now: float) -> dict[str, Any]:
+        """The step that ended now: requests per second, mean time to first token and tokens per second."""
+        totals = self._read_totals()
+        before = self._totals or totals
+        self._totals = totals
+        requests = totals[1] - before[1]
+        ttft_count = totals[3] - before[3]
+        ttft_ms = (totals[2] - before[2]) / ttft_count * 1000 if ttft_count > 0 else None
+        since = perf_counter() - SERIES_STEP_S
+        speeds = []
+        for record in reversed(self.activity):
+            if record.duration_s is None:
+                continue
+            if record.arrived + record.duration_s < since:
+                break
+            row = activity_row(record, 0.0)
+            if row["tps"] is not None:
+                speeds.append(row["tps"])
+        return {
+            "t": round(now, 3),
+            "rps": round(requests / SERIES_STEP_S, 3),
+            "ttft_ms": round(ttft_ms, 1) if ttft_ms is not None else None,
+            "tps": round(sum(speeds) / len(speeds), 1) if speeds else None,
+        }
+
+    def _read_totals(self) -> tuple[float, int, float, int]:
+        """(when, requests answered, the time-to-first-token sum and count) as the metrics have them."""
+        metrics = self.metrics
+        if metrics is None:
+            done = sum(1 for r in self.activity if r.duration_s is not None)
+            return perf_counter(), done, 0.0, 0
+        requests = sum(sum(m.requests.values()) for m in (*metrics.models.values(), metrics.unrouted))
+        ttft_sum = sum(m.ttft.sum for m in metrics.models.values())
+        ttft_count = sum(sum(m.ttft.counts) for m in metrics.models.values())
+        return perf_counter(), requests, ttft_sum, ttft_count
+
+    async def close(self) -> None:
+        """End every stream and stop the series (the gateway shuts down)."""
+        self._closed = True
+        for watcher in self._watchers:
+            watcher.wake.set()
+        for task in (self._ticker, self._sampler):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+
+def _without_clock(view: ModelView, sent: ModelView | None) -> ModelView:
+    """``view`` as compared with what was sent: the idle time alone does not make a change."""
+    if sent is None or view.get("idle_s") == sent.get("idle_s"):
+        return view
+    return {**view, "idle_s": sent.get("idle_s")}
+
+
+async def _disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
