@@ -312,6 +312,7 @@
     ui.activityEmpty.hidden = state.activity.size > 0;
     ui.activityBody.closest('.table-wrap').hidden = state.activity.size === 0;
     ui.logsEmpty.hidden = state.logs.size > 0;
+    ui.logChild.parentElement.hidden = state.logs.size === 0;
   }
 
   // ---- models
@@ -416,8 +417,8 @@
       if (r.address) details.push(r.address);
       if (r.restarts != null) details.push(`${r.restarts} restart${r.restarts === 1 ? '' : 's'}`);
       if (r.in_flight) details.push(`${r.in_flight} in flight`);
-      const li = h('li', { 'data-replica': r.name, 'data-state': r.state }, head);
-      if (details.length) li.append(h('div', { class: 'muted small' }, details.join(' · ')));
+      const info = h('div', { class: 'muted small' }, details.join(' · '));
+      const li = h('li', { 'data-replica': r.name, 'data-state': r.state }, head, info);
       if (r.last_error) li.append(h('div', { class: 'error small' }, `last error: ${r.last_error}`));
       if (r.log) {
         const b = h('button', { type: 'button', class: 'link', 'data-action': 'show-log', 'aria-label': `Show log of ${r.log}` }, 'log');
@@ -427,7 +428,7 @@
           $('logs-section').scrollIntoView({ block: 'start' });
           ui.logChild.focus({ preventScroll: true });
         });
-        head.append(' ', b);
+        info.append(details.length ? ' · ' : '', b);
       }
       list.append(li);
     }
@@ -590,6 +591,7 @@
   const W = 300;
   const TOP = 16;
   const BOTTOM = 84;
+  const PAD = 3;
 
   function buildCharts() {
     for (const c of CHARTS) {
@@ -640,7 +642,7 @@
       let top = 0;
       for (const p of s) if (p[c.key] != null && p[c.key] > top) top = p[c.key];
       const max = niceMax(top);
-      const x = (t) => ((t - start) / SERIES_WINDOW_S * W).toFixed(1);
+      const x = (t) => (PAD + (t - start) / SERIES_WINDOW_S * (W - 2 * PAD)).toFixed(1);
       const y = (v) => (BOTTOM - (v / max) * (BOTTOM - TOP)).toFixed(1);
       let d = '';
       let prev = null;
@@ -685,7 +687,7 @@
     const after = [...ui.logChild.options].find((o) => o.value > child);
     ui.logChild.insertBefore(option, after || null);
     if (state.logs.size === 1) showChild(child);
-    ui.logsEmpty.hidden = true;
+    toggleEmpty();
     return p;
   }
 
