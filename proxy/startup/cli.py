@@ -517,6 +517,7 @@ async def _announce_ready(
     ).decode()
     key = " -H 'authorization: Bearer YOUR_API_KEY'" if keyed else ""
     _echo(f"try it: curl -s {base}/chat/completions{key} -H 'content-type: application/json' -d '{body}'")
+    _echo(f"status page: http://{shown}:{port}/ui" + (" (it asks for the API key once)" if keyed else ""))
     await _warn_unreachable(table)
 
 

@@ -121,7 +121,7 @@ def test_ready_line_names_the_gateways_url_and_a_request_that_works(
     """Once serving, the gateway prints its own URL, its models and a curl command that gets a 200."""
     gateway = start_gateway({"fake": fake.url})
     for _ in range(100):
-        if "try it: curl" in gateway.log():
+        if "status page:" in gateway.log():  # the last of the three lines
             break
         time.sleep(0.05)
     lines = gateway.log().splitlines()
@@ -135,6 +135,9 @@ def test_ready_line_names_the_gateways_url_and_a_request_that_works(
     assert sent["model"] == "fake" and sent["max_tokens"] >= 1
     answer = httpx.post(url, content=body, headers={"content-type": "application/json"}, trust_env=False)
     assert answer.status_code == 200, answer.text
+    page = next(line for line in lines if "status page:" in line).split("status page: ", 1)[1]
+    assert page == f"http://127.0.0.1:{gateway.port}/ui"
+    assert httpx.get(page, trust_env=False).headers["content-type"].startswith("text/html")
 
 
 def test_an_upstream_that_refuses_connections_at_start_is_named(

@@ -24,6 +24,7 @@ from tests.e2e.test_engine_llamacpp import engine_python as engine_python
 from tests.e2e.test_engine_mlx import ENGINE, _env, engine_home
 from tests.e2e.test_engine_mlx import engine_installed as engine_installed
 from tests.e2e.test_engine_models import ConfigGateway
+from tests.e2e.test_events import Events
 
 pytestmark = [
     pytest.mark.usefixtures("engine_installed"),
@@ -141,7 +142,19 @@ def test_a_lazy_model_that_cannot_start_answers_503_saying_why_and_where_its_log
         assert time.monotonic() - started < _EXIT_WITHIN_S
         # The gateway serves on; the model is not left crash-looping.
         assert gateway.proc.poll() is None
-        assert gateway.states()["lazy"] == "unloaded"
+        assert gateway.states()["lazy"] == "failed"
+        # The status page's stream says the same, with the reason, and the engine's own lines.
+        events = Events(gateway.url)
+        try:
+            snapshot = events.next("snapshot")
+        finally:
+            events.close()
+        (view,) = [m for m in snapshot["models"] if m["id"] == "lazy"]
+        assert view["state"] == "failed"
+        assert "load_safetensors" in view["reason"]
+        assert view["replicas"][0]["last_error"]
+        (log,) = [entry for entry in snapshot["logs"] if entry["model"] == "lazy"]
+        assert any("load_safetensors" in line for line in log["lines"]), log["lines"][-20:]
     finally:
         gateway.stop()
 
