@@ -133,6 +133,11 @@ class Child:
         return f"<Child {self.config.name} {self.state.name} pid={self.pid} port={self.config.port}>"
 
     @property
+    def name(self) -> str:
+        """The child's name (its model's, with the replica's index): its log file's."""
+        return self.config.name
+
+    @property
     def ready(self) -> bool:
         """Read by the relay for each request: relay, or answer 503."""
         return self.state is ChildState.READY
@@ -333,6 +338,9 @@ class Child:
                     self._on_ready(self)
                 ended = await _first(exited, self._health(), control)
                 ended.was_ready = True
+                if ended.command is None:
+                    # It served, then crashed or stopped answering: why, until its next start is ready.
+                    self.last_error = f"child {self.config.name} {ended.detail}"
             elif ended.command is None:
                 if ended.kind == "exited":
                     await settle(exited, drain)

@@ -55,6 +55,11 @@ class ReplicaGate(Protocol):
     @property
     def starts(self) -> int: ...
 
+    @property
+    def name(self) -> str:
+        """The child's name, as the status page shows it."""
+        ...
+
 
 class Gate(Protocol):
     """A model served by engine children: whether it can take requests, and its usage.

@@ -106,10 +106,11 @@ def activity_row(record: Record, wall_offset: float) -> dict[str, Any]:
     ttft_s = record.head_s if record.own_s is not None else None
     tokens = tokens_of(record.tail) if done else None
     tps = None
-    if tokens and record.duration_s is not None:
-        # Generation speed: a stream's tokens came after its head, a reply's in its whole time.
-        spent = record.duration_s - (ttft_s or 0.0) if record.stream else record.duration_s
-        tps = round(tokens / spent, 1) if spent > 0 else None
+    if tokens and record.duration_s:
+        # Over the request's whole time: from its first byte on, a stream whose head came late
+        # (an engine that answers its head with the first tokens, or a busy machine) would seem
+        # to generate in no time at all.
+        tps = round(tokens / record.duration_s, 1)
     return {
         "id": record.request_id.decode("latin-1"),
         "time": round(wall_offset + record.arrived, 3),

@@ -99,7 +99,7 @@ class Outcome:
     def replica(self) -> str | None:
         """The replica that served it, as the status page names it."""
         peer = self.peer
-        return None if peer is None else peer.name
+        return None if peer is None else peer.label
 
     def refuse(self, exc: HTTPError) -> None:
         self.refusal = exc

@@ -68,6 +68,7 @@ class Peer:
         "health",
         "host_header",
         "in_flight",
+        "label",
         "moved_away",
         "name",
         "pool",
@@ -99,6 +100,8 @@ class Peer:
         self.addr = host_header.decode("latin-1")
         # The child's start count when last seen: another start means an empty prompt cache.
         self.starts = 0
+        # As the status page names it: its child's name, else its base URL.
+        self.label = gate.name if gate is not None else name
 
     @property
     def available(self) -> bool:

@@ -60,6 +60,7 @@ class ChildGate:
     def __init__(self, ready: bool) -> None:
         self.ready = ready
         self.starts = 1
+        self.name = "child-0"
 
 
 class ModelGate:

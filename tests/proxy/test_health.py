@@ -153,6 +153,7 @@ class ChildGate:
     def __init__(self) -> None:
         self.ready = True
         self.starts = 1
+        self.name = "child-0"
 
 
 def test_an_ejected_child_rejoins_once_its_manager_has_a_new_process_ready() -> None:
