@@ -11,6 +11,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,6 +19,7 @@ import orjson
 import pytest
 
 from tests.e2e.conftest import FakeEngine, Running, StartFakeEngine, StartGateway
+from tests.e2e.test_config import hang_up, model_table, write_config
 
 CHAT = "/v1/chat/completions"
 
@@ -241,5 +243,24 @@ def test_a_model_change_is_sent_as_it_happens(
         idle = stream.next("model", lambda view: view["in_flight"] == 0)
         assert idle["state"] == "loaded"
         assert done.wait(5)
+    finally:
+        stream.close()
+
+
+def test_a_reload_sends_the_models_it_added_and_removed(
+    start_gateway: StartGateway, start_fake_engine: StartFakeEngine, tmp_path: Path
+) -> None:
+    fake = start_fake_engine()
+    path = tmp_path / "blazar.toml"
+    write_config(path, model_table("a", fake))
+    gateway = start_gateway({}, "--config", str(path))
+    stream = Events(gateway.url)
+    try:
+        assert [m["id"] for m in stream.next("snapshot")["models"]] == ["a"]
+        write_config(path, model_table("b", fake, "bee"))
+        assert "reload" in hang_up(gateway)
+        added = stream.next("model", lambda view: view["id"] == "b")
+        assert added["aliases"] == ["bee"] and added["state"] == "loaded"
+        assert stream.next("model_removed") == {"id": "a"}
     finally:
         stream.close()
