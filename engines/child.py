@@ -106,6 +106,8 @@ class Child:
         self.last_error: str | None = None
         # Why the last start attempt failed, without the output (None: it did not).
         self.failure: str | None = None
+        # Why the process died after it had served (None once a start is ready again, or it is stopped).
+        self.crash: str | None = None
         self.ready_in_s: float | None = None
         self._output = Output(config.log_path)
         self.tail = self._output.tail
@@ -282,6 +284,7 @@ class Child:
                 continue  # its exit was the gateway's own doing: no restart to announce
             if ended.command is _Command.STOP:
                 want_running = False
+                self.crash = None
                 continue
             late = control.result() if control.done() and not control.cancelled() else None
             if late is _Command.SHUTDOWN:
@@ -330,6 +333,7 @@ class Child:
         try:
             ended = await _first(exited, self._readiness(), control, self.config.ready_timeout_s)
             if ended.kind == "ready":
+                self.crash = None
                 self.ready_in_s = time.monotonic() - started
                 self._last_failure = None
                 await self._move(ChildState.READY)
@@ -339,8 +343,8 @@ class Child:
                 ended = await _first(exited, self._health(), control)
                 ended.was_ready = True
                 if ended.command is None:
-                    # It served, then crashed or stopped answering: why, until its next start is ready.
-                    self.last_error = f"child {self.config.name} {ended.detail}"
+                    # It served, then crashed or stopped answering: why, until a start is ready.
+                    self.crash = f"child {self.config.name} {ended.detail}"
             elif ended.command is None:
                 if ended.kind == "exited":
                     await settle(exited, drain)

@@ -222,7 +222,8 @@ class _RequestCollector(Collector):
             ("blazar_queue_time_seconds", "Time queued for a slot (requests that queued).", "queue_time"),
             (
                 "blazar_time_to_first_token_seconds",
-                "From the request's arrival to the upstream's response head (for streams, the first event).",
+                "From the request's arrival to its first token: a stream's first event with data (comments "
+                "do not count), a reply's response head.",
                 "ttft",
             ),
             (

@@ -82,6 +82,7 @@ class Record(Protocol):
     stream: bool
     arrived: float
     head_s: float
+    first_s: float
     own_s: float | None
     bytes_out: int
     error: str | None
@@ -103,7 +104,8 @@ def tokens_of(tail: bytes) -> int | None:
 def activity_row(record: Record, wall_offset: float) -> dict[str, Any]:
     """One request as the activity list shows it; ``wall_offset``: the wall clock minus perf_counter."""
     done = record.duration_s is not None
-    ttft_s = record.head_s if record.own_s is not None else None
+    # A stream's first event with data; a reply's head (a reply built from a stream: its first data).
+    ttft_s = record.first_s or (record.head_s if record.own_s is not None else None)
     tokens = tokens_of(record.tail) if done else None
     tps = None
     if tokens and record.duration_s:

@@ -32,6 +32,7 @@ class Outcome:
         "duration_s",
         "endpoint",
         "error",
+        "first_s",
         "gone_early",
         "head_s",
         "model",
@@ -82,6 +83,8 @@ class Outcome:
         self.sse_started = False
         self.own_s: float | None = None
         self.head_s = 0.0
+        # A stream's time to its first event with data (its first token), once it came; else 0.
+        self.first_s = 0.0
         self.error: str | None = None
         self.client_gone = False
         self.stalled = False
@@ -160,7 +163,7 @@ class Outcome:
         if self.own_s is not None and self.status < 400:
             # A relayed upstream error has its figures in the access log, not in these histograms.
             stats.overhead.observe(self.own_s)
-            stats.ttft.observe(self.head_s)
+            stats.ttft.observe(self.first_s or self.head_s)
         if self.error is not None:
             if self.error == "overloaded" and metrics is not None:
                 metrics.overloaded += 1  # the gateway's own, not the upstream's

@@ -7,6 +7,8 @@ bytes hold ``[DONE]``.
 
 from __future__ import annotations
 
+from time import perf_counter
+
 from proxy.relay.body import SLICE_BYTES, write_all_but_last_slice
 from proxy.relay.out import Writer
 from proxy.relay.outcome import Outcome
@@ -44,6 +46,8 @@ async def relay_events(conn: Connection, out: Writer, outcome: Outcome, read_tim
     by_event = outcome.endpoint.api is not None
     head = b""
     at_boundary = True
+    # Until the first event with data (comments such as mlx's `: keepalive N/M` come before it).
+    waiting = True
     try:
         if not conn.ready and (wait := out.flush()) is not None:
             # Nothing of the body yet (a prefill): the head goes out alone.
@@ -52,6 +56,9 @@ async def relay_events(conn: Connection, out: Writer, outcome: Outcome, read_tim
             if pending:
                 chunk = pending + chunk
                 pending = b""
+            if waiting and b"data:" in chunk:
+                waiting = False
+                outcome.first_s = perf_counter() - outcome.started
             if not chunk.endswith(b"\n\n"):
                 cut = event_end(chunk)
                 if cut < len(chunk) and len(chunk) - cut <= _PARTIAL_EVENT_LIMIT_BYTES:

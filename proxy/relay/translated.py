@@ -151,6 +151,8 @@ async def _stream(
             if not chunk:
                 break
             last_data_at = perf_counter()
+            if not outcome.first_s and b"data:" in chunk:
+                outcome.first_s = last_data_at - outcome.started
             # Joined once: a read may hold thousands of events (a client or a gateway behind),
             # and adding each event's bytes to the rest would copy the rest again each time.
             pending += b"".join([translator.feed(parsed) for parsed in events.feed(chunk)])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
-from engines.child import Child, ChildState
+from engines.child import ChildState
 from engines.served import HOLDING, ServedModel
 from proxy.metrics import EngineSample
 from proxy.routing import Route, RoutingTable
@@ -37,24 +37,25 @@ def engine_view(route: Route, view: ModelView) -> None:
     for index, child in enumerate(served.children):
         if index >= len(replicas):
             replicas.append({"in_flight": 0, "address": f"{child.config.host}:{child.config.port}"})
+        state = child.state
+        last_error: str | None
+        if holding and state in (ChildState.STOPPED, ChildState.STARTING) and child.crash is not None:
+            # It served, then died: started again (after its backoff) while its model wants it.
+            shown, last_error = "restarting", child.crash
+        else:
+            # A start's progress notes (a probe that found no server yet) are no error.
+            shown, last_error = state.value, None if state is ChildState.STARTING else child.last_error
         replicas[index].update(
             name=child.config.name,
-            state=_child_state(child, holding),
-            healthy=child.ready,
+            state=shown,
+            # Only while its model wants it running: a stopped child is not unhealthy.
+            healthy=child.ready if holding else None,
             pid=child.pid,
             restarts=child.restarts,
             starts=child.starts,
-            last_error=child.last_error,
+            last_error=last_error,
             log=child.config.name,
         )
-
-
-def _child_state(child: Child, holding: bool) -> str:
-    """A child's state; ``restarting`` for one that failed while its model wants it running."""
-    state = child.state
-    if holding and state in (ChildState.STOPPED, ChildState.STARTING) and child.last_error is not None:
-        return "restarting"
-    return state.value
 
 
 def child_logs(table: Callable[[], RoutingTable]) -> Callable[[], Iterator[tuple[str, str, int, list[str]]]]:

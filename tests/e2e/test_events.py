@@ -76,6 +76,15 @@ def events(gateway: Running) -> Iterator[Events]:
     stream.close()
 
 
+def ended_row(events: Events, request_id: str) -> dict[str, Any]:
+    """The request's row once it has ended (an earlier event may show it in flight)."""
+    data = events.next(
+        "activity", lambda data: any(r["id"] == request_id and not r["in_flight"] for r in data["rows"])
+    )
+    row: dict[str, Any] = next(r for r in data["rows"] if r["id"] == request_id)
+    return row
+
+
 def chat(stream: bool = True, **more: object) -> bytes:
     body: dict[str, object] = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], **more}
     if stream:
@@ -105,9 +114,7 @@ def test_a_request_appears_in_the_activity_with_its_tokens(
     request_id = response.headers["x-request-id"]
     # The usage chunk the engine sent is where the tokens come from.
     usage = [orjson.loads(line[6:]) for line in response.text.splitlines() if '"usage"' in line][-1]["usage"]
-    rows = events.next("activity", lambda data: any(r["id"] == request_id for r in data["rows"]))["rows"]
-    (row,) = [r for r in rows if r["id"] == request_id]
-    assert row["in_flight"] is False
+    row = ended_row(events, request_id)
     assert (row["model"], row["api"], row["status"], row["stream"]) == ("fake", "chat/completions", 200, True)
     assert row["tokens"] == usage["completion_tokens"] > 0
     assert row["tps"] is not None and row["tps"] > 0
@@ -117,8 +124,7 @@ def test_a_request_appears_in_the_activity_with_its_tokens(
     json_type = {"content-type": "application/json"}
     reply = http.post(gateway.url + CHAT, content=chat(stream=False), headers=json_type)
     reply_id = reply.headers["x-request-id"]
-    rows = events.next("activity", lambda data: any(r["id"] == reply_id for r in data["rows"]))["rows"]
-    (row,) = [r for r in rows if r["id"] == reply_id]
+    row = ended_row(events, reply_id)
     assert row["tokens"] == reply.json()["usage"]["completion_tokens"]
 
 
@@ -127,8 +133,7 @@ def test_a_refused_request_shows_its_error(events: Events, gateway: Running, htt
     response = http.post(gateway.url + CHAT, content=b'{"model": "nope", "messages": []}')
     assert response.status_code == 404
     request_id = response.headers["x-request-id"]
-    rows = events.next("activity", lambda data: any(r["id"] == request_id for r in data["rows"]))["rows"]
-    (row,) = [r for r in rows if r["id"] == request_id]
+    row = ended_row(events, request_id)
     assert (row["status"], row["error"], row["tokens"]) == (404, "model_not_found", None)
 
 
@@ -160,11 +165,7 @@ def test_a_request_under_way_can_be_cancelled(
     )
     assert record["outcome"] == "peer_closed"
     assert record["events_sent"] < 200
-    ended = events.next(
-        "activity", lambda data: any(r["id"] == request_id and not r["in_flight"] for r in data["rows"])
-    )
-    (row,) = [r for r in ended["rows"] if r["id"] == request_id]
-    assert row["error"] == "request_cancelled"
+    assert ended_row(events, request_id)["error"] == "request_cancelled"
     again = http.post(f"{gateway.url}/admin/requests/{request_id}/cancel")
     assert again.status_code == 409
     assert again.json()["error"]["code"] == "request_not_cancellable"
@@ -264,3 +265,22 @@ def test_a_reload_sends_the_models_it_added_and_removed(
         assert stream.next("model_removed") == {"id": "a"}
     finally:
         stream.close()
+
+
+def test_time_to_first_token_waits_for_the_first_event_with_data(
+    events: Events, gateway: Running, fake: FakeEngine, http: httpx.Client
+) -> None:
+    """An engine that answers its head at once and sends `: keepalive` comments through its prefill
+    (mlx_lm.server): the first token is the first event with data, not the head."""
+    events.next("snapshot")
+    headers = {"content-type": "application/json", "x-fake": "prefill=1.0; keepalive=0.1"}
+    response = http.post(gateway.url + CHAT, content=chat(), headers=headers, timeout=10)
+    assert response.status_code == 200
+    assert response.text.startswith(": keepalive")
+    request_id = response.headers["x-request-id"]
+    row = ended_row(events, request_id)
+    assert row["ttft_ms"] >= 1000
+    # The access log's ttfb is still the head's.
+    line = next(line for line in gateway.log().splitlines()[::-1] if request_id in line)
+    ttfb_ms = float(line.split("ttfb=", 1)[1].split("ms", 1)[0])
+    assert ttfb_ms < 500 < row["ttft_ms"]
