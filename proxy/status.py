@@ -37,7 +37,7 @@ import orjson
 from proxy import __version__
 from proxy.asgi import Receive, Scope, Send
 from proxy.endpoints import Endpoint
-from proxy.errors import HTTPError
+from proxy.errors import HTTPError, echo
 from proxy.metrics import Metrics
 from proxy.routing import RoutingTable
 from proxy.upstream import Connection, UpstreamError
@@ -272,6 +272,7 @@ class Status:
     def cancel(self, request_id: str) -> tuple[int, str]:
         """End a request under way; (200, "") or the status and reason it could not be."""
         wanted = request_id.encode("latin-1", "replace")
+        request_id = echo(request_id)
         for record in reversed(self.activity):
             if record.request_id != wanted:
                 continue

@@ -172,6 +172,9 @@ def test_a_request_under_way_can_be_cancelled(
     unknown = http.post(f"{gateway.url}/admin/requests/no-such-id/cancel")
     assert unknown.status_code == 404
     assert unknown.json()["error"]["code"] == "request_not_found"
+    # A client's id is not echoed whole.
+    huge = http.post(f"{gateway.url}/admin/requests/{'x' * 20000}/cancel")
+    assert huge.status_code == 404 and len(huge.content) < 2000
 
 
 def test_the_page_is_served_offline_and_cannot_be_framed(gateway: Running, http: httpx.Client) -> None:
