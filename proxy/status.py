@@ -40,7 +40,7 @@ from proxy.endpoints import Endpoint
 from proxy.errors import HTTPError, echo
 from proxy.metrics import Metrics
 from proxy.routing import RoutingTable
-from proxy.upstream import Connection, UpstreamError
+from proxy.upstream import Cancelled, Connection
 
 log = logging.getLogger("blazar.status")
 
@@ -53,9 +53,12 @@ SERIES_POINTS = 90
 TICK_S = 0.5
 # A comment this often keeps proxies and browsers from closing an idle stream.
 KEEPALIVE_S = 15.0
-# Events waiting for one watcher that does not read: past this, its stream ends (it comes back
-# to a fresh snapshot) rather than the gateway keeping its backlog.
+# Events, and bytes, waiting for one watcher that does not read: past either, its stream ends (it
+# comes back to a fresh snapshot) rather than the gateway keeping its backlog.
 QUEUE_LIMIT = 2000
+QUEUE_BYTES = 4 * 1024 * 1024
+# A write to a watcher that takes nothing for this long ends its stream.
+SEND_TIMEOUT_S = 15.0
 # A child's lines in the snapshot (the engine manager keeps this many).
 LOG_LINES = 200
 # The end of a response kept for its usage: the usage chunk and [DONE] fit in it.
@@ -63,13 +66,6 @@ USAGE_BYTES = 2048
 
 # The completion's token count in an answer's usage: OpenAI's, Anthropic's and the Responses API's.
 _TOKENS = re.compile(rb'"(?:completion_tokens|output_tokens)"\s*:\s*(\d+)')
-
-
-class Cancelled(UpstreamError):
-    """An operator ended the request (the status page, or ``POST /admin/requests/ID/cancel``)."""
-
-    status = 503
-    code = "request_cancelled"
 
 
 class Record(Protocol):
@@ -141,21 +137,38 @@ Logs = Callable[[], Iterable[tuple[str, str, int, list[str]]]]
 
 
 class _Watcher:
-    """One ``GET /events`` stream: the events waiting for it."""
+    """One ``GET /events`` stream: the events waiting for it, bounded in number and bytes."""
 
-    __slots__ = ("events", "overflowed", "wake")
+    __slots__ = ("abort", "events", "overflowed", "size", "wake")
 
-    def __init__(self) -> None:
+    def __init__(self, abort: Callable[[], None] | None = None) -> None:
         self.events: collections.deque[bytes] = collections.deque()
+        self.size = 0
         self.wake = asyncio.Event()
         self.overflowed = False
+        # Closes the client's connection at once (the server's ``blazar.abort``), if there is one.
+        self.abort = abort
 
     def put(self, event: bytes) -> None:
-        if len(self.events) >= QUEUE_LIMIT:
+        if self.overflowed:
+            return
+        if len(self.events) >= QUEUE_LIMIT or self.size + len(event) > QUEUE_BYTES:
+            # It does not read (a write to it may be blocked): its stream ends now.
             self.overflowed = True
+            self.events.clear()
+            self.size = 0
+            if self.abort is not None:
+                self.abort()
         else:
             self.events.append(event)
+            self.size += len(event)
         self.wake.set()
+
+    def take(self) -> bytes:
+        body = b"".join(self.events)
+        self.events.clear()
+        self.size = 0
+        return body
 
 
 def event(name: str, data: object) -> bytes:
@@ -178,13 +191,16 @@ class Status:
         self._watchers: set[_Watcher] = set()
         # Each model's state as last seen, and since when (the wall clock).
         self._since: dict[str, tuple[str, float]] = {}
+        self._looked = False
         # Each model's view as last sent to the watchers.
         self._sent: dict[str, ModelView] = {}
-        # The newest record the watchers were told of, and those told of while in flight.
+        # The newest record the watchers were told of, and those told of while in flight (by
+        # object: clients may give two requests the same x-request-id).
         self._newest: Record | None = None
-        self._open: dict[bytes, Record] = {}
-        # Log lines waiting for the next tick, by child.
+        self._open: dict[int, Record] = {}
+        # Log lines waiting for the next tick, by child, and those past the tick's limit.
         self._lines: dict[str, list[str]] = {}
+        self._dropped: dict[str, int] = {}
         self._series: collections.deque[dict[str, Any]] = collections.deque(maxlen=SERIES_POINTS)
         self._totals: tuple[float, int, float, int] | None = None
         self._models_soon: asyncio.Handle | None = None
@@ -206,11 +222,14 @@ class Status:
         """Every model's view now: what /v1/models, /metrics and the page show."""
         now = time.time()
         views = self._views()
+        # The first look: each model has been in its state since the gateway started.
+        first = not self._looked
+        self._looked = True
         for view in views:
             state = view["state"]
             seen = self._since.get(view["id"])
             if seen is None or seen[0] != state:
-                seen = self._since[view["id"]] = (state, now if seen is not None else self.started)
+                seen = self._since[view["id"]] = (state, self.started if first else now)
             view["since"] = seen[1]
         if len(self._since) > len(views):
             names = {view["id"] for view in views}
@@ -258,9 +277,14 @@ class Status:
             self._models_soon = loop.call_soon(self._send_models)
 
     def log_line(self, child: str, line: str) -> None:
-        """A line a child wrote: it goes out with the next tick, if anyone watches."""
+        """A line a child wrote: it goes out with the next tick, if anyone watches (at most
+        ``LOG_LINES`` a tick: a flood is said, not sent; the log file has it all)."""
         if self._watchers:
-            self._lines.setdefault(child, []).append(line)
+            lines = self._lines.setdefault(child, [])
+            if len(lines) < LOG_LINES:
+                lines.append(line)
+            else:
+                self._dropped[child] = self._dropped.get(child, 0) + 1
 
     def set_draining(self) -> None:
         """The gateway began to shut down: the page says so."""
@@ -273,50 +297,57 @@ class Status:
         """End a request under way; (200, "") or the status and reason it could not be."""
         wanted = request_id.encode("latin-1", "replace")
         request_id = echo(request_id)
-        for record in reversed(self.activity):
-            if record.request_id != wanted:
-                continue
-            if record.duration_s is not None:
-                return 409, f"request {request_id} has already ended"
-            conn = record.conn
-            if conn is None:
+        # Clients may give several requests one x-request-id: each of them under way is ended.
+        found = {id(r): r for r in (*self.activity, *self._open.values()) if r.request_id == wanted}
+        if not found:
+            return 404, f"no request {request_id} is among the last {ACTIVITY_LIMIT}"
+        running = [r for r in found.values() if r.duration_s is None]
+        under_way = [r.conn for r in running if r.conn is not None]
+        if not under_way:
+            if running:
                 return 409, (
                     f"request {request_id} is not with an engine yet (it is being read, or waits for "
                     "its model or a slot); only a request under way can be cancelled"
                 )
-            log.info("request %s cancelled by an operator", request_id)
+            return 409, f"request {request_id} has already ended"
+        log.info("request %s cancelled by an operator", request_id)
+        for conn in under_way:
             conn.abort(Cancelled("the request was cancelled by the gateway's operator"))
-            return 200, ""
-        return 404, f"no request {request_id} is among the last {ACTIVITY_LIMIT}"
+        return 200, ""
 
     # -- the stream ------------------------------------------------------------
 
     async def stream(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``GET /events``: a snapshot, then each change, until the client or the gateway leaves."""
-        watcher = _Watcher()
+        extensions = scope.get("extensions") or {}
+        watcher = _Watcher(extensions.get("blazar.abort"))
+        if self._watchers:
+            # What the others have not been sent yet goes to them first: from the snapshot on,
+            # every watcher is told the same changes.
+            self._update()
         watcher.put(event("snapshot", self.snapshot()))
-        # Told of what happens from the instant of its snapshot on.
         self._note_sent()
         self._watchers.add(watcher)
         self._start_ticker()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [
-                    (b"content-type", b"text/event-stream; charset=utf-8"),
-                    (b"cache-control", b"no-cache, no-store"),
-                    (b"x-accel-buffering", b"no"),
-                ],
-            }
-        )
+        if scope["method"] == "HEAD":
+            self._watchers.discard(watcher)
+            await send({"type": "http.response.start", "status": 200, "headers": list(_STREAM_HEADERS)})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": list(_STREAM_HEADERS)})
         gone = asyncio.ensure_future(_disconnect(receive))
         try:
             while not gone.done() and not watcher.overflowed and not self._closed:
                 if watcher.events:
-                    body = b"".join(watcher.events)
-                    watcher.events.clear()
-                    await send({"type": "http.response.body", "body": body, "more_body": True})
+                    body = {"type": "http.response.body", "body": watcher.take(), "more_body": True}
+                    try:
+                        async with asyncio.timeout(SEND_TIMEOUT_S):
+                            await send(body)
+                    except TimeoutError:
+                        # It takes nothing: its connection is closed, its backlog dropped.
+                        if watcher.abort is not None:
+                            watcher.abort()
+                        return
                     continue
                 watcher.wake.clear()
                 woken = asyncio.ensure_future(watcher.wake.wait())
@@ -326,7 +357,7 @@ class Status:
                 woken.cancel()
                 if not done:
                     await send({"type": "http.response.body", "body": b": keepalive\n\n", "more_body": True})
-            if not gone.done():
+            if not gone.done() and not watcher.overflowed:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             gone.cancel()
@@ -339,9 +370,16 @@ class Status:
     def _note_sent(self) -> None:
         """What a new snapshot showed: from here on only what changes goes out."""
         self._sent = {view["id"]: view for view in self.models()}
+        self._lines.clear()
         if self.activity:
             self._newest = self.activity[-1]
-            self._open = {r.request_id: r for r in self.activity if r.duration_s is None}
+            self._open = {id(r): r for r in self.activity if r.duration_s is None}
+
+    def _update(self) -> None:
+        """Send the watchers what changed since the last time."""
+        self._send_activity()
+        self._send_logs()
+        self._send_models()
 
     def _send_models(self) -> None:
         self._models_soon = None
@@ -369,20 +407,23 @@ class Status:
             return
         offset = time.time() - perf_counter()
         rows = []
-        for request_id, record in list(self._open.items()):
+        for key, record in list(self._open.items()):
             if record.duration_s is not None:
                 rows.append(activity_row(record, offset))
-                del self._open[request_id]
+                del self._open[key]
         for record in reversed(fresh):
             rows.append(activity_row(record, offset))
             if record.duration_s is None:
-                self._open[record.request_id] = record
+                self._open[id(record)] = record
         if rows:
             self._send(event("activity", {"rows": rows}))
 
     def _send_logs(self) -> None:
         lines, self._lines = self._lines, {}
+        dropped, self._dropped = self._dropped, {}
         for child, new in lines.items():
+            if child in dropped:
+                new.append(f"[blazar-proxy: {dropped[child]} more lines in the log file, not shown here]")
             self._send(event("log", {"child": child, "lines": new}))
 
     def _start_ticker(self) -> None:
@@ -394,9 +435,7 @@ class Status:
         while self._watchers and not self._closed:
             await asyncio.sleep(TICK_S)
             try:
-                self._send_activity()
-                self._send_logs()
-                self._send_models()
+                self._update()
             except Exception:
                 log.exception("the status stream's update failed; trying again")
         self._lines.clear()
@@ -430,11 +469,10 @@ class Status:
         ttft_ms = (totals[2] - before[2]) / ttft_count * 1000 if ttft_count > 0 else None
         since = perf_counter() - SERIES_STEP_S
         speeds = []
-        for record in reversed(self.activity):
-            if record.duration_s is None:
+        # Every one: a long request that ended in the step may sit behind newer, shorter ones.
+        for record in self.activity:
+            if record.duration_s is None or record.arrived + record.duration_s < since:
                 continue
-            if record.arrived + record.duration_s < since:
-                break
             row = activity_row(record, 0.0)
             if row["tps"] is not None:
                 speeds.append(row["tps"])
@@ -446,11 +484,19 @@ class Status:
         }
 
     def _read_totals(self) -> tuple[float, int, float, int]:
-        """(when, requests answered, the time-to-first-token sum and count) as the metrics have them."""
+        """(when, requests answered, the time-to-first-token sum and count) as the metrics have them;
+        without metrics, those of the activity's requests that ended in the last step."""
         metrics = self.metrics
         if metrics is None:
-            done = sum(1 for r in self.activity if r.duration_s is not None)
-            return perf_counter(), done, 0.0, 0
+            since = perf_counter() - SERIES_STEP_S
+            ttfts = [
+                r.first_s or r.head_s
+                for r in self.activity
+                if r.duration_s is not None and r.arrived + r.duration_s >= since
+            ]
+            # As running totals: each step's are its own.
+            before = self._totals or (0.0, 0, 0.0, 0)
+            return perf_counter(), before[1] + len(ttfts), before[2] + sum(ttfts), before[3] + len(ttfts)
         requests = sum(sum(m.requests.values()) for m in (*metrics.models.values(), metrics.unrouted))
         ttft_sum = sum(m.ttft.sum for m in metrics.models.values())
         ttft_count = sum(sum(m.ttft.counts) for m in metrics.models.values())
@@ -466,6 +512,13 @@ class Status:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+
+
+_STREAM_HEADERS = (
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache, no-store"),
+    (b"x-accel-buffering", b"no"),
+)
 
 
 def _without_clock(view: ModelView, sent: ModelView | None) -> ModelView:

@@ -90,6 +90,14 @@ class Draining(UpstreamError):
     code = "draining"
 
 
+class Cancelled(UpstreamError):
+    """An operator ended the request (the status page, or ``POST /admin/requests/ID/cancel``):
+    no fault of the upstream's."""
+
+    status = 503
+    code = "request_cancelled"
+
+
 class ClientGone(Exception):
     """The client went away; the upstream connection was closed for it.
 

@@ -21,6 +21,8 @@ async def relay_body(conn: Connection, out: Writer, outcome: Outcome, read_timeo
     The head goes out with the first body bytes when they are already here,
     else on its own before the wait.
     """
+    # The read before the last: a reply's usage may straddle two reads.
+    prev = b""
     try:
         if not conn.ready and (wait := out.flush()) is not None:
             await wait
@@ -29,7 +31,7 @@ async def relay_body(conn: Connection, out: Writer, outcome: Outcome, read_timeo
                 chunk = await write_all_but_last_slice(out, chunk, outcome)
             # Counted once handed on: a write to a client that has gone raises ClientGone.
             if conn.complete:
-                outcome.tail = chunk[-USAGE_BYTES:]
+                outcome.tail = usage_tail(prev, chunk)
                 wait = out.write(chunk, False)
                 outcome.bytes_out += len(chunk)
                 if wait is not None:
@@ -40,6 +42,7 @@ async def relay_body(conn: Connection, out: Writer, outcome: Outcome, read_timeo
             if wait is not None:
                 await wait
             outcome.sends += 1
+            prev = chunk
     except UpstreamError as exc:
         # Headers are out (or go out now): the only honest signal left is to
         # cut the client's connection before the declared end of the body.
@@ -51,6 +54,14 @@ async def relay_body(conn: Connection, out: Writer, outcome: Outcome, read_timeo
     if (wait := out.write(b"", False)) is not None:
         await wait
     return None
+
+
+def usage_tail(prev: bytes, last: bytes) -> bytes:
+    """The stream's last ``USAGE_BYTES`` (its usage, for the status page), copying no more than that."""
+    if len(last) >= USAGE_BYTES:
+        # bytes: a slice of a memoryview (a large read's last slice) would keep the whole read.
+        return bytes(last[-USAGE_BYTES:])
+    return bytes(prev[len(last) - USAGE_BYTES :]) + last
 
 
 async def write_all_but_last_slice(out: Writer, chunk: bytes, outcome: Outcome) -> bytes:

@@ -39,7 +39,15 @@ from proxy.relay.sse import relay_events
 from proxy.relay.timing import server_timing, timing_header
 from proxy.relay.translated import respond_translated
 from proxy.relay.watch import ClientWatch, arm_guards
-from proxy.upstream import ClientGone, ConnectFailed, Connection, Draining, EmptyReply, UpstreamError
+from proxy.upstream import (
+    Cancelled,
+    ClientGone,
+    ConnectFailed,
+    Connection,
+    Draining,
+    EmptyReply,
+    UpstreamError,
+)
 
 
 def _chat_stream(conn: Connection) -> bool:
@@ -139,7 +147,7 @@ class Exchange:
                     resend = True
                 else:
                     body.drop()
-                    if health is not None and exc.status >= 500:
+                    if health is not None and exc.status >= 500 and not isinstance(exc, Cancelled):
                         # Suspect only: the request's own content may be the cause (its probe decides).
                         health.answered(exc.status, peer.targets[scope["path"]])
                     await self._head_failed(conn, send, outcome, exc)

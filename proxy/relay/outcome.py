@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from time import perf_counter
 
-from proxy.accesslog import AccessLog
+from proxy.accesslog import MODEL_LIMIT_CHARS, AccessLog
 from proxy.asgi import Scope
 from proxy.assembly import ReplyAssembler
 from proxy.endpoints import Endpoint
@@ -118,6 +118,7 @@ class Outcome:
         """Write the request's metrics and its access-log line: once, after its response."""
         if self.gone_early:
             self.status, self.duration_s = 499, perf_counter() - self.started
+            self._let_go()
             if metrics is not None:
                 metrics.client_disconnects += 1
             return
@@ -143,6 +144,7 @@ class Outcome:
             if stats is not None:
                 self._count(stats, metrics, ROUTE_LABELS[scope["path"]], duration_s)
         self.duration_s = duration_s
+        self._let_go()
         if access is not None:
             access.write(
                 scope,
@@ -155,6 +157,18 @@ class Outcome:
                 overhead_s=self.own_s,
                 upstreams=self.upstreams,
             )
+
+    def _let_go(self) -> None:
+        """Keep only the record: it stays in the status page's activity for 300 more requests,
+        without the reply being built or translated, nor the frames (the request's body and
+        document) that a refusal's traceback holds."""
+        self.translator = None
+        self.built = None
+        if self.refusal is not None:
+            self.refusal.__traceback__ = None
+        if len(self.model) > MODEL_LIMIT_CHARS:
+            # A name no route serves, as the client gave it (the access log cuts it the same way).
+            self.model = self.model[:MODEL_LIMIT_CHARS] + "…"
 
     def _count(self, stats: ModelMetrics, metrics: Metrics | None, route: str, duration_s: float) -> None:
         """A relayed request's figures: a few pre-bound metric updates."""

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from time import perf_counter
 
-from proxy.relay.body import SLICE_BYTES, write_all_but_last_slice
+from proxy.relay.body import SLICE_BYTES, usage_tail, write_all_but_last_slice
 from proxy.relay.out import Writer
 from proxy.relay.outcome import Outcome
-from proxy.status import USAGE_BYTES
 from proxy.upstream import Connection, UpstreamError
 
 # Enough of a stream's end to hold "data: [DONE]" and its newlines.
@@ -83,9 +82,7 @@ async def relay_events(conn: Connection, out: Writer, outcome: Outcome, read_tim
                 and not pending
                 and ends_stream(tail_of(prev, last), head if by_event else last)
             ):
-                outcome.tail = (
-                    (prev + chunk)[-USAGE_BYTES:] if len(chunk) < USAGE_BYTES else chunk[-USAGE_BYTES:]
-                )
+                outcome.tail = usage_tail(prev, chunk)
                 wait = out.write(chunk, False)
                 outcome.bytes_out += len(chunk)
                 if wait is not None:
@@ -116,7 +113,7 @@ async def relay_events(conn: Connection, out: Writer, outcome: Outcome, read_tim
         if wait is not None:
             await wait
         return "upstream_truncated"
-    outcome.tail = (prev + last)[-USAGE_BYTES:]
+    outcome.tail = usage_tail(prev, last)
     # Half an event after the end: the client gets it as sent, and it counts.
     wait = out.write(pending, False)
     outcome.bytes_out += len(pending)

@@ -8,6 +8,7 @@ test_status_page.py, against the real engine.
 from __future__ import annotations
 
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -83,6 +84,16 @@ def ended_row(events: Events, request_id: str) -> dict[str, Any]:
     )
     row: dict[str, Any] = next(r for r in data["rows"] if r["id"] == request_id)
     return row
+
+
+def raw_get(gateway: Running, path: str) -> bytes:
+    """GET ``path`` exactly as written (no client library normalising it)."""
+    with socket.create_connection(("127.0.0.1", gateway.port), timeout=5) as sock:
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode())
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer
 
 
 def chat(stream: bool = True, **more: object) -> bytes:
@@ -192,8 +203,11 @@ def test_the_page_is_served_offline_and_cannot_be_framed(gateway: Running, http:
         served = http.get(f"{gateway.url}/ui/{name}")
         assert served.status_code == 200 and served.headers["content-type"].startswith(kind)
         assert "https://" not in served.text
-    assert http.get(gateway.url + "/ui/../../etc/passwd").status_code == 404
-    assert http.get(gateway.url + "/ui/secret.txt").status_code == 404
+    # Only its own three files: no path reaches another (the raw path, as a client could send it).
+    for path in ("/ui/..%2F..%2Fpyproject.toml", "/ui/%2E%2E", "/ui/__init__.py", "/ui/secret.txt"):
+        answer = raw_get(gateway, path)
+        assert answer.startswith(b"HTTP/1.1 404 "), (path, answer[:200])
+    assert b"the status page has no file" in raw_get(gateway, "/ui/__init__.py")
 
 
 def test_with_a_key_the_page_loads_and_its_data_needs_the_key(
@@ -287,3 +301,25 @@ def test_time_to_first_token_waits_for_the_first_event_with_data(
     line = next(line for line in gateway.log().splitlines()[::-1] if request_id in line)
     ttfb_ms = float(line.split("ttfb=", 1)[1].split("ms", 1)[0])
     assert ttfb_ms < 500 < row["ttft_ms"]
+
+
+def test_cancel_ends_every_request_under_way_with_the_id(
+    events: Events, gateway: Running, fake: FakeEngine, http: httpx.Client
+) -> None:
+    """A client may give two requests one x-request-id: the one under way is cancelled though a
+    newer one with the same id has ended."""
+    events.next("snapshot")
+    headers = {"content-type": "application/json", "x-request-id": "job-42"}
+    slow = {**headers, "x-fake": "chunk-delay=0.2; chunks=200"}
+    with (
+        httpx.Client(trust_env=False, timeout=10) as client,
+        client.stream("POST", gateway.url + CHAT, content=chat(), headers=slow) as response,
+    ):
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        quick = http.post(gateway.url + CHAT, content=chat(), headers=headers)
+        assert quick.status_code == 200 and quick.headers["x-request-id"] == "job-42"
+        cancel = http.post(f"{gateway.url}/admin/requests/job-42/cancel")
+        assert cancel.status_code == 200, cancel.text
+        rest = "\n".join(lines)
+    assert "request_cancelled" in rest and "[DONE]" not in rest
