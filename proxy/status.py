@@ -111,6 +111,8 @@ def activity_row(record: Record, wall_offset: float) -> dict[str, Any]:
         tps = round(tokens / record.duration_s, 1)
     return {
         "id": record.request_id.decode("latin-1"),
+        # Unique among the rows (clients may give two requests one x-request-id).
+        "key": id(record),
         "time": round(wall_offset + record.arrived, 3),
         "model": record.model,
         "api": record.endpoint.name,
