@@ -74,11 +74,20 @@ def matrix_markdown(data: dict[str, Any]) -> str:
         f"git {env['git_sha'][:12]}{' (dirty)' if env['git_dirty'] else ''}, {env['cpu']}, "
         f"{env['cpus']} CPUs, Python {env['python']}, {env['nginx']}, {env['wrk']}.",
         f"All processes pinned to CPU {plan['cpu']}. {plan['duration_s']:g} s per run, "
-        f"{plan['rounds']} rounds interleaved; figures are medians over rounds. Upstream: the fake "
-        "engine (HTTP/1.1 keep-alive). Non-stream load: wrk; stream load: an asyncio client "
-        "(its own CPU per request is in the last column). As shipped: blazar-proxy with its defaults "
-        "(access log on stderr, redirected to a file; metrics on), nginx with its default combined "
-        "access log to a file."
+        f"{plan['rounds']} rounds interleaved; figures are medians over rounds"
+        + (
+            f"; json at C=1 and C=64: at least {plan['goal_duration_s']:g} s per run, C=1 at least "
+            f"{plan['goal_rounds_c1']} rounds"
+            if plan.get("goal_duration_s") or plan.get("goal_rounds_c1")
+            else ""
+        )
+        + ". json cells: the fast upstream (perf/fast_upstream.py, a fixed ~1 KB completion in one "
+        "write, HTTP/1.1 keep-alive), an ~800-byte chat request from wrk (one thread), nginx with one "
+        "upstream server and its default request buffering. Other cells: two fake engines "
+        "(tests/fake_engine.py, HTTP/1.1 keep-alive), nginx round-robin over both with "
+        "proxy_request_buffering off; stream load: an asyncio client (its own CPU per request is in "
+        "the last column). As shipped: blazar-proxy with its defaults (access log on stderr, "
+        "redirected to a file; metrics on), nginx with its default combined access log to a file."
         + (
             f" blazar-base: blazar-proxy from {plan['baseline']}, same defaults."
             if plan.get("baseline")
@@ -92,7 +101,7 @@ def matrix_markdown(data: dict[str, Any]) -> str:
     ]
     lines += [
         f"| {goal['goal']} | {_fmt(goal.get('blazar'))} | {_fmt(goal.get('nginx'))} | "
-        f"{_fmt(goal.get('ratio'), 2)} | {goal['limit']} | {'yes' if goal['met'] else '**no**'} |"
+        f"{_fmt(goal.get('ratio'), 2)} | {goal['limit']} | {_met(goal)} |"
         for goal in data["goals"]
     ]
     lines += other_goals_markdown(data)
@@ -143,11 +152,19 @@ def other_goals_markdown(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _met(goal: dict[str, Any]) -> str:
+    """yes, **no**, or why the figures cannot decide (never counted as met)."""
+    if goal["met"] is None:
+        return f"**not judged**: {goal.get('why', 'no figures')}"
+    return "yes" if goal["met"] else "**no**"
+
+
 def _goal_cell(goal: dict[str, Any] | None) -> str:
     if goal is None:
         return "–"
     ratio = f" ({goal['ratio']:.2f}×)" if goal.get("ratio") is not None else ""
-    return f"{_fmt(goal.get('blazar'))}{ratio}{'' if goal['met'] else ' **no**'}"
+    verdict = "" if goal["met"] else " **no**" if goal["met"] is False else " (not judged)"
+    return f"{_fmt(goal.get('blazar'))}{ratio}{verdict}"
 
 
 def litellm_markdown(data: dict[str, Any]) -> list[str]:

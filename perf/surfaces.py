@@ -31,7 +31,7 @@ error_log {prefix}/nginx-error.log warn;
 events {{ worker_connections 4096; }}
 http {{
     # As shipped: every request logged, in nginx's default (combined) format, to a file.
-    access_log {prefix}/access.log combined;
+    {access_log}
     client_body_temp_path {prefix}/body;
     proxy_temp_path {prefix}/proxy;
     fastcgi_temp_path {prefix}/fastcgi;
@@ -50,8 +50,7 @@ http {{
             proxy_pass http://engines;
             proxy_http_version 1.1;
             proxy_set_header Connection "";
-            proxy_buffering off;
-            proxy_request_buffering off;
+            proxy_buffering off;{request_buffering}
             proxy_read_timeout 600s;
         }}
     }}
@@ -145,6 +144,25 @@ def start_fake_engine(cpu: int | None, log_dir: Path, *args: str) -> Process:
     return Process("engine", proc, int(line.split()[1]))
 
 
+def start_fast_upstream(cpu: int | None, log_dir: Path) -> Process:
+    """The fast upstream (``perf/fast_upstream.py``): a fixed ~1 KB completion for every POST, at once."""
+    log = (log_dir / f"fast-upstream-{time.monotonic_ns()}.log").open("wb")
+    proc = subprocess.Popen(
+        pinned([sys.executable, "-m", "perf.fast_upstream", "--port", "0"], cpu),
+        cwd=ROOT,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=log,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline().decode()
+    proc.stdout.close()
+    if not line.startswith("PORT "):
+        proc.kill()
+        raise RuntimeError(f"fast upstream did not start: {line!r}")
+    return Process("upstream", proc, int(line.split()[1]))
+
+
 def start_blazar(
     upstreams: dict[str, str],
     cpu: int | None,
@@ -186,23 +204,55 @@ def nginx_binary() -> str | None:
     return shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if os.path.exists(p)), None)
 
 
-def start_nginx(upstream_ports: list[int], cpu: int | None, work_dir: Path) -> Process:
-    """nginx from Debian, with a config written here: upstream keepalive, no buffering, access log on."""
+def nginx_config(
+    upstream_ports: list[int],
+    port: int,
+    prefix: Path,
+    *,
+    request_buffering: bool = True,
+    access_log: bool = True,
+) -> str:
+    """nginx.conf: one worker, a keepalive upstream of ``upstream_ports``, no response buffering.
+
+    ``request_buffering`` False adds ``proxy_request_buffering off`` (the request body streamed to
+    the upstream as it comes instead of read whole first); ``access_log`` False turns the log off.
+    """
+    servers = "\n".join(f"        server 127.0.0.1:{p};" for p in upstream_ports)
+    return _NGINX_CONF.format(
+        prefix=prefix,
+        servers=servers,
+        port=port,
+        access_log=f"access_log {prefix}/access.log combined;" if access_log else "access_log off;",
+        request_buffering="" if request_buffering else "\n            proxy_request_buffering off;",
+    )
+
+
+def start_nginx(
+    upstream_ports: list[int],
+    cpu: int | None,
+    work_dir: Path,
+    *,
+    request_buffering: bool = True,
+    access_log: bool = True,
+    name: str = "nginx",
+) -> Process:
+    """nginx from Debian, with a config written here (``nginx_config``): upstream keepalive, access log on."""
     binary = nginx_binary()
     if binary is None:
         raise RuntimeError("nginx is not installed (apt-get install nginx-light)")
     port = free_port()
-    prefix = work_dir / f"nginx-{port}"
+    prefix = work_dir / f"{name}-{port}"
     prefix.mkdir(parents=True)
-    servers = "\n".join(f"        server 127.0.0.1:{p};" for p in upstream_ports)
     conf = prefix / "nginx.conf"
-    conf.write_text(_NGINX_CONF.format(prefix=prefix, servers=servers, port=port))
+    conf.write_text(
+        nginx_config(upstream_ports, port, prefix, request_buffering=request_buffering, access_log=access_log)
+    )
     log = (prefix / "stdout.log").open("wb")
     proc = subprocess.Popen(
         pinned([binary, "-p", str(prefix), "-c", str(conf)], cpu), stdout=log, stderr=subprocess.STDOUT
     )
     wait_listening(port, proc)
-    return Process("nginx", proc, port)
+    return Process(name, proc, port)
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,13 @@ def test_matrix_smoke(tmp_path: Path) -> None:
         if row["surface"] == "blazar":
             assert row["errors"] == 0, row
             assert row["cpu_us_per_request"] > 0
-    assert {g["goal"] for g in data["goals"]} >= {"added p50 at C=1 (json)", "added p99 at C=1 (json)"}
+    assert {g["goal"] for g in data["goals"]} >= {
+        "added p50 at C=1 (json)",
+        "added p99 at C=1 (json)",
+        "CPU per request at C=1 (json)",
+    }
+    # The json cells ran against the fast upstream, the sse cells against the fake engines.
+    assert list(tmp_path.glob("logs/fast-upstream-*.log")) and list(tmp_path.glob("logs/fake-engine-*.log"))
     assert "## Goals" in (tmp_path / "matrix.md").read_text()
     assert (tmp_path / "matrix.png").read_bytes().startswith(b"\x89PNG")
 
