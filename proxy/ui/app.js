@@ -14,8 +14,10 @@
   const $ = (id) => document.getElementById(id);
 
   const ui = {
-    conn: $('conn'), version: $('version'), draining: $('draining'),
+    main: $('main'), conn: $('conn'), version: $('version'), draining: $('draining'), stale: $('stale'),
     keySection: $('key-section'), keyForm: $('key-form'), keyInput: $('key-input'), keyMessage: $('key-message'),
+    keySubmit: $('key-submit'),
+    sections: ['models-section', 'charts-section', 'activity-section', 'logs-section'].map($),
     modelsBody: $('models-body'), modelsMessage: $('models-message'), modelsEmpty: $('models-empty'),
     charts: $('charts'),
     activityBody: $('activity-body'), activityMessage: $('activity-message'), activityEmpty: $('activity-empty'),
@@ -36,6 +38,14 @@
     childModel: new Map(),   // child -> model id
     busy: new Set(),         // "action:id" of the admin calls running
     filter: '',
+    live: false,             // a stream is open and its snapshot came: what the page shows is current
+    haveData: false,         // a snapshot was shown (and not forgotten since)
+    everLive: false,         // some snapshot came since the page opened
+    locked: false,           // waiting for an API key: the gateway's state is not shown
+    failures: 0,             // connection attempts that failed in a row
+    lastData: 0,             // when the stream last said something (this clock, s)
+    lastError: '',           // why the last attempt failed, when the gateway answered with an error
+    draining: false,         // the gateway said it is shutting down
   };
 
   // ---- small helpers
@@ -111,6 +121,7 @@
 
   let controller = null;
   let retryTimer = 0;
+  let probeTimer = 0;
 
   function setConn(kind, text) {
     ui.conn.dataset.conn = kind;
@@ -125,10 +136,13 @@
 
   async function connect() {
     clearTimeout(retryTimer);
+    stopProbe();
     if (controller) controller.abort();
     const ctl = controller = new AbortController();
     let stall = 0;
+    let opened = false;     // the gateway answered with a stream
     const alive = () => { clearTimeout(stall); stall = setTimeout(() => ctl.abort(), STALL_MS); };
+    state.lastError = '';
     try {
       alive();
       const res = await fetch('/events', {
@@ -136,10 +150,17 @@
       });
       if (res.status === 401) {
         clearTimeout(stall);
-        needKey(state.key ? 'That API key was refused. Enter it again.' : '');
+        if (ctl !== controller) return;
+        needKey(state.key ? 'That API key was refused. Enter it again.'
+          : state.everLive ? 'The gateway now asks for an API key.' : '');
         return;
       }
-      if (!res.ok || !res.body) throw new Error(`HTTP ${res.status}`);
+      if (!res.ok || !res.body) {
+        state.lastError = `HTTP ${res.status}`;
+        throw new Error(state.lastError);
+      }
+      opened = true;
+      state.lastError = '';
       const reader = res.body.getReader();
       const decoder = new TextDecoder();
       const feed = sseParser(dispatch);
@@ -147,6 +168,7 @@
         const { value, done } = await reader.read();
         if (done) break;
         alive();
+        if (state.live) state.lastData = nowS();
         feed(decoder.decode(value, { stream: true }));
       }
     } catch (err) {
@@ -155,8 +177,83 @@
       clearTimeout(stall);
     }
     if (ctl !== controller) return;
-    setConn('reconnecting', 'reconnecting…');
-    retryTimer = setTimeout(connect, 1000 + Math.random() * 1000);
+    lost(opened);
+  }
+
+  // The stream ended or could not be opened: what the page shows is no longer current.
+  function lost(opened) {
+    state.failures = opened ? 0 : state.failures + 1;
+    if (state.live) state.lastData = nowS();
+    setLive(false);
+    if (state.failures === 0) setConn('reconnecting', 'reconnecting…');
+    else setConn('offline', state.lastError ? `error (${state.lastError})` : 'not answering');
+    if (state.locked && state.failures) {
+      // A key was entered, and the gateway does not answer to try it.
+      setMessage(ui.keyMessage, state.lastError
+        ? `The gateway answered ${state.lastError}. Trying again…`
+        : 'The gateway does not answer. Trying again…', true);
+    }
+    showStale();
+    // 1-2 s after a stream ends; a little longer while the gateway stays away.
+    const delay = 1000 + Math.random() * 1000 + Math.min(state.failures, 4) * 1000;
+    retryTimer = setTimeout(connect, delay);
+  }
+
+  function setLive(live) {
+    state.live = live;
+    ui.main.classList.toggle('stale', !live && state.haveData);
+    refreshControls();
+  }
+
+  // While not live, the last state shown stays, dimmed, with when it was current.
+  function showStale() {
+    const stale = !state.live && !state.locked && (state.haveData || state.failures > 0);
+    ui.stale.hidden = !stale;
+    if (stale) {
+      // Whether the gateway still drains is not known: the notice says it was.
+      ui.draining.hidden = true;
+      const asOf = state.haveData && state.lastData ? ` Shown as of ${fmtClock(state.lastData)}.` : '';
+      const was = state.draining ? 'The gateway was shutting down; now it' : 'The gateway';
+      const why = state.failures === 0 ? 'The connection to the gateway was lost; reconnecting…'
+        : state.lastError ? `${was} answers ${state.lastError}; retrying.`
+          : `${was} is not answering; retrying.`;
+      setText(ui.stale, `${why}${asOf}`);
+    } else {
+      ui.draining.hidden = !state.draining;
+    }
+  }
+
+  // Waiting for a key, the page still tells whether the gateway is there at all.
+  function stopProbe() { clearTimeout(probeTimer); probeTimer = 0; }
+
+  function startProbe() {
+    stopProbe();
+    probeTimer = setTimeout(probe, 5000);
+  }
+
+  let gone = false;   // the probe found no gateway while waiting for a key
+
+  async function probe() {
+    let answered = false;
+    try {
+      await fetch('/livez', { cache: 'no-store' });
+      answered = true;
+    } catch (err) {
+      answered = false;
+    }
+    if (!state.locked || controller || !probeTimer) return;   // a key was entered meanwhile
+    if (!answered) {
+      if (!gone) {
+        gone = true;
+        setConn('offline', 'not answering');
+        setMessage(ui.keyMessage, 'The gateway does not answer.', true);
+      }
+    } else if (gone) {
+      gone = false;
+      setConn('needs-key', 'needs key');
+      setMessage(ui.keyMessage, '', false);
+    }
+    probeTimer = setTimeout(probe, answered ? 5000 : 3000);
   }
 
   // SSE: "event:" and "data:" lines, a blank line ends an event, ":" lines are comments.
@@ -227,10 +324,24 @@
     sessionStorage.removeItem(KEY_STORE);
     if (controller) { controller.abort(); controller = null; }
     clearTimeout(retryTimer);
+    state.failures = 0;
+    gone = false;
+    // Without a key the gateway's state is not to be seen: what was shown goes.
+    forget();
+    setLocked(true);
+    setLive(false);
+    showStale();
     setConn('needs-key', 'needs key');
-    ui.keySection.hidden = false;
     setMessage(ui.keyMessage, message, !!message);
     ui.keyInput.focus();
+    startProbe();
+  }
+
+  // Locked: only the key form; the sections of the gateway's state stay hidden.
+  function setLocked(locked) {
+    state.locked = locked;
+    ui.keySection.hidden = !locked;
+    for (const s of ui.sections) s.hidden = locked;
   }
 
   ui.keyForm.addEventListener('submit', (ev) => {
@@ -240,8 +351,10 @@
     state.key = key;
     sessionStorage.setItem(KEY_STORE, key);
     ui.keyInput.value = '';
-    ui.keySection.hidden = true;
-    setMessage(ui.keyMessage, '', false);
+    state.failures = 0;
+    gone = false;
+    // The form stays until the gateway takes the key (its snapshot) or refuses it.
+    setMessage(ui.keyMessage, 'Checking the key…', false);
     setConn('connecting', 'connecting…');
     connect();
   });
@@ -252,7 +365,7 @@
     let body = null;
     try { body = await res.json(); } catch (err) { body = null; }
     if (res.status === 401) {
-      needKey('The API key was refused. Enter it again.');
+      needKey(state.key ? 'The API key was refused. Enter it again.' : 'The gateway now asks for an API key.');
       throw new Error('the API key was refused');
     }
     if (!res.ok) throw new Error((body && body.error && body.error.message) || `HTTP ${res.status}`);
@@ -263,15 +376,27 @@
 
   function onGateway(g) {
     if (typeof g.now === 'number') state.skew = g.now - nowS();
-    if (typeof g.draining === 'boolean') ui.draining.hidden = !g.draining;
+    if (typeof g.draining === 'boolean') {
+      state.draining = g.draining;
+      showStale();
+    }
     if (g.version) setText(ui.version, `v${g.version}`);
     if (g.activity_limit) state.activityLimit = g.activity_limit;
     if (g.series_step_s) state.stepS = g.series_step_s;
   }
 
   function onSnapshot(s) {
+    // The snapshot decides everything, the draining banner included.
+    state.draining = false;
     onGateway(s.gateway || {});
-    ui.keySection.hidden = true;
+    stopProbe();
+    gone = false;
+    state.failures = 0;
+    state.haveData = true;
+    state.everLive = true;
+    state.lastData = nowS();
+    setLocked(false);
+    setMessage(ui.keyMessage, '', false);
 
     state.models.clear();
     ui.modelsBody.replaceChildren();
@@ -304,15 +429,49 @@
 
     toggleEmpty();
     setConn('live', 'live');
+    setLive(true);
+    showStale();
   }
 
+  // Forget the gateway's state (a key is needed to see it).
+  function forget() {
+    state.haveData = false;
+    state.models.clear();
+    ui.modelsBody.replaceChildren();
+    state.childModel.clear();
+    state.activity.clear();
+    state.inFlight.clear();
+    ui.activityBody.replaceChildren();
+    state.series = [];
+    renderCharts();
+    state.logs.clear();
+    ui.logs.replaceChildren();
+    ui.logChild.replaceChildren();
+    setMessage(ui.logNote, '', false);
+    setMessage(ui.modelsMessage, '', false);
+    setMessage(ui.activityMessage, '', false);
+    setText(ui.version, '');
+    state.draining = false;
+    toggleEmpty();
+  }
+
+  // "No models yet" and the like only once the gateway said so (a snapshot), not before.
   function toggleEmpty() {
-    ui.modelsEmpty.hidden = state.models.size > 0;
+    const known = state.haveData;
+    ui.modelsEmpty.hidden = !known || state.models.size > 0;
     ui.modelsBody.closest('.table-wrap').hidden = state.models.size === 0;
-    ui.activityEmpty.hidden = state.activity.size > 0;
+    ui.activityEmpty.hidden = !known || state.activity.size > 0;
     ui.activityBody.closest('.table-wrap').hidden = state.activity.size === 0;
-    ui.logsEmpty.hidden = state.logs.size > 0;
+    ui.logsEmpty.hidden = !known || state.logs.size > 0;
     ui.logChild.parentElement.hidden = state.logs.size === 0;
+  }
+
+  // The buttons that act on the gateway work only while the page shows its current state.
+  function refreshControls() {
+    for (const m of state.models.values()) updateButtons(m);
+    for (const a of state.activity.values()) {
+      if (a.cancel) a.cancel.disabled = !state.live || a.cancelling;
+    }
   }
 
   // ---- models
@@ -407,10 +566,15 @@
     if (!replicas.length) return h('span', { class: 'muted' }, 'none');
     const list = h('ul', { class: 'replicas' });
     for (const r of replicas) {
+      // healthy is null where the replica is not meant to run (an unloaded model): no badge then.
       const health = r.healthy === true ? 'healthy' : r.healthy === false ? 'unhealthy' : null;
+      const stateText = h('span', { class: 'replica-state' });
+      if (r.state === 'starting' || r.state === 'restarting') {
+        stateText.append(h('span', { class: 'spinner', 'aria-hidden': 'true' }));
+      }
+      stateText.append(r.state);
       const head = h('div', { class: 'replica-head' },
-        h('span', { class: 'replica-name' }, r.name), ' ',
-        h('span', { class: 'replica-state' }, r.state));
+        h('span', { class: 'replica-name' }, r.name), ' ', stateText);
       if (health) head.append(' ', h('span', { class: `health ${health}` }, health));
       const details = [];
       if (r.pid != null) details.push(`pid ${r.pid}`);
@@ -439,8 +603,9 @@
     if (!m.buttons) return;
     const s = m.view.state;
     const id = m.view.id;
-    m.buttons.load.disabled = state.busy.has(`load:${id}`) || s === 'loaded' || s === 'loading';
-    m.buttons.unload.disabled = state.busy.has(`unload:${id}`) || s === 'unloaded' || s === 'unloading';
+    const off = !state.live;
+    m.buttons.load.disabled = off || state.busy.has(`load:${id}`) || s === 'loaded' || s === 'loading';
+    m.buttons.unload.disabled = off || state.busy.has(`unload:${id}`) || s === 'unloaded' || s === 'unloading';
   }
 
   // The text that changes with time: how long a model has been loading, its TTL left.
@@ -477,10 +642,13 @@
 
   // ---- activity
 
+  // A row's key: unique among the rows (clients may give two requests one x-request-id).
+  const rowKey = (r) => String(r.key ?? r.id);
+
   function putActivity(rows) {
     const fresh = [];
     for (const r of rows) {
-      const a = state.activity.get(r.id);
+      const a = state.activity.get(rowKey(r));
       if (a) fillActivity(a, r);
       else fresh.push(r);
     }
@@ -490,7 +658,7 @@
     while (state.activity.size > state.activityLimit) {
       const last = ui.activityBody.lastElementChild;
       if (!last) break;
-      dropActivity(last.dataset.requestId);
+      dropActivity(last.dataset.key);
       last.remove();
     }
   }
@@ -501,57 +669,60 @@
   }
 
   function activityEntry(r) {
-    const a = { data: null, row: h('tr', { 'data-request-id': r.id }), cancel: null, duration: null };
-    state.activity.set(r.id, a);
+    const a = { data: null, row: h('tr', { 'data-request-id': r.id, 'data-key': rowKey(r) }), cancel: null, duration: null };
+    state.activity.set(rowKey(r), a);
     fillActivity(a, r);
     return a;
   }
 
+  // One row: its cells follow the table's header, one for one (a test finds "Tokens/s" by its
+  // header). The status cell also holds the error code and, in flight, the Cancel button, so
+  // that both stay in sight on a narrow screen.
   function fillActivity(a, r) {
     a.data = r;
-    const td = (text, cls) => h('td', { class: cls }, text);
+    const td = (text, cls, label) => h('td', { class: cls, 'data-label': label }, text);
     a.row.dataset.status = r.in_flight ? 'in-flight' : String(r.status ?? 'none');
     a.row.hidden = !matchesFilter(r);
 
     let status;
     if (r.in_flight) {
-      status = h('td', { class: 'status' }, h('span', { class: 'spinner', 'aria-hidden': 'true' }), 'in flight');
+      status = h('td', { class: 'status' },
+        h('span', { class: 'code' }, h('span', { class: 'spinner', 'aria-hidden': 'true' }), 'in flight'));
     } else {
       const cls = r.status == null ? '' : r.status < 400 ? 'ok' : r.status < 500 ? 'warn' : 'bad';
-      status = h('td', { class: `status ${cls}` }, r.status == null ? DASH : String(r.status));
+      status = h('td', { class: `status ${cls}` }, h('span', { class: 'code' }, r.status == null ? DASH : String(r.status)));
     }
-    a.duration = td(DASH, 'num');
-    const api = h('td', {}, r.api || DASH);
-    if (r.stream) api.append(h('span', { class: 'muted small' }, ' stream'));
-    if (r.path) api.title = r.path;
-
-    const actions = h('td', {});
     if (r.in_flight && r.cancellable) {
       if (!a.cancel) {
         a.cancel = h('button', { type: 'button', 'data-action': 'cancel', 'aria-label': `Cancel request ${r.id}` }, 'Cancel');
-        a.cancel.addEventListener('click', () => cancelRequest(r.id, a.cancel));
+        a.cancel.addEventListener('click', () => cancelRequest(r.id, a));
       }
-      actions.append(a.cancel);
+      a.cancel.disabled = !state.live || !!a.cancelling;
+      status.append(' ', a.cancel);
     } else {
       a.cancel = null;
     }
+    if (r.error) status.append(h('span', { class: 'error-code' }, r.error));
+
+    a.duration = td(DASH, 'num', 'Duration');
+    const api = h('td', { class: 'api' }, r.api || DASH);
+    if (r.stream) api.append(h('span', { class: 'muted small' }, ' stream'));
+    if (r.path) api.title = r.path;
 
     a.row.replaceChildren(
       td(fmtClock(r.time), 'time'),
-      td(r.model || DASH),
+      td(r.model || DASH, 'model'),
       api,
       status,
-      td(r.ttft_ms == null ? DASH : String(Math.round(r.ttft_ms)), 'num'),
-      td(fmtNum(r.tps), 'num'),
-      td(r.tokens == null ? DASH : String(r.tokens), 'num'),
+      td(r.ttft_ms == null ? DASH : `${Math.round(r.ttft_ms)} ms`, 'num ttft', 'TTFT'),
+      td(fmtNum(r.tps), 'num tps', 'Tokens/s'),
+      td(r.tokens == null ? DASH : String(r.tokens), 'num tokens', 'Tokens'),
       a.duration,
-      td(fmtBytes(r.bytes), 'num'),
-      td(r.replica || DASH),
-      td(r.error || '', r.error ? 'error' : ''),
-      actions,
+      td(fmtBytes(r.bytes), 'num bytes', 'Bytes'),
+      td(r.replica || DASH, 'replica'),
     );
-    if (r.in_flight) state.inFlight.add(r.id);
-    else state.inFlight.delete(r.id);
+    if (r.in_flight) state.inFlight.add(rowKey(r));
+    else state.inFlight.delete(rowKey(r));
     updateDuration(a);
   }
 
@@ -570,14 +741,17 @@
     for (const a of state.activity.values()) a.row.hidden = !matchesFilter(a.data);
   });
 
-  async function cancelRequest(id, button) {
-    button.disabled = true;
+  async function cancelRequest(id, a) {
+    a.cancelling = true;
+    if (a.cancel) a.cancel.disabled = true;
     try {
       await post(`/admin/requests/${encodeURIComponent(id)}/cancel`);
       setMessage(ui.activityMessage, `Cancelled request ${id}.`, false);
     } catch (err) {
       setMessage(ui.activityMessage, `Could not cancel request ${id}: ${err.message}`, true);
-      button.disabled = false;
+    } finally {
+      a.cancelling = false;
+      if (a.cancel) a.cancel.disabled = !state.live;
     }
   }
 
@@ -599,10 +773,13 @@
       c.svg = svg('svg', { viewBox: `0 0 ${W} 100`, role: 'img', class: 'chart-svg', 'data-chart': c.key });
       c.max = svg('text', { x: 2, y: 10, class: 'axis' });
       c.path = svg('path', { class: 'line' });
+      c.dots = svg('path', { class: 'dots' });
+      c.nodata = svg('text', { x: W / 2, y: (TOP + BOTTOM) / 2 + 4, class: 'nodata' });
+      c.nodata.textContent = 'no data yet';
       c.svg.append(
         svg('line', { x1: 0, x2: W, y1: TOP, y2: TOP, class: 'grid' }),
         svg('line', { x1: 0, x2: W, y1: BOTTOM, y2: BOTTOM, class: 'base' }),
-        c.max, c.path,
+        c.max, c.path, c.dots, c.nodata,
         Object.assign(svg('text', { x: 2, y: 97, class: 'axis' }), { textContent: '−15 min' }),
         Object.assign(svg('text', { x: W - 2, y: 97, class: 'axis end' }), { textContent: 'now' }),
       );
@@ -640,29 +817,46 @@
     const start = end - SERIES_WINDOW_S;
     for (const c of CHARTS) {
       let top = 0;
-      for (const p of s) if (p[c.key] != null && p[c.key] > top) top = p[c.key];
+      let known = 0;   // points with a value
+      for (const p of s) {
+        const v = p[c.key];
+        if (v == null) continue;
+        known++;
+        if (v > top) top = v;
+      }
       const max = niceMax(top);
       const x = (t) => (PAD + (t - start) / SERIES_WINDOW_S * (W - 2 * PAD)).toFixed(1);
       const y = (v) => (BOTTOM - (v / max) * (BOTTOM - TOP)).toFixed(1);
       let d = '';
+      let dots = '';
       let prev = null;
-      for (const p of s) {
+      for (let i = 0; i < s.length; i++) {
+        const p = s[i];
         const v = p[c.key];
         if (v == null) { prev = null; continue; }
         // A missing step (the gateway was away) is a gap too.
         const joined = prev && p.t - prev.t <= state.stepS * 1.5;
+        const next = s[i + 1];
+        const joinedNext = next && next[c.key] != null && next.t - p.t <= state.stepS * 1.5;
         d += `${joined ? 'L' : 'M'}${x(p.t)} ${y(v)}`;
-        if (!joined) d += 'h0';   // a lone point shows as a dot (round caps)
+        // A lone point (or the last one) shows as a dot: a line through one point draws nothing.
+        if (!joined && !joinedNext) dots += `M${x(p.t)} ${y(v)}h0`;
         prev = p;
       }
+      const last = s.length ? s[s.length - 1] : null;
+      if (last && last[c.key] != null) dots += `M${x(last.t)} ${y(last[c.key])}h0`;
       c.path.setAttribute('d', d || 'M0 0');
       c.path.classList.toggle('empty', !d);
-      const last = s.length ? s[s.length - 1][c.key] : null;
-      const latest = last == null ? DASH : `${fmtNum(last)}${c.unit}`;
-      setText(c.latest, `latest ${latest}`);
-      c.max.textContent = `max ${fmtNum(max, 2)}${c.unit}`;
-      c.svg.setAttribute('aria-label', s.length
-        ? `${c.label} over the last 15 minutes: latest ${latest}, axis max ${fmtNum(max, 2)}${c.unit}`
+      c.dots.setAttribute('d', dots || 'M0 0');
+      c.dots.classList.toggle('empty', !dots);
+      c.nodata.classList.toggle('empty', known > 0);
+      // The newest step's value (none: no request in that step).
+      const latest = !last || last[c.key] == null ? DASH : `${fmtNum(last[c.key])}${c.unit}`;
+      setText(c.latest, known ? `latest ${latest}` : '');
+      // An axis only for what was measured: no made-up scale over no data (nor over zeros).
+      c.max.textContent = top > 0 ? `max ${fmtNum(max, 2)}${c.unit}` : known ? `0${c.unit}` : '';
+      c.svg.setAttribute('aria-label', known
+        ? `${c.label} over the last 15 minutes: latest ${latest}` + (top > 0 ? `, axis max ${fmtNum(max, 2)}${c.unit}` : '')
         : `${c.label}: no data yet`);
     }
   }
@@ -732,6 +926,8 @@
   // ---- one timer for the text that changes with time
 
   function tick() {
+    // Stale data stands still: no loading time, TTL or in-flight duration counts on.
+    if (!state.live) return;
     for (const m of state.models.values()) updateModelTimes(m);
     for (const id of state.inFlight) {
       const a = state.activity.get(id);

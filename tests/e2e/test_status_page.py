@@ -40,6 +40,7 @@ from tests.e2e.test_engine_mlx import (
     stop,
 )
 from tests.e2e.test_engine_mlx import engine_installed as engine_installed
+from tests.e2e.test_nonstream_via_stream import wait_idle
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
@@ -247,6 +248,45 @@ def stream_chat(url: str) -> str:
     return request_id
 
 
+def cancel_from_the_page(driver: webdriver.Chrome, gateway: EngineGateway, log: Callable[[], str]) -> str:
+    """Start a generation far longer than the test, press its row's Cancel; its request id.
+
+    The client's stream ends with request_cancelled, well short of max_tokens, and the engine
+    goes idle: it was told (its connection closed), not left generating for nobody.
+    """
+    body = {
+        "model": NAME,
+        "messages": [{"role": "user", "content": "Tell a very long story."}],
+        "max_tokens": 30_000,
+        "stream": True,
+    }
+    with (
+        httpx.Client(trust_env=False, timeout=60) as http,
+        http.stream("POST", f"{gateway.url}/v1/chat/completions", json=body) as response,
+    ):
+        assert response.status_code == 200, response.read()
+        request_id: str = response.headers["x-request-id"]
+        lines = response.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert '"content"' in first or '"role"' in first, first
+
+        def cancellable(d: webdriver.Chrome) -> Any:
+            found = d.find_elements(
+                By.CSS_SELECTOR, f'[data-request-id="{request_id}"] [data-action="cancel"]'
+            )
+            return found[0] if found and found[0].is_enabled() else None
+
+        wait_for(driver, 20, cancellable, f"a Cancel button on {request_id}'s row", log).click()
+        rest = list(lines)
+    events = [line for line in rest if line.startswith("data: ")]
+    assert "request_cancelled" in events[-1], events[-3:]
+    assert len(events) < 5_000  # cut short: at ~700 tok/s 30000 tokens would take most of a minute
+    pid = shown_pid(driver, NAME)
+    assert pid is not None
+    wait_idle(pid)
+    return request_id
+
+
 def wait_served(driver: webdriver.Chrome, request_id: str, log: Callable[[], str]) -> dict[str, Any]:
     """The request's activity row once it shows status 200 and a tokens/s number."""
 
@@ -288,6 +328,21 @@ def test_the_status_page_shows_and_drives_a_real_engine(
             )
         screenshot(browser, ROOT / "docs" / "status-page-desktop.png", DESKTOP, phone=False)
         screenshot(browser, ROOT / "docs" / "status-page-phone.png", PHONE, phone=True)
+
+    # 2b. Cancel, on a long generation's row: its client gets request_cancelled, the engine stops.
+    cancelled = cancel_from_the_page(browser, mlx, log)
+    # Its head had gone out (200): the row ends with the error its stream ended with.
+    wait_for(
+        browser,
+        20,
+        lambda d: (
+            (r := d.execute_script(_JS_ACTIVITY, cancelled))
+            and r["status"] != "in-flight"
+            and any("request_cancelled" in cell for cell in r["cells"])
+        ),
+        f"activity row {cancelled} ended with request_cancelled",
+        log,
+    )
 
     # 3. Unload: the page says unloaded, and the engine's process is gone.
     click(browser, NAME, "unload")
