@@ -123,10 +123,27 @@ def _case_of(item: pytest.Item) -> tuple[str, str] | None:
     return group, case
 
 
+_ROOT = Path(__file__).resolve().parents[1]
+# Modules whose tests start processes (engine children, fake engines, the benchmark harness) or
+# wait on real time: marked slow, so that `pytest -m "not slow"` runs the in-process rest alone.
+_SLOW_DIRS = ("e2e", "perf")
+_SLOW_MODULES = frozenset(
+    {
+        "tests/engines/test_registry.py",
+        "tests/engines/test_child.py",
+        "tests/engines/test_gguf_model.py",
+        "tests/test_fake_engine.py",
+    }
+)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if (case := _case_of(item)) is not None:
             item.user_properties.append((_PROPERTY, case))
+        path = item.path.relative_to(_ROOT).as_posix()
+        if path in _SLOW_MODULES or path.split("/")[1] in _SLOW_DIRS:
+            item.add_marker(pytest.mark.slow)
 
 
 def _orphans() -> int:
