@@ -175,7 +175,7 @@ class AccessLog:
 
     def asked_model(self, name: str) -> str:
         """A model name the client gave that no route serves, as this log's lines can carry it."""
-        cut = name[:MODEL_LIMIT_CHARS] + ("…" if len(name) > MODEL_LIMIT_CHARS else "")
+        cut = cut_model(name)
         return cut if self.json else "".join(map(_text_safe, cut))
 
     def _schedule(self) -> None:
@@ -199,6 +199,11 @@ class AccessLog:
     def pending(self) -> int:
         """How many lines wait to be written."""
         return len(self._lines)
+
+
+def cut_model(name: str) -> str:
+    """A client's model name, cut to ``MODEL_LIMIT_CHARS`` (with a ``…``)."""
+    return name[:MODEL_LIMIT_CHARS] + ("…" if len(name) > MODEL_LIMIT_CHARS else "")
 
 
 def _text_safe(char: str) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from time import perf_counter
 
-from proxy.accesslog import MODEL_LIMIT_CHARS, AccessLog
+from proxy.accesslog import AccessLog, cut_model
 from proxy.asgi import Scope
 from proxy.assembly import ReplyAssembler
 from proxy.endpoints import Endpoint
@@ -134,9 +134,10 @@ class Outcome:
                 stats.count(ROUTE_LABELS[scope["path"]], self.status)
             elif metrics is not None:
                 metrics.unrouted.count(ROUTE_LABELS[scope["path"]], self.status)
-            if access is not None and self.refusal.code == "model_not_found":
-                # A name no route serves: the client's own text, made safe for the line.
-                self.model = access.asked_model(self.model)
+            if self.refusal.code == "model_not_found":
+                # A name no route serves: the client's own text, made safe for the line, and cut
+                # (the status page's activity keeps it).
+                self.model = access.asked_model(self.model) if access is not None else cut_model(self.model)
         else:
             if not self.status:
                 self.status = 499  # the client left before the response began
@@ -166,9 +167,6 @@ class Outcome:
         self.built = None
         if self.refusal is not None:
             self.refusal.__traceback__ = None
-        if len(self.model) > MODEL_LIMIT_CHARS:
-            # A name no route serves, as the client gave it (the access log cuts it the same way).
-            self.model = self.model[:MODEL_LIMIT_CHARS] + "…"
 
     def _count(self, stats: ModelMetrics, metrics: Metrics | None, route: str, duration_s: float) -> None:
         """A relayed request's figures: a few pre-bound metric updates."""
