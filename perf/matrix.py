@@ -16,7 +16,7 @@ set of surfaces, started for the group and stopped after it:
 In front of each upstream: blazar-proxy with its defaults (access log and
 metrics on, as a user runs it), nginx (keepalive to the upstream, no
 response buffering, its default access log to a file), the httpx reference
-relay and, where it is installed, LiteLLM's proxy; on request also
+relay and, where they are installed, the peers: LiteLLM's proxy and Portkey's gateway; on request also
 blazar-proxy from another checkout (``--baseline``: before and after in one
 run) and blazar-proxy with ``--no-access-log``. Each cell (workload ×
 concurrency) is measured on every surface in turn, rounds interleaved, so
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -42,9 +43,11 @@ import orjson
 from perf import surfaces
 from perf.loadgen import CellResult, stream_load, wrk_load
 
-SURFACES = ("direct", "blazar", "blazar-base", "blazar-no-log", "nginx", "blazar-httpx", "litellm")
+SURFACES = ("direct", "blazar", "blazar-base", "blazar-no-log", "nginx", "blazar-httpx", "litellm", "portkey")
 # What a plain run measures; blazar-base comes with --baseline, blazar-no-log when asked for.
-DEFAULT_SURFACES = ("direct", "blazar", "nginx", "blazar-httpx", "litellm")
+DEFAULT_SURFACES = ("direct", "blazar", "nginx", "blazar-httpx", "litellm", "portkey")
+# Other gateways, measured where installed; each has a section of the report (and a status if not).
+PEERS = ("litellm", "portkey")
 # The blazar-proxy builds whose goals are reported beside blazar's.
 OTHER_BLAZARS = ("blazar-base", "blazar-no-log")
 PATH = "/v1/chat/completions"
@@ -166,6 +169,7 @@ def _measure(
     else:
         bodies = [body(m, workload.stream) for m in workload.models]
         headers = {"x-fake": workload.fake}
+    headers = {**headers, **surface.headers}
     cpu_before = surface.cpu_s()
     if workload.stream:
         result: CellResult = stream_load(
@@ -204,17 +208,19 @@ def run_matrix(plan: Plan, out_dir: Path) -> dict[str, Any]:
     log_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
     cells: dict[tuple[str, int, str], Cell] = {}
-    litellm: dict[str, Any] = {"status": "not in this plan"}
+    peers: dict[str, dict[str, Any]] = {peer: {"status": "not in this plan"} for peer in PEERS}
     # One group of workloads per upstream, in the plan's order, each with its own surfaces.
     groups: dict[str, list[str]] = {}
     for name in plan.workloads:
         groups.setdefault(WORKLOADS[name].upstream, []).append(name)
     for upstream, names in groups.items():
-        info = _run_group(plan, upstream, names, out_dir, log_dir, cells)
-        if info["status"] != "not in this plan" and not litellm["status"].startswith("did not start"):
-            litellm = info
+        infos = _run_group(plan, upstream, names, out_dir, log_dir, cells)
+        for peer, info in infos.items():
+            # The first failure to start stands: a later group's success does not hide it.
+            if info["status"] != "not in this plan" and not peers[peer]["status"].startswith("did not start"):
+                peers[peer] = info
     data = summarize(plan, cells, started)
-    data["litellm"] = litellm
+    data.update(peers)
     return data
 
 
@@ -231,13 +237,16 @@ def _run_group(
     out_dir: Path,
     log_dir: Path,
     cells: dict[tuple[str, int, str], Cell],
-) -> dict[str, Any]:
-    """Start the upstream(s) and the surfaces for one group of workloads, measure its cells, stop all."""
+) -> dict[str, dict[str, Any]]:
+    """Start the upstream(s) and the surfaces for one group of workloads, measure its cells, stop all.
+
+    Returns what became of each peer (``PEERS``), for the report.
+    """
     engines = _start_upstreams(plan, upstream, log_dir)
     procs: dict[str, surfaces.Process] = {}
     models = ("m1",) if upstream == "fast" else ("m1", "m2")
     upstreams = {model: engine.url for model, engine in zip(models, engines, strict=True)}
-    litellm: dict[str, Any] = {"status": "not in this plan"}
+    peers: dict[str, dict[str, Any]] = {peer: {"status": "not in this plan"} for peer in PEERS}
     try:
         procs["direct"] = engines[0]
         if "blazar" in plan.surfaces:
@@ -260,7 +269,8 @@ def _run_group(
             )
         if "blazar-httpx" in plan.surfaces:
             procs["blazar-httpx"] = surfaces.start_httpx_gateway(upstreams, plan.cpu, log_dir)
-        litellm = _start_litellm(plan, upstreams, out_dir, procs)
+        peers["litellm"] = _start_litellm(plan, upstreams, out_dir, procs)
+        peers["portkey"] = _start_portkey(plan, upstreams, out_dir, procs)
         for proc in procs.values():
             _warm(proc, models, streams=upstream != "fast")
         for name in names:
@@ -287,12 +297,12 @@ def _run_group(
             proc.stop()
         for engine in engines:
             engine.stop()
-    return litellm
+    return peers
 
 
 def _warm(surface: surfaces.Process, models: tuple[str, ...], *, streams: bool, requests: int = 20) -> None:
     """A few requests of each kind before measuring: LiteLLM's first request takes ~0.6 s here."""
-    headers = {"content-type": "application/json", "x-fake": "chunks=16"}
+    headers = {"content-type": "application/json", "x-fake": "chunks=16", **surface.headers}
     with httpx.Client(trust_env=False, timeout=60) as client:
         for index in range(requests):
             for model in models:
@@ -321,6 +331,36 @@ def _start_litellm(
         print(f"matrix: LiteLLM {found.version} did not start: {exc}", flush=True)
         return {**info, "status": f"did not start: {exc}"}
     return {**info, "status": "measured"}
+
+
+def _start_portkey(
+    plan: Plan, upstreams: dict[str, str], out_dir: Path, procs: dict[str, surfaces.Process]
+) -> dict[str, Any]:
+    """Add Portkey's gateway to ``procs`` where it is installed; what became of it, for the report."""
+    if "portkey" not in plan.surfaces:
+        return {"status": "not in this plan"}
+    found = surfaces.find_portkey()
+    if found is None:
+        hint = (
+            "npm install --prefix DIR @portkey-ai/gateway, with Node on PATH, and set "
+            f"${surfaces.PORTKEY_ENV}=DIR; see perf/README.md"
+        )
+        return {"status": "not installed", "hint": hint}
+    info: dict[str, Any] = {"version": found.version, "entry": found.entry, "found_by": found.found_by}
+    info["node"] = _node_version(found.node)
+    try:
+        procs["portkey"] = surfaces.start_portkey(found, upstreams, plan.cpu, out_dir)
+    except RuntimeError as exc:
+        print(f"matrix: Portkey {found.version} did not start: {exc}", flush=True)
+        return {**info, "status": f"did not start: {exc}"}
+    return {**info, "status": "measured"}
+
+
+def _node_version(node: str) -> str:
+    try:
+        return subprocess.run([node, "--version"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
 
 
 def summarize(plan: Plan, cells: dict[tuple[str, int, str], Cell], started: float) -> dict[str, Any]:

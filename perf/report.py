@@ -105,7 +105,9 @@ def matrix_markdown(data: dict[str, Any]) -> str:
         for goal in data["goals"]
     ]
     lines += other_goals_markdown(data)
+    lines += peers_markdown(data)
     lines += litellm_markdown(data)
+    lines += portkey_markdown(data)
     workloads = list(dict.fromkeys(r["workload"] for r in data["rows"]))
     for workload in workloads:
         lines += [
@@ -217,6 +219,77 @@ def litellm_markdown(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def portkey_markdown(data: dict[str, Any]) -> list[str]:
+    """Portkey's gateway: how it ran, or a line saying why it is not there (its figures: the peers' table)."""
+    info = data.get("portkey") or {"status": "not in this run"}
+    if info["status"] != "measured":
+        hint = f" ({info['hint']})" if info.get("hint") else ""
+        return ["", f"Portkey: {info['status']}{hint}."]
+    return [
+        "",
+        "## Portkey",
+        "",
+        f"Portkey's gateway {info['version']} (`@portkey-ai/gateway`, found by {info['found_by']}) on Node "
+        f"{info.get('node') or '?'}: one process, `--headless` and NODE_ENV=production (no console, no log "
+        "stream; it writes no line per request either way), routed by request headers: provider openai at "
+        "a custom host (`x-portkey-custom-host`), or a conditional config on the model for two upstreams; "
+        "`x-fake` forwarded.",
+    ]
+
+
+# The figures of the peers' table: (label, workload, concurrency, key, digits, higher is better).
+_PEER_FIGURES = (
+    ("added p50 at C=1 (json), ms", "json", 1, "added_p50_ms", 3, False),
+    ("req/s at C=64 (json)", "json", 64, "rps", 0, True),
+    ("CPU µs per request at C=1 (json)", "json", 1, "cpu_us_per_request", 1, False),
+    ("CPU µs per request at C=64 (json)", "json", 64, "cpu_us_per_request", 1, False),
+)
+
+
+def peers_markdown(data: dict[str, Any]) -> list[str]:
+    """The measured peers beside nginx and blazar-proxy, each figure also as a ratio to both.
+
+    A ratio is the peer's figure over the other's, so for req/s below 1 is slower and for the rest
+    above 1 is costlier.
+    """
+    peers = [p for p in ("litellm", "portkey") if (data.get(p) or {}).get("status") == "measured"]
+    if not peers:
+        return []
+    rows = data["rows"]
+    header = "| figure | nginx | blazar | " + " | ".join(f"{p} | {p} ÷ nginx | {p} ÷ blazar" for p in peers)
+    lines = [
+        "",
+        "## Peers, same core, same upstream",
+        "",
+        "Each peer's figure, and its ratio to nginx's and to blazar-proxy's (for req/s below 1 is slower; "
+        "for the rest above 1 costs more).",
+        "",
+        header + " |",
+        "|---|---|---|" + "---|---|---|" * len(peers),
+    ]
+    for label, workload, c, key, digits, _ in _PEER_FIGURES:
+        value = {
+            surface: row.get(key) if row and row["requests"] else None
+            for surface in ("nginx", "blazar", *peers)
+            for row in [_row(rows, workload, c, surface)]
+        }
+        cells = [label, _fmt(value["nginx"], digits), _fmt(value["blazar"], digits)]
+        for peer in peers:
+            mine = value[peer]
+            row = _row(rows, workload, c, peer)
+            shown = (
+                f"none finished in {data['plan']['duration_s']:g} s"
+                if row is not None and not row["requests"]
+                else _fmt(mine, digits)
+            )
+            cells.append(shown)
+            for other in ("nginx", "blazar"):
+                theirs = value[other]
+                cells.append(_ratio(mine / theirs) if mine and theirs and mine > 0 and theirs > 0 else "–")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def _ratio(value: float) -> str:
     return f"{value:.0f}×" if value >= 100 else f"{value:.1f}×" if value >= 1 else f"{value:.3f}×"
 
@@ -235,6 +308,7 @@ _COLORS = {
     "nginx": "tab:green",
     "blazar-httpx": "tab:red",
     "litellm": "tab:orange",
+    "portkey": "tab:brown",
 }
 
 

@@ -8,6 +8,7 @@ swamp the tenth of a millisecond being measured.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -16,7 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -80,6 +81,8 @@ class Process:
     name: str
     proc: subprocess.Popen[bytes]
     port: int
+    # Headers every request to this surface carries (Portkey's routing headers), beside the workload's.
+    headers: dict[str, str] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -355,6 +358,112 @@ def start_litellm(
         Process("litellm", proc, port).stop()
         raise RuntimeError(f"{exc}; log: {prefix / 'litellm.log'}") from exc
     return Process("litellm", proc, port)
+
+
+@dataclass(frozen=True)
+class Portkey:
+    """Portkey's open-source gateway (npm ``@portkey-ai/gateway``), found by ``find_portkey``."""
+
+    node: str
+    entry: str  # the package's build/start-server.js
+    version: str
+    found_by: str
+
+
+PORTKEY_ENV = "BLAZAR_PERF_PORTKEY_DIR"
+PORTKEY_PACKAGE = Path("node_modules", "@portkey-ai", "gateway")
+
+
+def _portkey_package(path: Path) -> Path | None:
+    """The package directory for ``path``: the package itself, or an npm prefix that has it installed."""
+    for candidate in (path, path / PORTKEY_PACKAGE):
+        if (candidate / "build" / "start-server.js").is_file() and (candidate / "package.json").is_file():
+            return candidate
+    return None
+
+
+def find_portkey() -> Portkey | None:
+    """Portkey's gateway, if installed: under $BLAZAR_PERF_PORTKEY_DIR (an npm prefix or the package), or
+    the ``gateway`` command on PATH where it is Portkey's; run by the ``node`` on PATH."""
+    node = shutil.which("node")
+    if node is None:
+        return None
+    candidates: list[tuple[Path, str]] = []
+    if os.environ.get(PORTKEY_ENV):
+        candidates.append((Path(os.environ[PORTKEY_ENV]), f"${PORTKEY_ENV}"))
+    cli = shutil.which("gateway")
+    if cli:
+        # npm links the package's bin, build/start-server.js, as `gateway`.
+        candidates.append((Path(cli).resolve().parent.parent, f"the gateway command at {cli}"))
+    for path, found_by in candidates:
+        package = _portkey_package(path)
+        if package is None:
+            continue
+        with contextlib.suppress(OSError, ValueError):
+            meta = json.loads((package / "package.json").read_text())
+            if meta.get("name") == "@portkey-ai/gateway":
+                entry = str(package / "build" / "start-server.js")
+                return Portkey(node, entry, str(meta.get("version", "?")), found_by)
+    return None
+
+
+def portkey_headers(upstreams: dict[str, str]) -> dict[str, str]:
+    """The headers that route a request through Portkey to ``upstreams`` (model name → base URL).
+
+    One upstream: its documented per-request headers, provider ``openai`` at a custom host. Several: a
+    config (``x-portkey-config``) that picks the target by the request's model (conditional routing).
+    Either way ``x-fake`` is forwarded (the fake engine's workload header, as the other surfaces pass it).
+    """
+    forward = {"x-portkey-forward-headers": "x-fake"}
+    if len(upstreams) == 1:
+        (url,) = upstreams.values()
+        return {"x-portkey-provider": "openai", "x-portkey-custom-host": f"{url}/v1", **forward}
+    config = {
+        "strategy": {
+            "mode": "conditional",
+            "conditions": [{"query": {"params.model": {"$eq": name}}, "then": name} for name in upstreams],
+            "default": next(iter(upstreams)),
+        },
+        "targets": [
+            {"name": name, "provider": "openai", "api_key": "none", "custom_host": f"{url}/v1"}
+            for name, url in upstreams.items()
+        ],
+    }
+    return {"x-portkey-config": json.dumps(config, separators=(",", ":")), **forward}
+
+
+def portkey_command(portkey: Portkey, port: int) -> list[str]:
+    """Portkey's server on ``port``, ``--headless``: no console UI, so no log stream to feed."""
+    return [portkey.node, portkey.entry, f"--port={port}", "--headless"]
+
+
+def portkey_env() -> dict[str, str]:
+    # NODE_ENV=production: the other switch its start-up reads to leave the console (and its logs) out.
+    return {**os.environ, "NODE_ENV": "production"}
+
+
+def start_portkey(
+    portkey: Portkey, upstreams: dict[str, str], cpu: int | None, work_dir: Path, timeout_s: float = 60.0
+) -> Process:
+    """Portkey's gateway (one Node process) in front of ``upstreams``, routed by request headers."""
+    port = free_port()
+    prefix = work_dir / f"portkey-{port}"
+    prefix.mkdir(parents=True)
+    log = (prefix / "portkey.log").open("wb")
+    proc = subprocess.Popen(
+        pinned(portkey_command(portkey, port), cpu),
+        cwd=prefix,
+        env=portkey_env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    process = Process("portkey", proc, port, portkey_headers(upstreams))
+    try:
+        wait_until_ready(f"http://127.0.0.1:{port}/", proc, timeout_s)
+    except RuntimeError as exc:
+        process.stop()
+        raise RuntimeError(f"{exc}; log: {prefix / 'portkey.log'}") from exc
+    return process
 
 
 def wait_until_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
