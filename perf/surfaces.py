@@ -130,40 +130,31 @@ def wait_listening(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 
 
 def start_fake_engine(cpu: int | None, log_dir: Path, *args: str) -> Process:
     """The fast fake engine (HTTP/1.1 keep-alive, chunked streams)."""
-    log = (log_dir / f"fake-engine-{time.monotonic_ns()}.log").open("wb")
-    proc = subprocess.Popen(
-        pinned([sys.executable, "-m", "tests.fake_engine", "--http11", "--port", "0", *args], cpu),
-        cwd=ROOT,
-        env=child_env(),
-        stdout=subprocess.PIPE,
-        stderr=log,
+    argv = [sys.executable, "-m", "tests.fake_engine", "--http11", "--port", "0", *args]
+    return _start_announcing(
+        "engine", "fake engine", argv, cpu, log_dir / f"fake-engine-{time.monotonic_ns()}.log"
     )
-    assert proc.stdout is not None
-    line = proc.stdout.readline().decode()
-    proc.stdout.close()
-    if not line.startswith("PORT "):
-        proc.kill()
-        raise RuntimeError(f"fake engine did not start: {line!r}")
-    return Process("engine", proc, int(line.split()[1]))
 
 
 def start_fast_upstream(cpu: int | None, log_dir: Path) -> Process:
     """The fast upstream (``perf/fast_upstream.py``): a fixed ~1 KB completion for every POST, at once."""
-    log = (log_dir / f"fast-upstream-{time.monotonic_ns()}.log").open("wb")
-    proc = subprocess.Popen(
-        pinned([sys.executable, "-m", "perf.fast_upstream", "--port", "0"], cpu),
-        cwd=ROOT,
-        env=child_env(),
-        stdout=subprocess.PIPE,
-        stderr=log,
+    argv = [sys.executable, "-m", "perf.fast_upstream", "--port", "0"]
+    return _start_announcing(
+        "upstream", "fast upstream", argv, cpu, log_dir / f"fast-upstream-{time.monotonic_ns()}.log"
     )
+
+
+def _start_announcing(name: str, what: str, argv: list[str], cpu: int | None, log_path: Path) -> Process:
+    """A server that prints ``PORT <n>`` on stdout once it listens."""
+    log = log_path.open("wb")
+    proc = subprocess.Popen(pinned(argv, cpu), cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=log)
     assert proc.stdout is not None
     line = proc.stdout.readline().decode()
     proc.stdout.close()
     if not line.startswith("PORT "):
         proc.kill()
-        raise RuntimeError(f"fast upstream did not start: {line!r}")
-    return Process("upstream", proc, int(line.split()[1]))
+        raise RuntimeError(f"{what} did not start: {line!r}")
+    return Process(name, proc, int(line.split()[1]))
 
 
 def start_blazar(
