@@ -57,7 +57,8 @@ async def relay_body(conn: Connection, out: Writer, outcome: Outcome, read_timeo
 
 
 def usage_tail(prev: bytes, last: bytes) -> bytes:
-    """The stream's last ``USAGE_BYTES`` (its usage, for the status page), copying no more than that."""
+    """A response's last ``USAGE_BYTES`` from its last two reads (its usage, for the status page),
+    copying no more than that."""
     if len(last) >= USAGE_BYTES:
         # bytes: a slice of a memoryview (a large read's last slice) would keep the whole read.
         return bytes(last[-USAGE_BYTES:])
