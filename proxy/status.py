@@ -204,7 +204,7 @@ class Status:
         self._lines: dict[str, list[str]] = {}
         self._dropped: dict[str, int] = {}
         self._series: collections.deque[dict[str, Any]] = collections.deque(maxlen=SERIES_POINTS)
-        self._totals: tuple[float, int, float, int] | None = None
+        self._totals: tuple[int, float, int] | None = None
         self._models_soon: asyncio.Handle | None = None
         self._ticker: asyncio.Task[None] | None = None
         self._sampler: asyncio.Task[None] | None = None
@@ -466,9 +466,9 @@ class Status:
         totals = self._read_totals()
         before = self._totals or totals
         self._totals = totals
-        requests = totals[1] - before[1]
-        ttft_count = totals[3] - before[3]
-        ttft_ms = (totals[2] - before[2]) / ttft_count * 1000 if ttft_count > 0 else None
+        requests = totals[0] - before[0]
+        ttft_count = totals[2] - before[2]
+        ttft_ms = (totals[1] - before[1]) / ttft_count * 1000 if ttft_count > 0 else None
         since = perf_counter() - SERIES_STEP_S
         speeds = []
         # Every one: a long request that ended in the step may sit behind newer, shorter ones.
@@ -485,8 +485,8 @@ class Status:
             "tps": round(sum(speeds) / len(speeds), 1) if speeds else None,
         }
 
-    def _read_totals(self) -> tuple[float, int, float, int]:
-        """(when, requests answered, the time-to-first-token sum and count) as the metrics have them;
+    def _read_totals(self) -> tuple[int, float, int]:
+        """(requests answered, the time-to-first-token sum and count) as the metrics have them;
         without metrics, those of the activity's requests that ended in the last step."""
         metrics = self.metrics
         if metrics is None:
@@ -497,12 +497,12 @@ class Status:
                 if r.duration_s is not None and r.arrived + r.duration_s >= since
             ]
             # As running totals: each step's are its own.
-            before = self._totals or (0.0, 0, 0.0, 0)
-            return perf_counter(), before[1] + len(ttfts), before[2] + sum(ttfts), before[3] + len(ttfts)
+            before = self._totals or (0, 0.0, 0)
+            return before[0] + len(ttfts), before[1] + sum(ttfts), before[2] + len(ttfts)
         requests = sum(sum(m.requests.values()) for m in (*metrics.models.values(), metrics.unrouted))
         ttft_sum = sum(m.ttft.sum for m in metrics.models.values())
         ttft_count = sum(sum(m.ttft.counts) for m in metrics.models.values())
-        return perf_counter(), requests, ttft_sum, ttft_count
+        return requests, ttft_sum, ttft_count
 
     async def close(self) -> None:
         """End every stream and stop the series (the gateway shuts down)."""
