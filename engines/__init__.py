@@ -1,1 +1,1 @@
-"""Engine versions and the children that serve them (see issue 3; nothing here yet)."""
+"""Engine versions and the children that serve them; ``engines/DESIGN.md`` maps the modules."""

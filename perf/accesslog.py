@@ -3,12 +3,13 @@
 The same lines, written in this process from an event loop (uvloop, as in the
 gateway) to a file, as a gateway's redirected stderr is:
 
-- ``per-line``: what shipped until issue 11, one ``logging`` record per line
-  through a ``StreamHandler`` (a ``write`` and a flush, so a system call, each);
+- ``per-line``: one ``logging`` record per line through a ``StreamHandler`` (a
+  ``write`` and a flush, so a system call, each), the way ``AccessLog`` replaced;
 - ``queue``: ``logging.handlers.QueueHandler`` on the loop and a
   ``QueueListener`` thread doing the writes (the stdlib's way off the loop);
-- ``buffered``: ``proxy.accesslog.AccessLog`` today: format, append to a list,
-  one write per batch from a timer on the loop (or when the batch is full).
+- ``buffered``: ``proxy.accesslog.AccessLog`` as shipped: the fields appended to a list,
+  formatted and written in one write per batch from a timer on the loop (or when
+  the batch is full).
 
 Each request of the benchmark writes one line and then yields to the loop
 (``await asyncio.sleep(0)``) so timers and callbacks run as they would
@@ -62,7 +63,7 @@ SCOPE: Scope = {
 
 
 class PerLineAccessLog:
-    """The access log as it shipped before issue 11: a ``logging`` record per line, formatted then."""
+    """The per-line access log ``AccessLog`` replaced: a ``logging`` record per line, formatted then."""
 
     def __init__(self, logger: logging.Logger, fmt: str = "text", clock: Clock | None = None) -> None:
         self.log = logger

@@ -537,7 +537,7 @@ def summarize(results: Sequence[ModeResult], turns: int) -> dict[str, Any]:
 
 
 def goals(modes: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 14's three goals, for each affinity mode that was measured."""
+    """The three goals (cached fraction, TTFT against least-busy, busiest share) per affinity mode."""
     rows: list[dict[str, Any]] = []
     single = modes.get("single", {})
     least = modes.get("least-busy", {})
@@ -675,7 +675,7 @@ def markdown(data: dict[str, Any]) -> str:
     if summary["goals"]:
         lines += [
             "",
-            "## Goals (issue 14)",
+            "## Goals",
             "",
             "| mode | goal | value | limit | met |",
             "|---|---|---|---|---|",
