@@ -43,9 +43,19 @@ import orjson
 from perf import surfaces
 from perf.loadgen import CellResult, stream_load, wrk_load
 
-SURFACES = ("direct", "blazar", "blazar-base", "blazar-no-log", "nginx", "blazar-httpx", "litellm", "portkey")
+SURFACES = (
+    "direct",
+    "blazar",
+    "blazar-base",
+    "blazar-no-log",
+    "nginx",
+    "floor",
+    "blazar-httpx",
+    "litellm",
+    "portkey",
+)
 # What a plain run measures; blazar-base comes with --baseline, blazar-no-log when asked for.
-DEFAULT_SURFACES = ("direct", "blazar", "nginx", "blazar-httpx", "litellm", "portkey")
+DEFAULT_SURFACES = ("direct", "blazar", "nginx", "floor", "blazar-httpx", "litellm", "portkey")
 # Other gateways, measured where installed; each has a section of the report (and a status if not).
 PEERS = ("litellm", "portkey")
 # The blazar-proxy builds whose goals are reported beside blazar's.
@@ -267,6 +277,8 @@ def _run_group(
             procs["nginx"] = surfaces.start_nginx(
                 [e.port for e in engines], plan.cpu, out_dir, request_buffering=upstream == "fast"
             )
+        if "floor" in plan.surfaces:
+            procs["floor"] = surfaces.start_floor(upstreams, plan.cpu, log_dir)
         if "blazar-httpx" in plan.surfaces:
             procs["blazar-httpx"] = surfaces.start_httpx_gateway(upstreams, plan.cpu, log_dir)
         peers["litellm"] = _start_litellm(plan, upstreams, out_dir, procs)

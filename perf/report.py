@@ -306,6 +306,7 @@ _COLORS = {
     "blazar-base": "tab:cyan",
     "blazar-no-log": "tab:purple",
     "nginx": "tab:green",
+    "floor": "tab:olive",
     "blazar-httpx": "tab:red",
     "litellm": "tab:orange",
     "portkey": "tab:brown",

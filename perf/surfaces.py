@@ -194,6 +194,20 @@ def start_httpx_gateway(upstreams: dict[str, str], cpu: int | None, log_dir: Pat
     return Process("blazar-httpx", proc, port)
 
 
+def start_floor(upstreams: dict[str, str], cpu: int | None, log_dir: Path) -> Process:
+    """The floor (``perf/floor_proxy.py``): what a Python relay on uvloop and httptools costs at least."""
+    port = free_port()
+    argv = [sys.executable, "-m", "perf.floor_proxy", "--port", str(port)]
+    for name, url in upstreams.items():
+        argv += ["--upstream", f"{name}={url}"]
+    log = (log_dir / f"floor-{port}.log").open("wb")
+    proc = subprocess.Popen(
+        pinned(argv, cpu), cwd=ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT
+    )
+    wait_listening(port, proc)
+    return Process("floor", proc, port)
+
+
 def nginx_binary() -> str | None:
     return shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if os.path.exists(p)), None)
 

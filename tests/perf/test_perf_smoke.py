@@ -39,18 +39,18 @@ def _run(*args: str, env: dict[str, str] | None = None) -> None:
 
 
 def test_matrix_smoke(tmp_path: Path) -> None:
-    """`perf matrix --smoke` measures all four surfaces with no gateway errors and writes md, json and png."""
+    """`perf matrix --smoke` measures every default surface with no gateway errors and writes md, json and png."""
     _need("nginx")
     _need("wrk")
     _run("matrix", "--smoke", "--out", str(tmp_path))
     data = orjson.loads((tmp_path / "matrix.json").read_bytes())
     surfaces = {(r["workload"], r["surface"]) for r in data["rows"]}
     for workload in ("json", "sse"):
-        for surface in ("direct", "blazar", "nginx", "blazar-httpx"):
+        for surface in ("direct", "blazar", "nginx", "floor", "blazar-httpx"):
             assert (workload, surface) in surfaces
     for row in data["rows"]:
         assert row["requests"] > 0, row
-        if row["surface"] == "blazar":
+        if row["surface"] in ("blazar", "floor"):
             assert row["errors"] == 0, row
             assert row["cpu_us_per_request"] > 0
     assert {g["goal"] for g in data["goals"]} >= {
