@@ -9,8 +9,9 @@ are not logged. The client address is the peer's, or, when the peer is one
 of the configured proxies (--forwarded-allow-ips), the nearest untrusted
 address in its X-Forwarded-For; keys and bodies are never logged.
 
-A line costs its formatting and a list append on the request's path. The
-lines wait in a buffer that is written in one go, off the request's path:
+A line costs a tuple of its fields and a list append on the request's
+path. The lines wait in a buffer that is formatted and written in one go,
+off the request's path:
 by a timer on the event loop ``FLUSH_AFTER_S`` after the first line of a
 batch, at once when ``MAX_LINES`` are waiting, and at exit (so SIGTERM, a
 drain or an exception that ends the process loses none; SIGKILL loses what
@@ -70,23 +71,36 @@ MODEL_LIMIT_CHARS = ECHO_LIMIT
 _TEXT = '%s [%s] "%s %s" %s %s %.3fms ttfb=%sms overhead=%sms model=%s id=%s'
 
 
+# A line's fields as ``write`` keeps them: the clock's reading, the client, the method, the path,
+# the request's id, model, status, bytes, duration, time to the upstream's head, the gateway's own
+# time, and the servers it moved between (or None).
+_Fields = tuple[
+    int, str, str, str, bytes, str, int, int, float, "float | None", "float | None", "list[str] | None"
+]
+
+
 class Clock:
     """The time a line is written, in UTC: ISO 8601 to the millisecond (``2026-12-01T20:15:03.123Z``).
 
     The date and the second are formatted once a second, as nginx caches
-    its ``$time_local``; a line pays one ``time_ns()``, two divisions and a
-    look-up of its milliseconds (~0.3 µs).
+    its ``$time_local``; a line pays one ``time_ns()`` when written, and two
+    divisions and a look-up of its milliseconds when formatted.
     """
 
-    __slots__ = ("_now_ns", "_second", "_text")
+    __slots__ = ("_second", "_text", "now_ns")
 
     def __init__(self, now_ns: Callable[[], int] = time.time_ns) -> None:
-        self._now_ns = now_ns
+        # The reading: ``write`` takes it on the request's path, ``format`` turns it into text later.
+        self.now_ns = now_ns
         self._second = -1
         self._text = ""
 
     def __call__(self) -> str:
-        ms = self._now_ns() // 1_000_000
+        return self.format(self.now_ns())
+
+    def format(self, now_ns: int) -> str:
+        """A reading of this clock as a line's time."""
+        ms = now_ns // 1_000_000
         second = ms // 1000
         if second != self._second:
             self._second = second
@@ -107,7 +121,10 @@ class AccessLog:
         self.json = fmt == "json"
         self.clock = clock or Clock()
         self.client = ProxyTrust(trusted_proxies).client
-        self._lines: list[str] = []
+        # The waiting lines, as their fields (formatted by ``flush``).
+        self._lines: list[_Fields] = []
+        # The clock's own reading (``time.time_ns``): a C call on the request's path.
+        self._now_ns = self.clock.now_ns
         # The loop whose timer will write the waiting lines, and that timer.
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -129,15 +146,59 @@ class AccessLog:
         overhead_s: float | None,
         upstreams: list[str] | None = None,
     ) -> None:
-        """One request's line; ``upstreams``: the servers it was sent to, in order, if it moved."""
+        """One request's line; ``upstreams``: the servers it was sent to, in order, if it moved.
+
+        Only its fields are kept here (and the clock read): the line is formatted with the
+        rest of its batch, when the batch is written (``flush``).
+        """
         if not log.isEnabledFor(logging.INFO):
             return
+        lines, loop = self._lines, self._loop
+        # Strings and numbers only: no container of the request's (its scope, its headers)
+        # outlives the request in the buffer, for the collector to visit.
+        lines.append(
+            (
+                self._now_ns(),
+                self.client(scope),
+                scope["method"],
+                scope["path"],
+                request_id,
+                model,
+                status,
+                bytes_out,
+                duration_s,
+                ttfb_s,
+                overhead_s,
+                upstreams,
+            )
+        )
+        if len(lines) == 1:
+            self._schedule()
+        elif len(lines) >= MAX_LINES or loop is None or not loop.is_running():
+            # Full; or the loop whose timer would write these has stopped (a test's).
+            self.flush()
+
+    def _format(self, fields: _Fields) -> str:
+        (
+            now_ns,
+            client,
+            method,
+            path,
+            request_id,
+            model,
+            status,
+            bytes_out,
+            duration_s,
+            ttfb_s,
+            overhead_s,
+            upstreams,
+        ) = fields
         if self.json:
             record = {
-                "time": self.clock(),
-                "client": self.client(scope),
-                "method": scope["method"],
-                "path": scope["path"],
+                "time": self.clock.format(now_ns),
+                "client": client,
+                "method": method,
+                "path": path,
                 "request_id": request_id.decode("latin-1"),
                 "model": model,
                 "status": status,
@@ -148,30 +209,23 @@ class AccessLog:
             }
             if upstreams is not None:
                 record["upstream"] = upstreams
-            line = orjson.dumps(record).decode()
-        else:
-            line = _TEXT % (
-                self.client(scope),
-                self.clock(),
-                scope["method"],
-                scope["path"],
-                status,
-                bytes_out,
-                duration_s * 1000,
-                "%.3f" % (ttfb_s * 1000) if ttfb_s is not None else "-",
-                "%.3f" % (overhead_s * 1000) if overhead_s is not None else "-",
-                model or "-",
-                request_id.decode("latin-1"),
-            )
-            if upstreams is not None:
-                line += " upstream=" + ",".join(upstreams)
-        lines, loop = self._lines, self._loop
-        lines.append(line)
-        if len(lines) == 1:
-            self._schedule()
-        elif len(lines) >= MAX_LINES or loop is None or not loop.is_running():
-            # Full; or the loop whose timer would write these has stopped (a test's).
-            self.flush()
+            return orjson.dumps(record).decode()
+        line = _TEXT % (
+            client,
+            self.clock.format(now_ns),
+            method,
+            path,
+            status,
+            bytes_out,
+            duration_s * 1000,
+            "%.3f" % (ttfb_s * 1000) if ttfb_s is not None else "-",
+            "%.3f" % (overhead_s * 1000) if overhead_s is not None else "-",
+            model or "-",
+            request_id.decode("latin-1"),
+        )
+        if upstreams is not None:
+            line += " upstream=" + ",".join(upstreams)
+        return line
 
     def asked_model(self, name: str) -> str:
         """A model name the client gave that no route serves, as this log's lines can carry it."""
@@ -192,9 +246,9 @@ class AccessLog:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        lines, self._lines = self._lines, []
-        if lines:
-            _emit(lines, self._probe)
+        waiting, self._lines = self._lines, []
+        if waiting:
+            _emit(list(map(self._format, waiting)), self._probe)
 
     def pending(self) -> int:
         """How many lines wait to be written."""

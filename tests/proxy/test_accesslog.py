@@ -7,6 +7,7 @@ import io
 import logging
 import subprocess
 import sys
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -194,6 +195,35 @@ async def test_a_full_buffer_is_written_at_once(stream: Stream) -> None:
     write_one(access)
     assert access.pending() == 0 and stream.writes == 1
     assert len(stream.getvalue().splitlines()) == MAX_LINES
+
+
+class _Scope(dict[str, object]):
+    """A scope that a weak reference can watch."""
+
+
+@pytest.mark.anyio
+async def test_a_waiting_line_holds_nothing_of_its_request(stream: Stream) -> None:
+    """A line waits as text and numbers: the request's scope (its headers, its extensions) is freed
+    when the request ends, not when the batch is written, and the line still says who asked."""
+    scope = _Scope(method="POST", path="/v1/chat/completions", client=("10.0.0.7", 1), headers=[])
+    watched = weakref.ref(scope)
+    access = AccessLog()
+    access.write(
+        scope,
+        request_id=b"r",
+        model="m1",
+        status=200,
+        bytes_out=1,
+        duration_s=0.001,
+        ttfb_s=None,
+        overhead_s=None,
+    )
+    del scope
+    assert access.pending() == 1 and watched() is None
+    access.flush()
+    assert (
+        stream.getvalue().startswith("10.0.0.7 [") and '"POST /v1/chat/completions" 200' in stream.getvalue()
+    )
 
 
 def test_lines_left_by_a_closed_loop_go_with_the_next_loops_line(stream: Stream) -> None:
