@@ -7,29 +7,13 @@ small, busy machines.
 from __future__ import annotations
 
 import socket
-import time
-from collections.abc import Callable
-from typing import TypeVar
 
 import httpx
 
 from tests.e2e.conftest import FakeEngine, Running, StartGateway
+from tests.helpers import wait_until
 
 CHAT = "/v1/chat/completions"
-
-T = TypeVar("T")
-
-
-def wait_until(probe: Callable[[], T | None], timeout_s: float, what: str, interval_s: float = 0.05) -> T:
-    """Call ``probe`` until it returns something truthy, and return that; fail after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s:g} s: {what}")
-        time.sleep(interval_s)
 
 
 def wait_listening(port: int, timeout_s: float = 10.0) -> None:
@@ -42,7 +26,7 @@ def wait_listening(port: int, timeout_s: float = 10.0) -> None:
             return False
         return True
 
-    wait_until(accepts, timeout_s, f"a listener on port {port}")
+    wait_until(accepts, f"a listener on port {port}", timeout_s=timeout_s)
 
 
 def replace_once(text: str, old: str, new: str) -> str:

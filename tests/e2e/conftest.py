@@ -7,8 +7,6 @@ tests see what a client sees: framing, headers, disconnects and timing.
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,15 +19,10 @@ import httpx
 import openai
 import pytest
 
+from tests.helpers import free_port, terminate
+
 ROOT = Path(__file__).resolve().parents[2]
 _START_TIMEOUT_S = 15.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _child_env() -> dict[str, str]:
@@ -57,13 +50,7 @@ class Running:
     def stop(self) -> None:
         if self.proc.stdout is not None:
             self.proc.stdout.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, 5)
 
 
 @dataclass

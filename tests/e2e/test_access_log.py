@@ -16,7 +16,8 @@ import httpx
 import orjson
 import pytest
 
-from tests.e2e.conftest import FakeEngine, Running, StartGateway, free_port
+from tests.e2e.conftest import FakeEngine, Running, StartGateway
+from tests.helpers import free_port
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

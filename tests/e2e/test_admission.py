@@ -11,6 +11,7 @@ import orjson
 import pytest
 
 from tests.e2e.conftest import FakeEngine, Running, StartGateway
+from tests.e2e.raw_http import raw_request
 
 CHAT = "/v1/chat/completions"
 
@@ -21,13 +22,7 @@ def chat(**fields: object) -> dict[str, object]:
 
 def open_request(gateway: Running, fake_header: str, **fields: object) -> socket.socket:
     """Send a request on a raw socket and leave it open (to hold a slot or hang up later)."""
-    payload = orjson.dumps(chat(**fields))
-    sock = socket.create_connection(("127.0.0.1", gateway.port), timeout=10)
-    sock.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-        b"x-fake: %s\r\nContent-Length: %d\r\n\r\n" % (fake_header.encode(), len(payload)) + payload
-    )
-    return sock
+    return raw_request(gateway, fake_header, orjson.dumps(chat(**fields)), timeout_s=10)
 
 
 LIMITS = ("--max-in-flight", "2", "--max-queued", "2", "--queue-timeout", "1")

@@ -31,10 +31,7 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,9 +40,10 @@ import pytest
 
 from tests.e2e import agent_clients as ac
 from tests.e2e import test_engine_mlx as mlx
-from tests.e2e.conftest import ROOT, FakeEngine, StartFakeEngine, StartGateway, free_port
+from tests.e2e.conftest import FakeEngine, StartFakeEngine, StartGateway
 from tests.e2e.test_engine_mlx import engine_installed as engine_installed
 from tests.fake_engine import TOOL_RESULT_PREFIX
+from tests.helpers import EngineGateway, free_port, spawn_engine_gateway
 
 SMOLLM2 = "SmolLM2-135M-Instruct"
 # The reply's cap on the real engine: a few seconds of decoding on two cores.
@@ -116,7 +114,7 @@ def _assert_ran(run: ac.ClientRun, sink: ac.OutboundSink) -> None:
 @pytest.fixture(scope="module")
 def smollm2_gateway(
     offline: str | None, logs_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[mlx.EngineGateway]:
+) -> Iterator[EngineGateway]:
     """The gateway serving the built-in SmolLM2 on mlx-0.32.0 (cpu), replies capped per model."""
     config = tmp_path_factory.mktemp("agent-config") / "blazar.toml"
     config.write_text(
@@ -129,32 +127,20 @@ def smollm2_gateway(
     )
     gateway = _start_config_gateway(logs_dir, config)
     yield gateway
-    mlx.stop(gateway)
+    gateway.stop()
 
 
-def _start_config_gateway(log_dir: Path, config: Path) -> mlx.EngineGateway:
+def _start_config_gateway(log_dir: Path, config: Path) -> EngineGateway:
     """`blazar-proxy --config FILE`, once its always-loaded child is ready."""
     port = free_port()
-    log_path = log_dir / f"agent-gateway-{port}.log"
-    argv = [sys.executable, "-m", "proxy", "--config", str(config), "--port", str(port)]
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [*argv, "--api-key", ac.API_KEY],
-            cwd=ROOT,
-            env=mlx._env(),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    deadline = time.monotonic() + 300
-    pattern = re.compile(r"pid (\d+), port (\d+), ready in")
-    while True:
-        match = pattern.search(log_path.read_text(errors="replace"))
-        if match:
-            return mlx.EngineGateway(proc, port, log_path, int(match.group(1)), int(match.group(2)))
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"gateway did not get ready: {log_path.read_text(errors='replace')}")
-        time.sleep(0.2)
+    return spawn_engine_gateway(
+        ["--config", str(config), "--port", str(port), "--api-key", ac.API_KEY],
+        port=port,
+        log_path=log_dir / f"agent-gateway-{port}.log",
+        env=mlx._env(),
+        timeout_s=300,
+        interval_s=0.2,
+    )
 
 
 def _events(exchange: ac.Exchange, kind: str) -> list[dict[str, Any]]:
@@ -195,7 +181,7 @@ def _posts(relay: ac.RecordingRelay, path: str) -> list[ac.Exchange]:
 
 
 def test_claude_code_answers_from_smollm2_on_mlx(
-    clients: ac.AgentClients, smollm2_gateway: mlx.EngineGateway, sink: ac.OutboundSink, tmp_path: Path
+    clients: ac.AgentClients, smollm2_gateway: EngineGateway, sink: ac.OutboundSink, tmp_path: Path
 ) -> None:
     """`claude -p --bare` through the gateway on the real engine prints the text the gateway streamed."""
     relay = _relay(smollm2_gateway.port)
@@ -214,7 +200,7 @@ def test_claude_code_answers_from_smollm2_on_mlx(
 
 
 def test_codex_answers_from_smollm2_on_mlx(
-    clients: ac.AgentClients, smollm2_gateway: mlx.EngineGateway, sink: ac.OutboundSink, tmp_path: Path
+    clients: ac.AgentClients, smollm2_gateway: EngineGateway, sink: ac.OutboundSink, tmp_path: Path
 ) -> None:
     """`codex exec` through the gateway on the real engine prints the text the gateway streamed."""
     relay = _relay(smollm2_gateway.port)

@@ -29,8 +29,9 @@ import orjson
 import pytest
 
 from tests.e2e.conftest import FakeEngine, Running, StartFakeEngine, StartGateway, openai_client
-from tests.e2e.test_engine_mlx import DEMO, EngineGateway, start_engine_gateway, stop
+from tests.e2e.test_engine_mlx import DEMO, start_engine_gateway
 from tests.e2e.test_engine_mlx import engine_installed as engine_installed
+from tests.helpers import EngineGateway, named_events
 
 MESSAGES = "/v1/messages"
 COUNT_TOKENS = "/v1/messages/count_tokens"
@@ -76,21 +77,6 @@ def claude(
 
 def fake_header(value: str) -> dict[str, str]:
     return {"x-fake": value}
-
-
-def sse_events(payload: bytes) -> list[tuple[str, dict[str, Any]]]:
-    """(event name, parsed data) for each event of a named-event SSE body."""
-    out = []
-    for block in payload.replace(b"\r\n", b"\n").split(b"\n\n"):
-        name, data = "", b""
-        for line in block.split(b"\n"):
-            if line.startswith(b"event:"):
-                name = line[6:].strip().decode()
-            elif line.startswith(b"data:"):
-                data += line[5:].strip()
-        if data and data != b"[DONE]":
-            out.append((name, orjson.loads(data)))
-    return out
 
 
 def post_stream(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> tuple[int, bytes]:
@@ -274,7 +260,7 @@ def test_anthropic_stream_cut_by_the_engine_ends_with_an_error_event(
         {"model": "fake", "max_tokens": 10, "messages": ASK, "stream": True},
         fake_header("die-after=3"),
     )
-    events = sse_events(payload)
+    events = named_events(payload)
     assert status == 200
     assert events[-1][0] == "error" and events[-1][1]["type"] == "error" and events[-1][1]["error"]["message"]
     assert "message_stop" not in [name for name, _ in events]
@@ -561,7 +547,7 @@ def test_passthrough_stream_without_its_last_event_gets_an_error_end(
     sent = whole[: whole.rindex(b"event: " + last.encode())] if fault == "no-done" else None
     if sent is not None:
         assert payload.startswith(sent)
-    events = sse_events(payload)
+    events = named_events(payload)
     assert last not in [name for name, _ in events]
     name, data = events[-1]
     assert name in error_end, events[-1]
@@ -604,7 +590,7 @@ def mlx(engine_installed: None, logs_dir: Path) -> Iterator[EngineGateway]:
     """The gateway with its mlx child serving the tiny built-in model."""
     gateway = start_engine_gateway(logs_dir)
     yield gateway
-    stop(gateway)
+    gateway.stop()
 
 
 def test_mlx_anthropic_stream_answers(mlx: EngineGateway) -> None:

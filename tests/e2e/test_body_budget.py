@@ -14,13 +14,13 @@ import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import orjson
 import pytest
 
 from tests.e2e.conftest import FakeEngine, Running, StartGateway
+from tests.helpers import rss_mib
 
 pytestmark = pytest.mark.fault("overload", "request bodies past the gateway's budget")
 
@@ -134,13 +134,6 @@ def test_a_head_declaring_the_budget_does_not_hold_it(fake: FakeEngine, start_ga
         assert post(gateway, small).status_code == 200
     finally:
         sock.close()
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
 
 
 def test_a_body_in_flight_costs_about_its_own_size(fake: FakeEngine, start_gateway: StartGateway) -> None:

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import ROOT, free_port
-from tests.e2e.test_engine_mlx import ENGINE, engine_home
+from tests.e2e.conftest import ROOT
+from tests.e2e.test_engine_mlx import ENGINE
 from tests.e2e.test_engine_mlx import engine_installed as engine_installed
+from tests.helpers import engine_home, free_port, wait_until
 
 pytestmark = [
     pytest.mark.usefixtures("engine_installed"),
@@ -56,19 +57,17 @@ def leftovers(home: Path) -> list[str]:
     return sorted(p.name for p in (home / "models").iterdir() if ".build-" in p.name or ".stale-" in p.name)
 
 
-def wait_for(predicate: object, what: str, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"no {what} within {timeout_s:g} s"
-        time.sleep(0.01)
-
-
 def test_an_interrupted_build_of_a_builtin_model_leaves_no_build_folder(tmp_path: Path) -> None:
     """SIGINT to the gateway while its script writes the model: the script removes its build folder."""
     home = fresh_home(tmp_path)
     gateway = start(home, "builtin:bench")
     try:
-        wait_for(lambda: leftovers(home) or gateway.poll() is not None, "build folder")
+        wait_until(
+            lambda: leftovers(home) or gateway.poll() is not None,
+            "a build folder, or the gateway's exit",
+            timeout_s=120,
+            interval_s=0.01,
+        )
         assert gateway.poll() is None, gateway.communicate()[0].decode()
         gateway.send_signal(signal.SIGINT)  # the gateway alone, as a supervisor signals it
         output = gateway.communicate(timeout=60)[0].decode()
@@ -99,7 +98,12 @@ def test_a_start_sweeps_builds_left_by_interrupted_ones_but_not_one_under_way(tm
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     try:
-        wait_for(lambda: (models / "blazar-demo-qwen2-tiny").is_dir() or gateway.poll() is not None, "model")
+        wait_until(
+            lambda: (models / "blazar-demo-qwen2-tiny").is_dir() or gateway.poll() is not None,
+            "the model, or the gateway's exit",
+            timeout_s=120,
+            interval_s=0.01,
+        )
         assert gateway.poll() is None
         assert leftovers(home) == []
     finally:

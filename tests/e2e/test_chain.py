@@ -20,8 +20,9 @@ import openai
 import orjson
 import pytest
 
-from tests.e2e.balancers import CHAT, in_flight, wait_until
-from tests.e2e.conftest import FakeEngine, Running, StartGateway, free_port, openai_client
+from tests.e2e.balancers import CHAT, in_flight
+from tests.e2e.conftest import FakeEngine, Running, StartGateway, openai_client
+from tests.helpers import free_port, wait_until
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -83,7 +84,7 @@ def hold(http: httpx.Client, gateway: Running, held: list[httpx.Response]) -> No
     response = http.send(request, stream=True)
     held.append(response)
     assert response.status_code == 200
-    wait_until(lambda: in_flight(gateway, http) == 1, 10, "the gateway serves the holding stream")
+    wait_until(lambda: in_flight(gateway, http) == 1, "the gateway serves the holding stream", timeout_s=10)
 
 
 def test_stream_through_two_gateways_arrives_event_by_event(
@@ -242,10 +243,10 @@ def test_draining_b_reaches_the_client_as_503_draining_with_retry_after(
     a, b = chain
     hold(http, b, holding)
     b.proc.send_signal(signal.SIGTERM)
-    wait_until(lambda: http.get(b.url + "/readyz").status_code == 503, 10, "B drains")
+    wait_until(lambda: http.get(b.url + "/readyz").status_code == 503, "B drains", timeout_s=10)
     # A's own readiness follows B's (at A's next timed check), so a balancer in front of A stops
     # sending it requests.
-    wait_until(lambda: http.get(a.url + "/readyz").status_code == 503, 10, "A sees B drain")
+    wait_until(lambda: http.get(a.url + "/readyz").status_code == 503, "A sees B drain", timeout_s=10)
     ready = http.get(a.url + "/readyz")
     assert ready.status_code == 503, ready.text
     assert "/readyz answers 503" in ready.json()["reason"]
@@ -310,7 +311,9 @@ def test_client_request_id_reaches_the_engine_and_comes_back(
     response = post(http, a.url, request_id="client-id-42", max_tokens=2)
     assert response.status_code == 200 and response.headers["x-request-id"] == "client-id-42"
     assert fake.wait_for_record(by_request_id("client-id-42"))["path"] == "/v1/chat/completions"
-    wait_until(lambda: all("id=client-id-42" in g.log() for g in (a, b)), 10, "both access log lines")
+    wait_until(
+        lambda: all("id=client-id-42" in g.log() for g in (a, b)), "both access log lines", timeout_s=10
+    )
 
     # Without one, or with one A does not take (over 200 characters, or not
     # visible ASCII), A's own id is the one B and the engine see and the client gets.

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.e2e.conftest import ROOT, FakeEngine, Running, StartGateway, free_port
+from tests.e2e.conftest import ROOT, FakeEngine, Running, StartGateway
+from tests.helpers import free_port
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

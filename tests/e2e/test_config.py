@@ -10,32 +10,19 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import orjson
 import pytest
 
-from tests.e2e.conftest import ROOT, FakeEngine, Running, StartFakeEngine, StartGateway, free_port
+from tests.e2e.conftest import ROOT, FakeEngine, Running, StartFakeEngine, StartGateway
+from tests.helpers import error_of, free_port, sse_events, wait_until
 
 CHAT = "/v1/chat/completions"
-_DEADLINE_S = 10.0
 
 
 def chat(model: str, **fields: object) -> dict[str, object]:
     return {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields}
-
-
-def error_of(response: httpx.Response) -> dict[str, Any]:
-    """The error object, after checking the envelope has exactly OpenAI's four keys."""
-    error = response.json()["error"]
-    assert isinstance(error, dict)
-    assert set(error) == {"message", "type", "param", "code"}, error
-    return error
-
-
-def sse_events(raw: bytes) -> list[bytes]:
-    return [e for e in raw.split(b"\n\n") if e.strip()]
 
 
 def model_table(name: str, fake: FakeEngine, *aliases: str) -> str:
@@ -57,14 +44,6 @@ def served_ids(gateway: Running, http: httpx.Client) -> list[str]:
     response = http.get(gateway.url + "/v1/models")
     assert response.status_code == 200
     return [m["id"] for m in response.json()["data"]]
-
-
-def wait_until(check: Callable[[], bool], what: str, timeout_s: float = _DEADLINE_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s} s: {what}")
-        time.sleep(0.05)
 
 
 def reload_outcomes(gateway: Running) -> list[str]:

@@ -16,20 +16,11 @@ import orjson
 import pytest
 
 from tests.e2e.conftest import FakeEngine, Running, StartGateway
+from tests.e2e.raw_http import payload, raw_request
 
 pytestmark = pytest.mark.fault("clients", "a client that leaves mid-request")
 
 _NOTICE_WITHIN_S = 1.0
-
-
-def open_request(gateway: Running, body: dict[str, object], fake_header: str) -> socket.socket:
-    payload = orjson.dumps(body)
-    sock = socket.create_connection(("127.0.0.1", gateway.port), timeout=10)
-    sock.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-        b"x-fake: %s\r\nContent-Length: %d\r\n\r\n" % (fake_header.encode(), len(payload)) + payload
-    )
-    return sock
 
 
 def hang_up(sock: socket.socket) -> float:
@@ -50,11 +41,7 @@ def test_client_disconnect_closes_upstream(
     gateway: Running, fake: FakeEngine, stream: bool, fake_header: str, read_first: bool
 ) -> None:
     """The engine sees its connection closed within 1 s of the client hanging up."""
-    sock = open_request(
-        gateway,
-        {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": stream},
-        fake_header,
-    )
+    sock = raw_request(gateway, fake_header, payload(stream=stream), timeout_s=10)
     fake.wait_for_record(lambda r: r["path"] == "/v1/chat/completions")
     if read_first:
         received = b""
@@ -97,18 +84,10 @@ def test_a_pipelined_client_that_hangs_up_frees_the_running_request(
 def test_gateway_keeps_serving_after_disconnects(gateway: Running, fake: FakeEngine) -> None:
     """After clients hang up mid-request, the gateway still answers new requests normally."""
     for header in ("prefill=30", "chunk-delay=0.05; chunks=400"):
-        sock = open_request(
-            gateway,
-            {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": True},
-            header,
-        )
+        sock = raw_request(gateway, header, payload(stream=True), timeout_s=10)
         time.sleep(0.2)
         hang_up(sock)
-    sock = open_request(
-        gateway,
-        {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
-        "chunks=2",
-    )
+    sock = raw_request(gateway, "chunks=2", payload(max_tokens=2), timeout_s=10)
     response = b""
     while chunk := sock.recv(65536):
         response += chunk

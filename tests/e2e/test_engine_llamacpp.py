@@ -22,7 +22,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +36,9 @@ from openai.types.chat import ChatCompletionMessageParam
 from engines import builtin
 from engines.home import Home
 from engines.install import read_manifest
-from tests.e2e.conftest import ROOT, free_port, openai_client
+from tests.e2e.conftest import ROOT, openai_client
 from tests.e2e.test_nonstream_via_stream import cpu_s, wait_idle
+from tests.helpers import EngineGateway, engine_home, free_port, pid_alive, spawn_engine_gateway
 
 pytestmark = pytest.mark.llamacpp
 
@@ -56,10 +56,6 @@ _LEAKS = {
 }
 
 
-def engine_home() -> Path:
-    return Path(os.environ.get("BLAZAR_TEST_HOME") or Path.home() / ".cache" / "blazar-test")
-
-
 def _env() -> dict[str, str]:
     return {
         **os.environ,
@@ -70,68 +66,16 @@ def _env() -> dict[str, str]:
     }
 
 
-@dataclass
-class EngineGateway:
-    """A gateway process running one llama-server child."""
-
-    proc: subprocess.Popen[bytes]
-    port: int
-    log_path: Path
-    child_pid: int
-    child_port: int
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def child_url(self) -> str:
-        return f"http://127.0.0.1:{self.child_port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def start_gateway(log_dir: Path, *args: str) -> EngineGateway:
     """Start `blazar-proxy ARGS` with one engine child and wait until the child is ready."""
     port = free_port()
-    log_path = log_dir / f"llamacpp-gateway-{port}.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "proxy", "--engine-variant", "cpu", "--port", str(port), *args],
-            cwd=ROOT,
-            env=_env(),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    deadline = time.monotonic() + _READY_TIMEOUT_S
-    pattern = re.compile(r"pid (\d+), port (\d+), ready in")
-    while True:
-        match = pattern.search(log_path.read_text(errors="replace"))
-        if match:
-            return EngineGateway(proc, port, log_path, int(match.group(1)), int(match.group(2)))
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"gateway did not get ready: {log_path.read_text(errors='replace')}")
-        time.sleep(0.1)
-
-
-def stop(gateway: EngineGateway) -> None:
-    if gateway.proc.poll() is None:
-        gateway.proc.send_signal(signal.SIGTERM)
-        try:
-            gateway.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            gateway.proc.kill()
-            gateway.proc.wait()
+    return spawn_engine_gateway(
+        ["--engine-variant", "cpu", "--port", str(port), *args],
+        port=port,
+        log_path=log_dir / f"llamacpp-gateway-{port}.log",
+        env=_env(),
+        timeout_s=_READY_TIMEOUT_S,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -172,7 +116,7 @@ def gateway(engine_python: Path, logs_dir: Path) -> Iterator[EngineGateway]:
     """`blazar-proxy --engine llamacpp-b11434 --model builtin:smollm2`, for the session."""
     gw = start_gateway(logs_dir, "--engine", ENGINE, "--model", "builtin:smollm2")
     yield gw
-    stop(gw)
+    gw.stop()
 
 
 def client(url: str) -> openai.OpenAI:
@@ -439,7 +383,7 @@ def test_streams_queued_for_a_slot_are_all_answered(engine_python: Path, logs_di
             )
             assert len(done) == 6
     finally:
-        stop(gateway)
+        gateway.stop()
 
 
 # -- 4. the client that leaves --------------------------------------------------
@@ -599,9 +543,9 @@ def test_a_killed_child_is_started_again(engine_python: Path, logs_dir: Path) ->
         assert f'blazar_engine_child_ready{{model="{SERVED}",replica="0"}} 1.0' in metrics
         pids = re.findall(r"pid (\d+), port \d+, ready in", gateway.log())
         assert len(pids) == 2 and int(pids[1]) != gateway.child_pid, gateway.log()
-        assert _pid_alive(int(pids[1])) and not _pid_alive(gateway.child_pid)
+        assert pid_alive(int(pids[1])) and not pid_alive(gateway.child_pid)
     finally:
-        stop(gateway)
+        gateway.stop()
 
 
 # -- 7. native Anthropic Messages and Responses ----------------------------------
@@ -739,7 +683,7 @@ def test_engine_auto_picks_llamacpp_for_a_gguf_file(gguf_file: Path, logs_dir: P
         reply = post(gateway.url, {**chat("Say hello.", 2), "model": name})
         assert reply["model"] == name
     finally:
-        stop(gateway)
+        gateway.stop()
 
 
 def test_the_retired_engine_says_what_replaces_it() -> None:
@@ -799,6 +743,6 @@ def test_builtin_tiny_then_sigterm_reaps_the_child(engine_python: Path, logs_dir
         assert reply.usage is not None and reply.usage.completion_tokens == 4
         gateway.proc.send_signal(signal.SIGTERM)
         assert gateway.proc.wait(30) == 0
-        assert not _pid_alive(gateway.child_pid)
+        assert not pid_alive(gateway.child_pid)
     finally:
-        stop(gateway)
+        gateway.stop()

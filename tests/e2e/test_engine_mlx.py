@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -27,45 +25,16 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from tests.e2e.conftest import ROOT, free_port, openai_client
+from tests.e2e.conftest import ROOT, openai_client
+from tests.helpers import EngineGateway, engine_home, free_port, pid_alive, spawn_engine_gateway, wait_until
 
 ENGINE = "mlx-0.32.0"
 DEMO = "blazar-demo-qwen2-tiny"
 _READY_TIMEOUT_S = 180.0
 
 
-def engine_home() -> Path:
-    return Path(os.environ.get("BLAZAR_TEST_HOME") or Path.home() / ".cache" / "blazar-test")
-
-
 def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT), "BLAZAR_HOME": str(engine_home()), "PYTHONUNBUFFERED": "1"}
-
-
-@dataclass
-class EngineGateway:
-    """A gateway process running one mlx child."""
-
-    proc: subprocess.Popen[bytes]
-    port: int
-    log_path: Path
-    child_pid: int
-    child_port: int
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def start_engine_gateway(log_dir: Path, *args: str, model: str | None = "builtin:tiny") -> EngineGateway:
@@ -74,47 +43,23 @@ def start_engine_gateway(log_dir: Path, *args: str, model: str | None = "builtin
     ``model`` None starts it without --model: the default built-in model.
     """
     port = free_port()
-    log_path = log_dir / f"engine-gateway-{port}.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "proxy",
-                "--engine",
-                ENGINE,
-                "--engine-variant",
-                "cpu",
-                "--port",
-                str(port),
-                *(("--model", model) if model is not None else ()),
-                *args,
-            ],
-            cwd=ROOT,
-            env=_env(),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    deadline = time.monotonic() + _READY_TIMEOUT_S
-    pattern = re.compile(r"pid (\d+), port (\d+), ready in")
-    while True:
-        match = pattern.search(log_path.read_text(errors="replace"))
-        if match:
-            return EngineGateway(proc, port, log_path, int(match.group(1)), int(match.group(2)))
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"engine gateway did not get ready: {log_path.read_text(errors='replace')}")
-        time.sleep(0.1)
-
-
-def stop(gateway: EngineGateway) -> None:
-    if gateway.proc.poll() is None:
-        gateway.proc.send_signal(signal.SIGTERM)
-        try:
-            gateway.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            gateway.proc.kill()
-            gateway.proc.wait()
+    return spawn_engine_gateway(
+        [
+            "--engine",
+            ENGINE,
+            "--engine-variant",
+            "cpu",
+            "--port",
+            str(port),
+            *(("--model", model) if model is not None else ()),
+            *args,
+        ],
+        port=port,
+        log_path=log_dir / f"engine-gateway-{port}.log",
+        env=_env(),
+        timeout_s=_READY_TIMEOUT_S,
+        what="engine gateway",
+    )
 
 
 @pytest.fixture(scope="session")
@@ -135,7 +80,7 @@ def engine_installed() -> None:
 def mlx_gateway(engine_installed: None, logs_dir: Path) -> Iterator[EngineGateway]:
     gateway = start_engine_gateway(logs_dir)
     yield gateway
-    stop(gateway)
+    gateway.stop()
 
 
 def client(url: str) -> openai.OpenAI:
@@ -307,7 +252,7 @@ def test_crashed_child_comes_back_and_requests_meanwhile_get_503(
         assert f'blazar_engine_child_ready{{model="{DEMO}",replica="0"}} 1.0' in metrics
         assert f'blazar_engine_child_restarts_total{{model="{DEMO}",replica="0"}} 1.0' in metrics
     finally:
-        stop(gateway)
+        gateway.stop()
 
 
 @pytest.mark.fault("engines", "a child stopped: its group killed and reaped")
@@ -316,7 +261,7 @@ def test_sigterm_stops_gateway_and_reaps_child(engine_installed: None, logs_dir:
     gateway = start_engine_gateway(logs_dir)
     gateway.proc.send_signal(signal.SIGTERM)
     assert gateway.proc.wait(30) == 0
-    assert not _pid_alive(gateway.child_pid)
+    assert not pid_alive(gateway.child_pid)
 
 
 @pytest.mark.fault("engines", "a child stopped: its group killed and reaped")
@@ -325,10 +270,7 @@ def test_sigkill_of_gateway_leaves_no_orphan(engine_installed: None, logs_dir: P
     gateway = start_engine_gateway(logs_dir)
     gateway.proc.kill()
     gateway.proc.wait()
-    deadline = time.monotonic() + 2.0
-    while _pid_alive(gateway.child_pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _pid_alive(gateway.child_pid)
+    wait_until(lambda: not pid_alive(gateway.child_pid), f"the child {gateway.child_pid} gone", timeout_s=2.0)
 
 
 def _wait_for_log(gateway: EngineGateway, text: str, timeout_s: float = 30) -> None:
@@ -375,10 +317,7 @@ def test_third_signal_kills_the_child_and_exits_130(engine_installed: None, logs
     """Three signals in a row: the gateway exits 130 at once and SIGKILLs its child itself."""
     gateway = start_engine_gateway(logs_dir)
     _three_signals(gateway)
-    deadline = time.monotonic() + 2.0
-    while _pid_alive(gateway.child_pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _pid_alive(gateway.child_pid)
+    wait_until(lambda: not pid_alive(gateway.child_pid), f"the child {gateway.child_pid} gone", timeout_s=2.0)
 
 
 @pytest.mark.fault("engines", "a child stopped while the gateway stops")
@@ -406,7 +345,7 @@ def test_load_wait_holds_requests_until_the_child_is_back(engine_installed: None
             response = http.post(f"{gateway.url}/v1/chat/completions", json=body)
         assert response.status_code == 200, response.text
     finally:
-        stop(gateway)
+        gateway.stop()
 
 
 @pytest.mark.fault("drain", "SIGTERM with requests in flight")
@@ -435,4 +374,4 @@ def test_sigterm_lets_a_real_stream_finish_then_reaps_the_child(
     assert received and received[0].rstrip().endswith(b"data: [DONE]")
     assert b'"error"' not in received[0]
     assert gateway.proc.wait(30) == 0
-    assert not _pid_alive(gateway.child_pid)
+    assert not pid_alive(gateway.child_pid)

@@ -17,8 +17,9 @@ import httpx
 import orjson
 import pytest
 
-from tests.e2e.test_engine_mlx import DEMO, ENGINE, EngineGateway, engine_home, start_engine_gateway, stop
+from tests.e2e.test_engine_mlx import DEMO, ENGINE, start_engine_gateway
 from tests.e2e.test_engine_mlx import engine_installed as engine_installed
+from tests.helpers import EngineGateway, engine_home
 
 CHAT = "/v1/chat/completions"
 # The served name, which names the child's log file: this module's own.
@@ -29,7 +30,7 @@ NAME = "fields-probe"
 def gateway(engine_installed: None, logs_dir: Path) -> Iterator[EngineGateway]:
     gw = start_engine_gateway(logs_dir, "--served-name", NAME)
     yield gw
-    stop(gw)
+    gw.stop()
 
 
 def child_log(gateway: EngineGateway) -> Path:

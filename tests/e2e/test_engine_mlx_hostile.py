@@ -19,7 +19,6 @@ its child dead, hung or replaced gets a fresh gateway for the next case.
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -29,15 +28,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.test_engine_mlx import (
-    ENGINE,
-    EngineGateway,
-    _pid_alive,
-    engine_home,
-    start_engine_gateway,
-    stop,
-)
+from tests.e2e.test_engine_mlx import ENGINE, start_engine_gateway
 from tests.e2e.test_engine_mlx import engine_installed as engine_installed
+from tests.helpers import ENGINE_READY, EngineGateway, engine_home, pid_alive
 
 pytestmark = [
     pytest.mark.fault("engines", "requests that would break the engine"),
@@ -55,7 +48,6 @@ VOCAB = 259
 # A hostile request gets this long to be answered; the request after it as long again.
 _ANSWER_S = 45.0
 _THREAD_DIED = "generation thread died"
-_READY = re.compile(r"pid (\d+), port (\d+), ready in")
 
 
 def chat(**fields: Any) -> dict[str, Any]:
@@ -171,14 +163,14 @@ class Served:
     def ready(self) -> EngineGateway:
         if self.gateway is None or self.broken:
             if self.gateway is not None:
-                stop(self.gateway)
+                self.gateway.stop()
             self.gateway = start_engine_gateway(self.logs_dir, "--served-name", NAME)
             self.broken = False
         return self.gateway
 
     def close(self) -> None:
         if self.gateway is not None:
-            stop(self.gateway)
+            self.gateway.stop()
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +190,7 @@ def gateway(served: Served) -> Iterator[EngineGateway]:
 
 def child_pid(gw: EngineGateway) -> int:
     """The pid of the child the gateway last said was ready."""
-    matches = _READY.findall(gw.log())
+    matches = ENGINE_READY.findall(gw.log())
     assert matches, gw.log()
     return int(matches[-1][0])
 
@@ -254,7 +246,7 @@ def send_then_check(gw: EngineGateway, path: str, body: dict[str, Any]) -> Outco
             outcome.notes.append(f"the next request got no answer within {_ANSWER_S:g} s")
     outcome.thread_died = _THREAD_DIED in log_from(offset)
     outcome.pid_after = child_pid(gw)
-    outcome.child_alive = _pid_alive(outcome.pid_after)
+    outcome.child_alive = pid_alive(outcome.pid_after)
     return outcome
 
 

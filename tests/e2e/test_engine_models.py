@@ -24,9 +24,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.conftest import ROOT, free_port
-from tests.e2e.test_engine_mlx import ENGINE, _env, _pid_alive, engine_home
+from tests.e2e.conftest import ROOT
+from tests.e2e.test_engine_mlx import ENGINE, _env
 from tests.e2e.test_engine_mlx import engine_installed as engine_installed
+from tests.helpers import engine_home, free_port, pid_alive, terminate, wait_until
 
 _READY_TIMEOUT_S = 180.0
 _CHAT = "/v1/chat/completions"
@@ -115,13 +116,7 @@ class ConfigGateway:
 
     def stop(self) -> None:
         self.http.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, 30)
 
 
 def _model_table(name: str, model: Path | str, engine: str = ENGINE, **extra: object) -> str:
@@ -357,10 +352,7 @@ def test_reload_restarts_only_the_changed_model(
     assert gateway.metric("blazar_engine_child_starts_total", model="x", replica="0") == 1.0
     new_y = _replica_pids(gateway, "y", 1)[0]
     assert new_y != old_y
-    deadline = time.monotonic() + 30
-    while _pid_alive(old_y):
-        assert time.monotonic() < deadline, "the replaced child was not stopped"
-        time.sleep(0.05)
+    wait_until(lambda: not pid_alive(old_y), "the replaced child stopped", timeout_s=30)
     assert "--max-tokens 64" in Path(f"/proc/{new_y}/cmdline").read_bytes().replace(b"\0", b" ").decode()
 
 
@@ -399,10 +391,7 @@ def test_a_child_whose_generation_thread_dies_exits_and_is_started_again(
     assert killer.status_code >= 500, killer.text
     assert set(killer.json()["error"]) == {"message", "type", "param", "code"}, killer.text
     # Well before the first of the health checks that would have noticed (5 s apart, three in a row).
-    deadline = time.monotonic() + 4
-    while _pid_alive(old):
-        assert time.monotonic() < deadline, "the child serves on with a dead generation thread"
-        time.sleep(0.05)
+    wait_until(lambda: not pid_alive(old), "the child with a dead generation thread exits", timeout_s=4)
     # The model stays "loaded" while its child restarts (a request meanwhile gets 503 model_loading
     # with Retry-After): wait for the new child's ready line, then it serves.
     deadline = time.monotonic() + _READY_TIMEOUT_S

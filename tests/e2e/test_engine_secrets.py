@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.test_engine_mlx import DEMO, start_engine_gateway, stop
+from tests.e2e.test_engine_mlx import DEMO, start_engine_gateway
 
 
 def test_the_api_key_never_reaches_an_engine_childs_environment(
@@ -41,4 +41,4 @@ def test_the_api_key_never_reaches_an_engine_childs_environment(
             assert answered.status_code == 200, answered.text
             assert answered.json()["choices"][0]["message"]["content"]
     finally:
-        stop(gateway)
+        gateway.stop()

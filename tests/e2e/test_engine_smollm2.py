@@ -27,6 +27,7 @@ from tests.e2e import test_engine_llamacpp as llamacpp
 from tests.e2e import test_engine_mlx as mlx
 from tests.e2e.test_engine_llamacpp import engine_python as engine_python
 from tests.e2e.test_engine_mlx import engine_installed as engine_installed
+from tests.helpers import EngineGateway, engine_home
 
 SERVED = "SmolLM2-135M-Instruct"
 CAPITAL = "What is the capital of France?"
@@ -85,14 +86,14 @@ def _clean_output(log: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def mlx_gateway(engine_installed: None, logs_dir: Path) -> Iterator[mlx.EngineGateway]:
+def mlx_gateway(engine_installed: None, logs_dir: Path) -> Iterator[EngineGateway]:
     """`blazar-proxy --engine mlx-0.32.0`, no --model, once for this module."""
     gateway = mlx.start_engine_gateway(logs_dir, model=None)
     yield gateway
-    mlx.stop(gateway)
+    gateway.stop()
 
 
-def test_mlx_without_model_serves_smollm2_and_says_so(mlx_gateway: mlx.EngineGateway) -> None:
+def test_mlx_without_model_serves_smollm2_and_says_so(mlx_gateway: EngineGateway) -> None:
     """Without --model: the built-in model, said so, served as SmolLM2-135M-Instruct; no path lines."""
     log = mlx_gateway.log()
     assert "serving the built-in model builtin:smollm2, SmolLM2-135M-Instruct" in log
@@ -101,21 +102,21 @@ def test_mlx_without_model_serves_smollm2_and_says_so(mlx_gateway: mlx.EngineGat
     with httpx.Client(trust_env=False, timeout=10) as http:
         models = http.get(f"{mlx_gateway.url}/v1/models").json()
     assert [m["id"] for m in models["data"]] == [SERVED]
-    converted = mlx.engine_home() / "models" / builtin.SMOLLM2_MLX
+    converted = engine_home() / "models" / builtin.SMOLLM2_MLX
     config = json.loads((converted / "config.json").read_text())
     assert config["model_type"] == "llama" and config["tie_word_embeddings"] is True
     assert config["quantization"]["bits"] == 4
     assert config["quantization"]["model.embed_tokens"]["bits"] == 8
 
 
-def test_mlx_chat_knows_the_capital_of_france(mlx_gateway: mlx.EngineGateway) -> None:
+def test_mlx_chat_knows_the_capital_of_france(mlx_gateway: EngineGateway) -> None:
     """At temperature 0 the real model answers the capital question with Paris, through the gateway."""
     reply = _post(mlx_gateway.url, _body(CAPITAL, 16))
     assert reply["model"] == SERVED
     assert "Paris" in reply["choices"][0]["message"]["content"], reply
 
 
-def test_mlx_stream_arrives_in_pieces_and_reports_usage(mlx_gateway: mlx.EngineGateway) -> None:
+def test_mlx_stream_arrives_in_pieces_and_reports_usage(mlx_gateway: EngineGateway) -> None:
     """A stream of 8 tokens comes as several content chunks, then usage, then [DONE]."""
     deltas, events = _stream_text(
         mlx_gateway.url, _body("Say hello.", 8, stream_options={"include_usage": True})
@@ -129,7 +130,7 @@ def test_mlx_stream_arrives_in_pieces_and_reports_usage(mlx_gateway: mlx.EngineG
     "prompt",
     ["Explain in two sentences why the sky is blue.", "What is the capital of France?", "Count from 1 to 5."],
 )
-def test_mlx_parity_direct_and_through_the_gateway(mlx_gateway: mlx.EngineGateway, prompt: str) -> None:
+def test_mlx_parity_direct_and_through_the_gateway(mlx_gateway: EngineGateway, prompt: str) -> None:
     """At temperature 0 the reply is the same direct to the child and through the gateway, but id and time."""
     direct, proxied = _parity(f"http://127.0.0.1:{mlx_gateway.child_port}", mlx_gateway.url, _body(prompt, 8))
     # The gateway's reply is built from a stream (mlx never notices a non-stream client leaving).
@@ -144,29 +145,29 @@ def test_mlx_parity_direct_and_through_the_gateway(mlx_gateway: mlx.EngineGatewa
 
 
 @pytest.fixture(scope="module")
-def llamacpp_gateway(engine_python: Path, logs_dir: Path) -> Iterator[llamacpp.EngineGateway]:
+def llamacpp_gateway(engine_python: Path, logs_dir: Path) -> Iterator[EngineGateway]:
     """`blazar-proxy --engine llamacpp-b11434`, no --model, once for this module."""
     gateway = llamacpp.start_gateway(logs_dir, "--engine", llamacpp.ENGINE)
     yield gateway
-    llamacpp.stop(gateway)
+    gateway.stop()
 
 
 @pytest.mark.llamacpp
-def test_llamacpp_without_model_serves_the_gguf_as_it_is(llamacpp_gateway: llamacpp.EngineGateway) -> None:
+def test_llamacpp_without_model_serves_the_gguf_as_it_is(llamacpp_gateway: EngineGateway) -> None:
     """llama-server gets the fetched GGUF itself, aliased SmolLM2-135M-Instruct; no path lines printed."""
     log = llamacpp_gateway.log()
     assert "serving the built-in model builtin:smollm2" in log
     assert f"engine {llamacpp.ENGINE} (cpu) serving '{SERVED}'" in log
     _clean_output(log)
     cmdline = Path(f"/proc/{llamacpp_gateway.child_pid}/cmdline").read_bytes().decode().split("\0")
-    gguf = llamacpp.engine_home() / "models" / builtin.SMOLLM2_GGUF
+    gguf = engine_home() / "models" / builtin.SMOLLM2_GGUF
     assert cmdline[cmdline.index("--model") + 1] == str(gguf)
     assert cmdline[cmdline.index("--alias") + 1] == SERVED
     assert gguf.stat().st_size == builtin.SMOLLM2_SIZE
 
 
 @pytest.mark.llamacpp
-def test_llamacpp_chat_through_the_gateway(llamacpp_gateway: llamacpp.EngineGateway) -> None:
+def test_llamacpp_chat_through_the_gateway(llamacpp_gateway: EngineGateway) -> None:
     """A real llama.cpp answer comes back with the served name and at most max_tokens tokens."""
     reply = _post(llamacpp_gateway.url, _body(CAPITAL, 16))
     assert reply["model"] == SERVED
@@ -175,7 +176,7 @@ def test_llamacpp_chat_through_the_gateway(llamacpp_gateway: llamacpp.EngineGate
 
 
 @pytest.mark.llamacpp
-def test_llamacpp_stream_through_the_gateway(llamacpp_gateway: llamacpp.EngineGateway) -> None:
+def test_llamacpp_stream_through_the_gateway(llamacpp_gateway: EngineGateway) -> None:
     """A real llama.cpp stream arrives in pieces and ends with a finish_reason and [DONE]."""
     deltas, events = _stream_text(llamacpp_gateway.url, _body("Say hello.", 12))
     assert len(deltas) >= 2
@@ -183,7 +184,7 @@ def test_llamacpp_stream_through_the_gateway(llamacpp_gateway: llamacpp.EngineGa
 
 
 @pytest.mark.llamacpp
-def test_llamacpp_parity_direct_and_through_the_gateway(llamacpp_gateway: llamacpp.EngineGateway) -> None:
+def test_llamacpp_parity_direct_and_through_the_gateway(llamacpp_gateway: EngineGateway) -> None:
     """At temperature 0 the whole reply but id and created is the same direct and through the gateway."""
     direct, proxied = _parity(llamacpp_gateway.child_url, llamacpp_gateway.url, _body(CAPITAL, 16))
     for reply in (direct, proxied):
@@ -240,11 +241,11 @@ def _llama_server_tokens(child_url: str) -> list[list[int]]:
 
 @pytest.mark.llamacpp
 def test_the_mlx_tokenizer_splits_digits_as_llama_cpp_does(
-    mlx_gateway: mlx.EngineGateway, llamacpp_gateway: llamacpp.EngineGateway
+    mlx_gateway: EngineGateway, llamacpp_gateway: EngineGateway
 ) -> None:
     """transformers on the converted directory gives llama.cpp's token ids, digits one by one included."""
-    models = mlx.engine_home() / "models"
-    mlx_python = mlx.engine_home() / "engines" / mlx.ENGINE / "venv" / "bin" / "python"
+    models = engine_home() / "models"
+    mlx_python = engine_home() / "engines" / mlx.ENGINE / "venv" / "bin" / "python"
     ours = _tokens(mlx_python, _HF_TOKENIZE, models / builtin.SMOLLM2_MLX)
     theirs = _llama_server_tokens(llamacpp_gateway.child_url)
     assert ours == theirs

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import ROOT, free_port
+from tests.e2e.conftest import ROOT
 from tests.e2e.test_engine_llamacpp import ENGINE as LLAMACPP
 from tests.e2e.test_engine_llamacpp import engine_python as engine_python
-from tests.e2e.test_engine_mlx import ENGINE, _env, engine_home
+from tests.e2e.test_engine_mlx import ENGINE, _env
 from tests.e2e.test_engine_mlx import engine_installed as engine_installed
 from tests.e2e.test_engine_models import ConfigGateway
-from tests.e2e.test_events import Events
+from tests.helpers import Events, engine_home, free_port
 
 pytestmark = [
     pytest.mark.usefixtures("engine_installed"),

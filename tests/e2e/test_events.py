@@ -7,11 +7,10 @@ test_status_page.py, against the real engine.
 
 from __future__ import annotations
 
-import queue
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,53 +20,9 @@ import pytest
 
 from tests.e2e.conftest import FakeEngine, Running, StartFakeEngine, StartGateway
 from tests.e2e.test_config import hang_up, model_table, write_config
+from tests.helpers import Events
 
 CHAT = "/v1/chat/completions"
-
-
-class Events:
-    """A ``GET /events`` stream read in a thread: each event as (name, data), in order."""
-
-    def __init__(self, url: str, headers: dict[str, str] | None = None) -> None:
-        self.events: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self._client = httpx.Client(trust_env=False, timeout=httpx.Timeout(5, read=30))
-        self._response = self._client.send(
-            self._client.build_request("GET", url + "/events", headers=headers), stream=True
-        )
-        self.status = self._response.status_code
-        self.headers = self._response.headers
-        self._thread = threading.Thread(target=self._read, daemon=True)
-        if self.status == 200:
-            self._thread.start()
-
-    def _read(self) -> None:
-        name = ""
-        try:
-            for line in self._response.iter_lines():
-                if line.startswith("event: "):
-                    name = line[len("event: ") :]
-                elif line.startswith("data: "):
-                    self.events.put((name, orjson.loads(line[len("data: ") :])))
-        except httpx.HTTPError:
-            pass
-        self.events.put(("<end>", None))
-
-    def next(self, name: str, where: Callable[[Any], bool] = lambda data: True, timeout_s: float = 10) -> Any:
-        """The next event called ``name`` whose data passes ``where`` (the others are passed over)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError(f"no {name} event within {timeout_s} s")
-            got, data = self.events.get(timeout=left)
-            if got == "<end>":
-                raise AssertionError(f"the stream ended before a {name} event")
-            if got == name and where(data):
-                return data
-
-    def close(self) -> None:
-        self._response.close()
-        self._client.close()
 
 
 @pytest.fixture

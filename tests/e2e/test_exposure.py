@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 
-from tests.e2e.conftest import FakeEngine, Running, StartGateway, free_port
+from tests.e2e.conftest import FakeEngine, Running, StartGateway
+from tests.helpers import free_port
 
 WARNING = "without an API key: anyone who can reach this address can run generations"
 

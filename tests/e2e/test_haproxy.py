@@ -35,9 +35,9 @@ from tests.e2e.balancers import (
     served_ids,
     start_pair,
     wait_listening,
-    wait_until,
 )
-from tests.e2e.conftest import ROOT, FakeEngine, Running, StartGateway, free_port
+from tests.e2e.conftest import ROOT, FakeEngine, Running, StartGateway
+from tests.helpers import free_port, wait_until
 
 HAPROXY_CFG = ROOT / "deploy" / "haproxy.cfg"
 # A stream of 20 tokens, 0.1 s apart: long enough to be in flight when a
@@ -107,7 +107,10 @@ class HAProxy:
             return current if current["status"] == status else None
 
         return wait_until(
-            row, timeout_s, f"HAProxy reports {server} {status}; log: {self.log()[-2000:]}", 0.1
+            row,
+            f"HAProxy reports {server} {status}; log: {self.log()[-2000:]}",
+            timeout_s=timeout_s,
+            interval_s=0.1,
         )
 
     def redispatched(self, server: str) -> int:
@@ -228,7 +231,9 @@ def send_until_redispatched(
         assert problem is None, f"{request_id}: {problem}"
         return haproxy.redispatched(server) > before
 
-    wait_until(one_more, 20, f"a request HAProxy sends to {server} is retried elsewhere", 0)
+    wait_until(
+        one_more, f"a request HAProxy sends to {server} is retried elsewhere", timeout_s=20, interval_s=0
+    )
     return ids
 
 
@@ -344,9 +349,9 @@ def test_a_draining_gateways_503_is_retried_and_its_check_takes_it_out(
     held = holder.send(request, stream=True)
     try:
         assert held.status_code == 200
-        wait_until(lambda: in_flight(gw1, http) == 1, 10, "gw1 serves the holding stream")
+        wait_until(lambda: in_flight(gw1, http) == 1, "gw1 serves the holding stream", timeout_s=10)
         gw1.proc.send_signal(signal.SIGTERM)
-        wait_until(lambda: http.get(gw1.url + "/readyz").status_code == 503, 10, "gw1 drains")
+        wait_until(lambda: http.get(gw1.url + "/readyz").status_code == 503, "gw1 drains", timeout_s=10)
 
         # HAProxy still has gw1 in the rotation: what it sends there comes back
         # 503 `draining` and is sent again to gw2.
@@ -355,7 +360,7 @@ def test_a_draining_gateways_503_is_retried_and_its_check_takes_it_out(
         # is retried too: HAProxy waits for it (option http-buffer-request).
         retried |= send_until_redispatched(haproxy, "gw1", "late-body", send_late_body)
         assert haproxy.servers()["gw1"]["status"] != "DOWN"
-        wait_until(lambda: retried <= served_ids(gw2), 10, "gw2 logged the retried requests")
+        wait_until(lambda: retried <= served_ids(gw2), "gw2 logged the retried requests", timeout_s=10)
 
         # With its checks back, HAProxy sees /readyz 503 and takes gw1 out.
         haproxy.command("enable health blazar/gw1")
@@ -380,7 +385,7 @@ def test_a_gateway_that_died_is_retried_on_the_other(pair: Pair) -> None:
     gw1.proc.kill()
     gw1.proc.wait(10)
     retried = send_until_redispatched(haproxy, "gw1", "refused", send_fresh)
-    wait_until(lambda: retried <= served_ids(gw2), 10, "gw2 logged the retried requests")
+    wait_until(lambda: retried <= served_ids(gw2), "gw2 logged the retried requests", timeout_s=10)
     haproxy.command("enable health blazar/gw1")
     row = haproxy.wait_status("gw1", "DOWN", 10)
     assert row["check_status"] == "L4CON", row
@@ -396,22 +401,22 @@ def test_sigterm_under_load_loses_nothing_and_the_gateway_rejoins(
     load = Load(haproxy.url, workers=6)
     load.start()
     try:
-        wait_until(lambda: in_flight(gw1, http) >= 2, 20, "gw1 has requests in flight")
-        wait_until(lambda: counted(gw2, http) > 0, 20, "gw2 serves too")
+        wait_until(lambda: in_flight(gw1, http) >= 2, "gw1 has requests in flight", timeout_s=20)
+        wait_until(lambda: counted(gw2, http) > 0, "gw2 serves too", timeout_s=20)
         signalled = time.monotonic()
         gw1.proc.send_signal(signal.SIGTERM)
-        wait_until(lambda: http.get(gw1.url + "/readyz").status_code == 503, 10, "gw1 drains")
+        wait_until(lambda: http.get(gw1.url + "/readyz").status_code == 503, "gw1 drains", timeout_s=10)
         draining = time.monotonic()
         haproxy.wait_status("gw1", "DOWN", 15)
         assert gw1.proc.wait(30) == 0
         exited = time.monotonic()
         old_gw1_served = served_ids(gw1)
-        wait_until(lambda: load.ok_after(exited) >= 5, 20, "requests succeed with gw1 gone")
+        wait_until(lambda: load.ok_after(exited) >= 5, "requests succeed with gw1 gone", timeout_s=20)
 
         # Back on its port, it passes HAProxy's checks and gets traffic again.
         again = start_gateway({"fake": fake.url}, "--drain-timeout", "10", "--port", str(pair.ports[0]))
         haproxy.wait_status("gw1", "UP", 20)
-        wait_until(lambda: counted(again, http) > 0, 20, "the restarted gw1 serves requests")
+        wait_until(lambda: counted(again, http) > 0, "the restarted gw1 serves requests", timeout_s=20)
     finally:
         load.stop()
 
@@ -431,7 +436,9 @@ def test_sigterm_under_load_loses_nothing_and_the_gateway_rejoins(
     # Every request is in exactly one gateway's access log (a line is written
     # just after the response's last byte, so give the last ones a moment).
     wait_until(
-        lambda: ids <= old_gw1_served | served_ids(gw2) | served_ids(again), 10, "every request is logged"
+        lambda: ids <= old_gw1_served | served_ids(gw2) | served_ids(again),
+        "every request is logged",
+        timeout_s=10,
     )
     assert after_drain <= served_ids(gw2)
     assert not old_gw1_served & served_ids(gw2)

@@ -9,6 +9,7 @@ import orjson
 import pytest
 
 from tests.e2e.conftest import FakeEngine, Running, StartGateway
+from tests.helpers import sse_events
 
 CHAT = "/v1/chat/completions"
 
@@ -20,10 +21,6 @@ def chat(**fields: object) -> dict[str, object]:
 @pytest.fixture
 def beating(start_gateway: StartGateway, fake: FakeEngine) -> Running:
     return start_gateway({"fake": fake.url}, "--sse-heartbeat", "0.2", "--first-byte-timeout", "1.5")
-
-
-def events(raw: bytes) -> list[bytes]:
-    return [e for e in raw.split(b"\n\n") if e.strip()]
 
 
 @pytest.mark.fault("upstreams", "a long prefill, bridged by heartbeats")
@@ -40,7 +37,7 @@ def test_long_prefill_stream_gets_keepalives_then_the_stream(beating: Running, h
             raw += chunk
     assert response.headers["content-type"].startswith("text/event-stream")
     assert first_byte_s is not None and first_byte_s < 0.8
-    stream = events(raw)
+    stream = sse_events(raw)
     assert stream[0] == b": keepalive" and len([e for e in stream if e == b": keepalive"]) >= 3
     assert stream[-1] == b"data: [DONE]"
     assert any(e.startswith(b"data: {") for e in stream)
@@ -52,7 +49,7 @@ def test_upstream_error_after_heartbeats_is_an_error_event(beating: Running, htt
     raw = http.post(
         beating.url + CHAT, json=chat(stream=True), headers={"x-fake": "prefill=0.6; status=500"}
     ).content
-    error = orjson.loads(events(raw)[-1].removeprefix(b"data: "))["error"]
+    error = orjson.loads(sse_events(raw)[-1].removeprefix(b"data: "))["error"]
     assert error["message"] == "fake error"
     assert set(error) == {"message", "type", "param", "code"}
 
@@ -61,7 +58,7 @@ def test_upstream_error_after_heartbeats_is_an_error_event(beating: Running, htt
 def test_first_byte_timeout_after_heartbeats_is_an_error_event(beating: Running, http: httpx.Client) -> None:
     """A head that never comes ends the heartbeats with an upstream_timeout error event."""
     raw = http.post(beating.url + CHAT, json=chat(stream=True), headers={"x-fake": "prefill=5"}).content
-    error = orjson.loads(events(raw)[-1].removeprefix(b"data: "))["error"]
+    error = orjson.loads(sse_events(raw)[-1].removeprefix(b"data: "))["error"]
     assert error["code"] == "upstream_timeout"
 
 

@@ -12,17 +12,10 @@ import orjson
 import pytest
 
 from tests.e2e.conftest import FakeEngine, Running, StartFakeEngine, StartGateway
+from tests.helpers import rss_mib
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-
-
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
 
 
 def ask(gateway: Running, fault: str) -> httpx.Response:

@@ -33,9 +33,10 @@ import pytest
 
 from perf.surfaces import nginx_binary
 from tests.e2e.balancers import CHAT, replace_once, wait_listening
-from tests.e2e.conftest import FakeEngine, StartGateway, free_port
+from tests.e2e.conftest import FakeEngine, StartGateway
 from tests.e2e.test_haproxy import HAProxy, haproxy_binary, render_haproxy
 from tests.e2e.test_load_balancer import render_nginx
+from tests.helpers import free_port
 
 pytestmark = pytest.mark.fault("balancers", "idle connections at the keep-alive limits")
 

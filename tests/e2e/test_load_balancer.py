@@ -19,7 +19,8 @@ import pytest
 
 from perf.surfaces import nginx_binary
 from tests.e2e.balancers import chat, counted, start_pair, wait_listening
-from tests.e2e.conftest import ROOT, FakeEngine, StartGateway, free_port
+from tests.e2e.conftest import ROOT, FakeEngine, StartGateway
+from tests.helpers import free_port
 
 pytestmark = pytest.mark.fault("balancers", "nginx in front")
 

@@ -26,10 +26,10 @@ import httpx
 import orjson
 import pytest
 
-from tests.e2e.balancers import wait_until
-from tests.e2e.conftest import ROOT, FakeEngine, Running, StartGateway, free_port
-from tests.e2e.test_engine_mlx import DEMO, EngineGateway, start_engine_gateway, stop
+from tests.e2e.conftest import ROOT, FakeEngine, Running, StartGateway
+from tests.e2e.test_engine_mlx import DEMO, start_engine_gateway
 from tests.e2e.test_engine_mlx import engine_installed as engine_installed
+from tests.helpers import EngineGateway, free_port, wait_until
 
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 # Long enough to run for seconds on the tiny model (~700 tok/s), well inside its context.
@@ -40,7 +40,7 @@ _LONG = 4000
 def gateway(engine_installed: None, logs_dir: Path) -> Iterator[EngineGateway]:
     gw = start_engine_gateway(logs_dir)
     yield gw
-    stop(gw)
+    gw.stop()
 
 
 def cpu_s(pid: int) -> float:
@@ -204,7 +204,7 @@ def test_time_to_first_token_is_real_for_non_stream_requests(gateway: EngineGate
         # The line is written once the response has ended, after the client may have it.
         return next((line for line in gateway.log().splitlines() if request_id in line), None)
 
-    line = wait_until(logged, 10, f"the access log line of {request_id}")
+    line = wait_until(logged, f"the access log line of {request_id}", timeout_s=10)
     match = re.search(r" ([\d.]+)ms ttfb=([\d.]+)ms ", line)
     assert match is not None, line
     total_ms, ttfb_ms = float(match.group(1)), float(match.group(2))

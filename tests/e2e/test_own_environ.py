@@ -22,7 +22,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.conftest import ROOT, FakeEngine, free_port
+from tests.e2e.conftest import ROOT, FakeEngine
+from tests.helpers import free_port, terminate
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux") or os.geteuid() != 0 or shutil.which("setpriv") is None,
@@ -122,12 +123,7 @@ def test_another_process_of_the_gateways_user_cannot_read_its_environ(
         )
         assert read.stdout.decode().split() == ["denied", "denied"], read.stdout.decode()
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        terminate(proc, 15)
 
 
 def _others_can_reach(path: Path) -> bool:

@@ -12,26 +12,15 @@ import httpx
 import orjson
 import pytest
 
-from tests.e2e.conftest import FakeEngine, Running, StartFakeEngine, StartGateway, free_port
+from tests.e2e.conftest import FakeEngine, Running, StartFakeEngine, StartGateway
 from tests.e2e.raw_http import payload, raw_request
+from tests.helpers import error_of, free_port, sse_events
 
 CHAT = "/v1/chat/completions"
 
 
 def chat(model: str = "fake", **fields: object) -> dict[str, object]:
     return {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields}
-
-
-def error_of(response: httpx.Response) -> dict[str, object]:
-    """The error object, after checking the envelope has exactly OpenAI's four keys."""
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}, error
-    assert isinstance(error, dict)
-    return error
-
-
-def sse_events(raw: bytes) -> list[bytes]:
-    return [e for e in raw.split(b"\n\n") if e.strip()]
 
 
 def test_body_bytes_are_forwarded_unchanged(gateway: Running, fake: FakeEngine, http: httpx.Client) -> None:

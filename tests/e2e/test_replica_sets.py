@@ -19,13 +19,14 @@ import httpx
 import orjson
 import pytest
 
-from tests.e2e.conftest import FakeEngine, Running, StartFakeEngine, StartGateway, free_port
-from tests.e2e.test_config import hang_up, wait_until, write_config
+from tests.e2e.conftest import FakeEngine, Running, StartFakeEngine, StartGateway
+from tests.e2e.test_config import hang_up, write_config
 from tests.e2e.test_engine_llamacpp import ENGINE as LLAMACPP
 from tests.e2e.test_engine_llamacpp import engine_python as engine_python
-from tests.e2e.test_engine_mlx import ENGINE, engine_home
+from tests.e2e.test_engine_mlx import ENGINE
 from tests.e2e.test_engine_mlx import engine_installed as engine_installed
 from tests.e2e.test_engine_models import _READY_TIMEOUT_S, ConfigGateway, _model_table
+from tests.helpers import engine_home, free_port, wait_until
 
 CHAT = "/v1/chat/completions"
 # Active checks this often, so that a stopped and restarted fake rejoins quickly.

@@ -19,7 +19,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.e2e.conftest import StartGateway, free_port
+from tests.e2e.conftest import StartGateway
+from tests.helpers import free_port
 
 _REPLY = (
     b'{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":"m","choices":'

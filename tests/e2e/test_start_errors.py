@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import ROOT, free_port
+from tests.e2e.conftest import ROOT
+from tests.helpers import free_port
 
 
 def run_to_exit(

@@ -31,16 +31,10 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
 from tests.e2e.conftest import ROOT, FakeEngine, StartGateway
-from tests.e2e.test_engine_mlx import (
-    ENGINE,
-    EngineGateway,
-    _pid_alive,
-    engine_home,
-    start_engine_gateway,
-    stop,
-)
+from tests.e2e.test_engine_mlx import ENGINE, start_engine_gateway
 from tests.e2e.test_engine_mlx import engine_installed as engine_installed
 from tests.e2e.test_nonstream_via_stream import wait_idle
+from tests.helpers import EngineGateway, engine_home, pid_alive
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
@@ -178,7 +172,7 @@ def click(driver: webdriver.Chrome, model: str, action: str) -> None:
 
 def is_engine_child(pid: int) -> bool:
     """A live process running the mlx server (not a zombie, not a reused pid of something else)."""
-    if not _pid_alive(pid):
+    if not pid_alive(pid):
         return False
     try:
         return b"mlx_lm_server.py" in Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -223,7 +217,7 @@ def screenshot(driver: webdriver.Chrome, path: Path, size: tuple[int, int], *, p
 def mlx(engine_installed: None, logs_dir: Path) -> Iterator[EngineGateway]:
     gateway = start_engine_gateway(logs_dir, "--served-name", NAME)
     yield gateway
-    stop(gateway)
+    gateway.stop()
 
 
 def stream_chat(url: str) -> str:
@@ -347,7 +341,7 @@ def test_the_status_page_shows_and_drives_a_real_engine(
     # 3. Unload: the page says unloaded, and the engine's process is gone.
     click(browser, NAME, "unload")
     wait_for(browser, 30, lambda d: model_state(d, NAME) == "unloaded", f"{NAME} shown unloaded", log)
-    wait_for(browser, 10, lambda _: not _pid_alive(first), f"the child {first} gone after unload", log)
+    wait_for(browser, 10, lambda _: not pid_alive(first), f"the child {first} gone after unload", log)
 
     # 4. Load: loaded again, served by a new process.
     click(browser, NAME, "load")
@@ -367,7 +361,7 @@ def test_the_status_page_shows_and_drives_a_real_engine(
         return pid if pid not in (None, second) else None
 
     third = wait_for(browser, 120, back, f"{child} ready again after SIGKILL", log)
-    assert is_engine_child(third) and not _pid_alive(second), (second, third)
+    assert is_engine_child(third) and not pid_alive(second), (second, third)
     # Shown as restarting from the crash on (not stopped, as an unloaded child is), then ready.
     assert "restarting" in seen and "stopped" not in seen, f"{child}'s states shown after SIGKILL: {seen}"
     assert model_state(browser, NAME) == "loaded"

@@ -25,8 +25,9 @@ import orjson
 import pytest
 
 from proxy.translate.anthropic import CountTokensTranslator, MessagesTranslator
-from tests.e2e.test_engine_mlx import EngineGateway, start_engine_gateway, stop
 from tests.e2e.test_engine_mlx import engine_installed as engine_installed
+from tests.e2e.test_engine_mlx import start_engine_gateway
+from tests.helpers import EngineGateway
 
 # The model name Claude Code was run with when its requests were recorded.
 SERVED = "some-local-model"
@@ -39,7 +40,7 @@ CAPPED_MAX_TOKENS = 8
 def gateway(engine_installed: None, logs_dir: Path) -> Iterator[EngineGateway]:
     running = start_engine_gateway(logs_dir, "--served-name", SERVED)
     yield running
-    stop(running)
+    running.stop()
 
 
 def claude_code_request(*, round_trip: bool) -> dict[str, Any]:

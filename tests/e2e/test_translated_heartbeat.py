@@ -10,10 +10,10 @@ from typing import Any
 
 import httpx
 import openai
-import orjson
 import pytest
 
 from tests.e2e.conftest import FakeEngine, Running, StartFakeEngine, StartGateway
+from tests.helpers import named_events
 
 
 @pytest.fixture
@@ -21,17 +21,6 @@ def heartbeat_gateway(start_fake_engine: StartFakeEngine, start_gateway: StartGa
     """A gateway that starts a stream's response itself after 0.2 s without the engine's head."""
     fake: FakeEngine = start_fake_engine()
     return start_gateway({"fake": f"{fake.url}/v1"}, "--sse-heartbeat", "0.2")
-
-
-def events(payload: bytes) -> list[tuple[str, dict[str, Any]]]:
-    """(event name, data) of each named event, comments (the heartbeats) left out."""
-    out = []
-    for block in payload.split(b"\n\n"):
-        lines = [line for line in block.split(b"\n") if line and not line.startswith(b":")]
-        if lines:
-            name = lines[0].removeprefix(b"event: ").decode()
-            out.append((name, orjson.loads(lines[1].removeprefix(b"data: "))))
-    return out
 
 
 @pytest.mark.fault("upstreams", "a long prefill, bridged by heartbeats")
@@ -60,7 +49,7 @@ def test_translated_head_failure_after_heartbeats_opens_and_ends_the_api_stream(
             headers={"x-fake": f"prefill=1; {fault}"},
         )
     assert reply.status_code == 200 and reply.content.startswith(b": keepalive"), reply.content[:200]
-    names = [name for name, _ in events(reply.content)]
+    names = [name for name, _ in named_events(reply.content)]
     assert names[0] == first and names[-1] == last and last not in names[:-1], reply.content[-400:]
 
 

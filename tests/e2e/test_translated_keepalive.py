@@ -26,7 +26,8 @@ from tests.e2e.conftest import (
     _start_gateway,
     openai_client,
 )
-from tests.e2e.test_api_sdks import ASK, MESSAGES, RESPONSES, claude, post_stream, sse_events
+from tests.e2e.test_api_sdks import ASK, MESSAGES, RESPONSES, claude, post_stream
+from tests.helpers import named_events
 
 # mlx's way: the head, then a comment every 0.2 s for 2 s, then the tokens.
 PREFILL = {"x-fake": "prefill=2; keepalive=0.2; chunks=3"}
@@ -73,7 +74,7 @@ def start_gateway_module(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
 
 
 def _names(payload: bytes) -> list[str]:
-    return [name for name, _ in sse_events(payload)]
+    return [name for name, _ in named_events(payload)]
 
 
 @pytest.mark.parametrize("fault", [PREFILL, STALL], ids=["prefill-comments", "silent-stall"])

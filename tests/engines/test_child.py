@@ -12,7 +12,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,17 +23,11 @@ import pytest
 
 from engines.child import Child, ChildFailed, ChildState
 from engines.process import ChildConfig, Output, last_words, spawn
+from tests.helpers import free_port, pid_alive, wait_until_async
 
 pytestmark = pytest.mark.anyio
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def config(tmp_path: Path, argv: list[str] | None = None, **overrides: object) -> ChildConfig:
@@ -59,27 +52,6 @@ def config(tmp_path: Path, argv: list[str] | None = None, **overrides: object) -
     return ChildConfig(**values)  # type: ignore[arg-type]
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie still answers kill(0); it is gone for our purposes.
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-async def wait_until(predicate: object, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
-
-
 @pytest.mark.fault("engines", "a child's start: proven, shared, or failing with why")
 async def test_child_becomes_ready_and_logs(tmp_path: Path) -> None:
     """ensure_ready starts the process, proves readiness by a generation, and logs its output."""
@@ -87,9 +59,11 @@ async def test_child_becomes_ready_and_logs(tmp_path: Path) -> None:
     try:
         await child.ensure_ready(15)
         assert child.state is ChildState.READY and child.ready
-        assert child.pid is not None and alive(child.pid)
+        assert child.pid is not None and pid_alive(child.pid)
         assert child.ready_in_s is not None and child.ready_in_s > 0
-        await wait_until(lambda: any(line.startswith("PORT ") for line in child.tail))
+        await wait_until_async(
+            lambda: any(line.startswith("PORT ") for line in child.tail), "a PORT line in the tail"
+        )
         assert "PORT " in child.config.log_path.read_text()
         # Readiness was a real generation, not /health.
         async with httpx.AsyncClient(trust_env=False) as client:
@@ -122,8 +96,8 @@ async def test_crashed_child_is_restarted(tmp_path: Path) -> None:
         first = child.pid
         assert first is not None
         os.kill(first, signal.SIGKILL)
-        await wait_until(lambda: not child.ready)
-        await wait_until(lambda: child.ready, timeout_s=15)
+        await wait_until_async(lambda: not child.ready, "the killed child not ready")
+        await wait_until_async(lambda: child.ready, "the child ready again", timeout_s=15)
         assert child.pid not in (None, first)
         assert child.restarts == 1
     finally:
@@ -144,7 +118,7 @@ async def test_unhealthy_child_is_restarted(tmp_path: Path) -> None:
                 json={"model": "fake", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
             )
             assert (await client.get(f"{child.config.base_url}/health")).status_code == 503
-        await wait_until(lambda: child.pid != first and child.ready, timeout_s=15)
+        await wait_until_async(lambda: child.pid != first and child.ready, "a new child ready", timeout_s=15)
         assert child.restarts == 1
     finally:
         await child.shutdown()
@@ -181,7 +155,7 @@ async def test_child_whose_generation_hangs_is_restarted(tmp_path: Path) -> None
         first = child.pid
         async with httpx.AsyncClient(trust_env=False) as client:
             assert (await client.get(f"{child.config.base_url}/health")).status_code == 200
-        await wait_until(lambda: child.pid != first and child.ready, timeout_s=15)
+        await wait_until_async(lambda: child.pid != first and child.ready, "a new child ready", timeout_s=15)
         assert child.restarts == 1
     finally:
         await child.shutdown()
@@ -199,10 +173,14 @@ async def test_stop_kills_the_whole_group_and_reaps(tmp_path: Path) -> None:
         pid = child.pid
         assert pid is not None
         grandchild = int(marker.read_text())
-        assert alive(grandchild)
+        assert pid_alive(grandchild)
         await child.stop()
         assert child.state is ChildState.STOPPED and child.pid is None
-        await wait_until(lambda: not alive(pid) and not alive(grandchild), timeout_s=5)
+        await wait_until_async(
+            lambda: not pid_alive(pid) and not pid_alive(grandchild),
+            "the child and grandchild gone",
+            timeout_s=5,
+        )
         await child.ensure_ready(15)
         assert child.ready
     finally:
@@ -220,7 +198,7 @@ async def test_sigterm_ignored_is_followed_by_sigkill(tmp_path: Path) -> None:
     assert pid is not None
     started = time.monotonic()
     await child.shutdown()
-    assert not alive(pid)
+    assert not pid_alive(pid)
     assert time.monotonic() - started < 5
 
 
@@ -385,7 +363,7 @@ async def test_a_full_log_disk_does_not_block_the_child(tmp_path: Path) -> None:
     try:
         await child.ensure_ready(30)
         assert "spewed" in child.output()
-        assert child.pid is not None and alive(child.pid)
+        assert child.pid is not None and pid_alive(child.pid)
         async with httpx.AsyncClient(trust_env=False) as client:
             body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
             reply = await client.post(f"{child.config.base_url}/v1/chat/completions", json=body)
@@ -440,7 +418,9 @@ async def test_a_log_disk_with_room_again_gets_the_lines_and_a_note_of_those_dro
     output = Output(cfg.log_path)
     proc = await spawn(cfg, output)
     drain = asyncio.ensure_future(output.drain(proc))
-    await wait_until(lambda: "phase one over" in output.tail, timeout_s=30)
+    await wait_until_async(
+        lambda: "phase one over" in output.tail, "phase one over in the tail", timeout_s=30
+    )
     (full_tmpfs / "filler").unlink()
     flag.touch()
     await asyncio.wait_for(proc.wait(), 30)

@@ -24,7 +24,8 @@ from engines.spec import Guards
 from proxy.relay import Relay
 from proxy.routing import Replica, Route, RoutingTable, UpstreamAddress
 from proxy.startup.settings import Settings
-from tests.engines.test_child import alive, config, free_port, wait_until
+from tests.engines.test_child import config
+from tests.helpers import free_port, pid_alive, wait_until_async
 
 pytestmark = pytest.mark.anyio
 
@@ -86,9 +87,11 @@ async def test_idle_model_is_unloaded_after_its_ttl_but_not_while_in_use(tmp_pat
         await asyncio.sleep(1.5)
         assert model.state == "loaded", "a model with a request in flight was unloaded"
         model.leave()
-        await wait_until(lambda: model.children[0].state is ChildState.STOPPED, timeout_s=10)
+        await wait_until_async(
+            lambda: model.children[0].state is ChildState.STOPPED, "the child stopped", timeout_s=10
+        )
         assert model.state == "unloaded"
-        assert not alive(pid)
+        assert not pid_alive(pid)
         # The next request loads it again.
         assert await model.wait_ready(0)
         assert model.children[0].starts == 2
@@ -203,12 +206,14 @@ async def test_replace_retires_the_old_model_once_idle_and_starts_an_always_load
         )
         await registry.replace(added=[new], removed=["m"])
         assert registry.models["m"] is new
-        await wait_until(lambda: new.state == "loaded", timeout_s=15)
+        await wait_until_async(lambda: new.state == "loaded", "the new model loaded", timeout_s=15)
         assert old.children[0].state is ChildState.READY, "the replaced model was stopped under its request"
         assert old.state == "unloading"
         old.leave()
         retired = old.children[0]
-        await wait_until(lambda: retired.state is ChildState.SHUTDOWN, timeout_s=15)
+        await wait_until_async(
+            lambda: retired.state is ChildState.SHUTDOWN, "the retired child shut down", timeout_s=15
+        )
     finally:
         await registry.shutdown()
 
@@ -223,9 +228,9 @@ async def test_a_replica_that_crashes_leaves_the_model_ready_on_the_others(tmp_p
         first = model.children[0]
         assert first.pid is not None
         os.kill(first.pid, signal.SIGKILL)
-        await wait_until(lambda: not first.ready, timeout_s=10)
+        await wait_until_async(lambda: not first.ready, "the first child not ready", timeout_s=10)
         assert model.ready
-        await wait_until(lambda: first.ready, timeout_s=15)
+        await wait_until_async(lambda: first.ready, "the first child ready again", timeout_s=15)
         assert first.restarts == 1
     finally:
         await registry.shutdown()
@@ -302,7 +307,7 @@ async def test_admin_load_counts_as_use_for_the_ttl(tmp_path: Path) -> None:
         await asyncio.sleep(2.5)  # older than its TTL before it is ever loaded
         assert await model.load() is None
         loaded_at = time.monotonic()
-        await wait_until(lambda: model.state == "unloaded", timeout_s=15)
+        await wait_until_async(lambda: model.state == "unloaded", "the model unloaded", timeout_s=15)
         assert time.monotonic() - loaded_at >= 1.9
     finally:
         await registry.shutdown()
@@ -334,7 +339,7 @@ async def test_shutdown_stops_the_children_of_models_being_retired(tmp_path: Pat
     assert pid is not None
     await registry.shutdown()
     assert old.children[0].state is ChildState.SHUTDOWN
-    assert not alive(pid)
+    assert not pid_alive(pid)
 
 
 async def test_requests_waiting_on_a_load_cancelled_by_a_reload_get_a_503_not_a_500(tmp_path: Path) -> None:
@@ -393,7 +398,7 @@ async def test_a_failed_load_does_not_switch_off_an_always_loaded_model(tmp_path
         assert problem is not None and "failed to load" in problem
         assert model.lifecycle is ModelState.LOADING, "the always-loaded start was given up"
         flag.unlink()
-        await wait_until(lambda: model.state == "loaded", timeout_s=15)
+        await wait_until_async(lambda: model.state == "loaded", "the model loaded", timeout_s=15)
     finally:
         await registry.shutdown()
 
@@ -478,7 +483,7 @@ async def test_a_drain_that_ends_answers_requests_waiting_for_a_load(tmp_path: P
     relay = Relay(RoutingTable([_route(model)]), Settings(heartbeat_s=0))
     try:
         waiting = asyncio.ensure_future(_relay_call(relay, "d"))
-        await wait_until(lambda: model.state == "loading")
+        await wait_until_async(lambda: model.state == "loading", "the model loading")
         await asyncio.sleep(0.1)
         relay.abort_all("the gateway is shutting down now")
         status, body = await asyncio.wait_for(waiting, 5)
@@ -513,7 +518,7 @@ async def test_a_cuda_variant_without_a_driver_is_told_to_use_the_cpu_variant(tm
     failures: list[str] = []
     await registry.start(on_start_failed=failures.append)
     try:
-        await wait_until(lambda: bool(failures), timeout_s=15)
+        await wait_until_async(lambda: bool(failures), "a start failure reported", timeout_s=15)
         assert f"  | {error}" in lines
         assert any("--engine-variant cpu" in line and "NVIDIA driver" in line for line in lines), lines
     finally:
@@ -531,7 +536,7 @@ async def test_an_always_loaded_model_that_cannot_start_is_stopped_and_reported(
     started = time.monotonic()
     await registry.start(on_start_failed=failures.append)
     try:
-        await wait_until(lambda: bool(failures), timeout_s=15)
+        await wait_until_async(lambda: bool(failures), "a start failure reported", timeout_s=15)
         assert time.monotonic() - started < 10
         assert failures == [
             f"model 'm' cannot start; why is in its engine's last lines above and in {child.config.log_path}"
@@ -560,8 +565,10 @@ async def test_a_replica_that_cannot_start_beside_one_that_serves_is_not_a_start
     failures: list[str] = []
     await registry.start(on_start_failed=failures.append)
     try:
-        await wait_until(
-            lambda: any("engine child m-1 failed to start" in line for line in lines), timeout_s=15
+        await wait_until_async(
+            lambda: any("engine child m-1 failed to start" in line for line in lines),
+            "m-1's failed start logged",
+            timeout_s=15,
         )
         assert failures == [] and model.state == "loaded"
     finally:
@@ -581,7 +588,9 @@ async def test_an_always_loaded_model_added_by_a_reload_that_cannot_start_does_n
     await registry.start(on_start_failed=failures.append)
     try:
         await registry.replace(added=[model], removed=[])
-        await wait_until(lambda: "model 'late' cannot start" in " ".join(lines), timeout_s=15)
+        await wait_until_async(
+            lambda: "model 'late' cannot start" in " ".join(lines), "late's failure logged", timeout_s=15
+        )
         assert failures == []
         assert model.lifecycle is ModelState.UNLOADED and "bad weights" in model.not_ready_reason()
     finally:

@@ -23,27 +23,25 @@ import pytest
 from engines.home import Home
 from engines.install import read_manifest
 from perf.engine_ladder import Cell, LadderPlan, Request, in_window, summarize
+from tests import helpers
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE = "llamacpp-b11434"
 
 
-def _home() -> Path:
-    return Path(os.environ.get("BLAZAR_TEST_HOME") or Path.home() / ".cache" / "blazar-test")
-
-
 @pytest.fixture(scope="module")
 def engine_home() -> Path:
     """BLAZAR_HOME holding llamacpp-b11434; skip (or fail, when required) without it."""
-    if read_manifest(Home(_home()), ENGINE) is None:
+    home = helpers.engine_home()
+    if read_manifest(Home(home), ENGINE) is None:
         message = (
-            f"{ENGINE} is not installed in {_home()}; it compiles llama.cpp: run scripts/test, or "
-            f"BLAZAR_HOME={_home()} blazar-proxy engines install {ENGINE} --variant cpu"
+            f"{ENGINE} is not installed in {home}; it compiles llama.cpp: run scripts/test, or "
+            f"BLAZAR_HOME={home} blazar-proxy engines install {ENGINE} --variant cpu"
         )
         if os.environ.get("BLAZAR_TEST_LLAMACPP") == "required":
             pytest.fail(message)
         pytest.skip(message)
-    return _home()
+    return home
 
 
 def _run(home: Path, *args: str) -> None:

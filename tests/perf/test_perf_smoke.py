@@ -39,7 +39,7 @@ def _run(*args: str, env: dict[str, str] | None = None) -> None:
 
 
 def test_matrix_smoke(tmp_path: Path) -> None:
-    """`perf matrix --smoke` measures every default surface with no gateway errors and writes md, json and png."""
+    """`perf matrix --smoke` measures every default surface with no gateway errors; writes md, json, png."""
     _need("nginx")
     _need("wrk")
     _run("matrix", "--smoke", "--out", str(tmp_path))
