@@ -34,8 +34,17 @@ from proxy.errors import HTTPError, echo, error_body
 from proxy.health import DEFAULT_INTERVAL_S
 from proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from proxy.metrics import Metrics, merge_expositions
+from proxy.protocol import Client
 from proxy.readiness import NOT_CHECKED, Readiness
-from proxy.relay import ENDPOINTS, ModelLoad, Relay, RelaySettings, RequestIds, deployment_path, server_timing
+from proxy.relay import (
+    ENDPOINTS,
+    ModelLoad,
+    Relay,
+    RelaySettings,
+    RequestIds,
+    deployment_path,
+    server_timing,
+)
 from proxy.routing import Route as RouteConfig
 from proxy.routing import RoutingTable
 from proxy.status import ModelView, Status
@@ -84,6 +93,25 @@ class Gateway:
         # Asked once: each is a Python __bool__ the request would otherwise call.
         self._with_keys = bool(self.keys)
         self._with_cors = bool(self.cors)
+        # The paths whose POSTs the protocol offers to ``fast`` before any task (the OpenAI
+        # endpoints; another API's requests may need translating).
+        self.fast_paths = frozenset(path for path, endpoint in ENDPOINTS.items() if endpoint.api is None)
+
+    def fast(self, scope: Scope, data: bytes, client: Client) -> bool:
+        """Serve a POST to one of ``fast_paths`` whose body ``data`` came whole from the protocol's
+        callback (``proxy/relay/fast.py``); False, having changed nothing, when the request is
+        to be served as any other (an ASGI task): the checks ``__call__`` makes first, then the
+        relay's."""
+        if self._with_cors or self.state.draining or self.browser.refusal(scope) is not None:
+            return False
+        if self._with_keys and not self.keys.allows(scope):
+            return False
+        state = self.state
+        state.in_flight += 1
+        if self.relay.try_fast(scope, data, client, state.leave):
+            return True
+        state.in_flight -= 1
+        return False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":

@@ -51,6 +51,13 @@ class Pool:
 
     async def acquire(self) -> Connection:
         """An idle connection if a live one is pooled, else a new one."""
+        conn = self.take_idle()
+        if conn is not None:
+            return conn
+        return await self.connect()
+
+    def take_idle(self) -> Connection | None:
+        """A live idle connection, if one is pooled (those past their limit are closed)."""
         idle = self._idle
         if idle:
             now = idle[-1].loop.time()
@@ -59,7 +66,11 @@ class Pool:
                 if now - conn.idle_since < _limit_s(conn, self.idle_timeout_s) and _open(conn):
                     return conn
                 conn.close()
-        return await self.connect()
+        return None
+
+    def put_back(self, conn: Connection) -> None:
+        """An idle connection ``take_idle`` gave and nothing used: pooled again, as it was."""
+        self._idle.append(conn)
 
     async def connect(self) -> Connection:
         """A new connection, or ``ConnectFailed``."""

@@ -46,8 +46,9 @@ response written through ``send`` after such a close finds
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httptools
@@ -89,6 +90,42 @@ _LLHTTP_BAD_VERSION = "Invalid HTTP version"
 _LENGTHS = frozenset({b"content-length", b"transfer-encoding"})
 
 
+# An ASGI app: what a fast path's hand-over runs in a task on the request's cycle.
+App = Callable[[Any, Any, Any], Awaitable[None]]
+
+
+def _nothing() -> None:
+    pass
+
+
+class Client:
+    """What the protocol gives the app's fast path (``proxy/relay/fast.py``) for one request."""
+
+    __slots__ = ("close", "ended", "hand_over", "run", "writer")
+
+    def __init__(
+        self,
+        writer: ClientWriter,
+        run: Callable[[App], None],
+        ended: Callable[[], None],
+        close: Callable[[], None],
+    ) -> None:
+        # The writer of this request's response (the server's own, to its transport).
+        self.writer = writer
+        # Closes the client's connection (a response that could not be written).
+        self.close = close
+        # Runs an ASGI app for this request in a task, on its cycle (the hand-over).
+        self.run = run
+        # Told once the exchange is no longer the fast path's (answered, or handed over).
+        self.ended = ended
+        # Hands the exchange to a task (the client's connection was lost); the exchange's own.
+        self.hand_over: Callable[[], None] = _nothing
+
+    def detach(self) -> None:
+        """Let go of the exchange's ``hand_over``: it leaves no reference cycle for the collector."""
+        self.hand_over = _nothing
+
+
 class _Refused(Exception):
     """Raised in a parser callback to stop parsing; ``send_400_response`` answers for it."""
 
@@ -124,6 +161,14 @@ class GatewayProtocol(HttpToolsProtocol):
         # The request's Host fields, and its Transfer-Encoding values joined (None: none).
         self._hosts = 0
         self._codings: bytes | None = None
+        # The relay's fast path (proxy/relay/fast.py), where the app offers one: a POST to one of
+        # its paths waits, untasked, for its body's end in this read; offered to ``fast`` then.
+        self._fast: Callable[[Any, bytes, Client], bool] | None = getattr(self.app, "fast", None)
+        self._fast_paths: frozenset[str] = getattr(self.app, "fast_paths", frozenset())
+        self._deciding = False
+        self._deferred: tuple[RequestResponseCycle, Any] | None = None
+        # The request the fast path is serving on this connection, while it serves it.
+        self._fast_client: Client | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -146,6 +191,9 @@ class GatewayProtocol(HttpToolsProtocol):
             # For a response written through ASGI send, which drops what comes after
             # silently: the relay's writer asks, so that its record says what was sent.
             self.cycle.scope["extensions"]["blazar.gone"] = True  # type: ignore[assignment]
+        if self._fast_client is not None:
+            # The relay's task, told of the disconnect as any is, closes the upstream.
+            self._fast_client.hand_over()
 
     def data_received(self, data: bytes) -> None:
         if self._after_response is not None:
@@ -158,6 +206,11 @@ class GatewayProtocol(HttpToolsProtocol):
             self._head_bytes += len(data)
         self._uncounted = False
         super().data_received(data)
+        if self._deferred is not None:
+            # Its body did not end in this read: served as any request.
+            cycle, app = self._deferred
+            self._deferred = None
+            HttpToolsProtocol._start_asgi_task(self, cycle, app)
         if self.transport.is_closing() or self._after_response is not None:
             return
         if self._uncounted and self._in_head and self._head_begun:
@@ -267,7 +320,11 @@ class GatewayProtocol(HttpToolsProtocol):
             raise _Refused()
         self._in_head = False
         earlier = self.cycle
-        super().on_headers_complete()
+        self._deciding = True
+        try:
+            super().on_headers_complete()
+        finally:
+            self._deciding = False
         if version == "1.0":
             # Its task has not run yet: its first step finds this class's send.
             self.cycle.__class__ = _CloseDelimitedCycle
@@ -285,6 +342,54 @@ class GatewayProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         self._uncounted = True
         self._head_uncounted = False
+        if self._deferred is not None:
+            self._offer_fast()
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        # A POST to a fast path, as its head ends (not a pipelined one started later): its
+        # task waits for the body's end (``on_message_complete``, or the end of this read).
+        if self._deciding and self._fast is not None:
+            scope = cycle.scope
+            if (
+                scope["method"] == "POST"
+                and scope["path"] in self._fast_paths
+                and scope["http_version"] == "1.1"
+                and not self.expect_100_continue
+            ):
+                self._deferred = (cycle, app)
+                return
+        super()._start_asgi_task(cycle, app)
+
+    def _offer_fast(self) -> None:
+        """Offer the request whose body has just ended to the relay's fast path; else start its task."""
+        assert self._deferred is not None and self._fast is not None
+        cycle, app = self._deferred
+        self._deferred = None
+        if cycle is self.cycle and not cycle.disconnected:
+            raw = cycle.body
+            # Its body is taken as ``receive`` would take it: what the task's receive
+            # gives after a hand-over is the disconnect, as after a relay's read.
+            data = bytes(raw)
+            cycle.body = bytearray()
+            cycle.message_event.clear()
+            client = Client(
+                ClientWriter(cycle),
+                functools.partial(self._run_task, cycle),
+                self._fast_over,
+                self.transport.close,
+            )
+            if self._fast(cycle.scope, data, client):
+                self._fast_client = client
+                return
+            cycle.body = raw
+            cycle.message_event.set()
+        HttpToolsProtocol._start_asgi_task(self, cycle, app)
+
+    def _run_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        HttpToolsProtocol._start_asgi_task(self, cycle, app)
+
+    def _fast_over(self) -> None:
+        self._fast_client = None
 
     def on_response_complete(self) -> None:
         # uvicorn's, with its keep-alive wait on a coarse timer.

@@ -162,6 +162,12 @@ class Connection(asyncio.Protocol):
         self.on_body: Callable[[bytes], None] = self._chunks.append
         self._parser = httptools.HttpResponseParser(self)
         self._waiter: asyncio.Future[None] | None = None
+        # Called instead of waking a waiter, for an exchange run from callbacks
+        # (proxy/relay/fast.py): after the read that brought the head, the end or an
+        # error; at once for what comes outside a read (a close, a timeout, an abort).
+        self.listener: Callable[[], None] | None = None
+        self._feeding = False
+        self._woken = False
         self._wait_over = False
         self._read_timer: asyncio.TimerHandle | None = None
         self.state = ConnState.NEW
@@ -226,12 +232,15 @@ class Connection(asyncio.Protocol):
         chunks = self._chunks
         if self._stray:
             self._kept = len(chunks)
+        self._feeding = True
         try:
             self._parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            self._feeding = self._woken = False
             self._fail(BadResponse(f"upstream sent a malformed HTTP response ({exc!r})"))
             self.close()
             return
+        self._feeding = False
         if chunks:
             if self._stray:
                 # Bytes of a message after the end of this response are not its body.
@@ -244,8 +253,13 @@ class Connection(asyncio.Protocol):
                 self._wake()
         if not self._head_done and self._head_bytes > MAX_HEAD_BYTES:
             # Endless header lines, or one huge one: memory stays bounded.
+            self._woken = False
             self._fail(BadResponse(f"upstream's response head is larger than {MAX_HEAD_BYTES} bytes"))
             self.close()
+        elif self._woken:
+            self._woken = False
+            if self.listener is not None:
+                self.listener()
 
     def eof_received(self) -> bool:
         self._on_close(None)
@@ -451,6 +465,32 @@ class Connection(asyncio.Protocol):
         return self._complete and not self._chunks
 
     @property
+    def error(self) -> BaseException | None:
+        """What ended the exchange, if anything did (a timeout, a close, a malformed response)."""
+        return self._error
+
+    @property
+    def whole(self) -> bool:
+        """Whether the whole response has arrived (its body may not have been read)."""
+        return self._complete
+
+    @property
+    def buffered(self) -> int:
+        """The bytes received and not yet read (the body's framing included)."""
+        return self._unread
+
+    def take_body(self) -> bytes:
+        """The body bytes that have arrived, at once (``read`` without a wait)."""
+        chunks = self._chunks
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self._unread = 0
+        if self._paused and self._transport is not None:
+            self._paused = False
+            self._transport.resume_reading()
+        return data
+
+    @property
     def reusable(self) -> bool:
         return (
             self._complete
@@ -486,6 +526,11 @@ class Connection(asyncio.Protocol):
             self._transport.abort()
 
     # -- internals ----------------------------------------------------------
+
+    def head_deadline(self, timeout_s: float) -> int:
+        """Abort with ``HeadTimeout`` unless the head comes within ``timeout_s`` (``read_head``'s
+        deadline, for an exchange run from callbacks); the key to ``timers.cancel`` it with."""
+        return self.timers.later(timeout_s, self._head_timed_out, timeout_s)
 
     def _end_head_wait(self) -> None:
         self._wait_over = True
@@ -550,6 +595,12 @@ class Connection(asyncio.Protocol):
         self._wake()
 
     def _wake(self) -> None:
+        if self.listener is not None:
+            if self._feeding:
+                self._woken = True  # told once the read is parsed (data_received)
+            else:
+                self.listener()
+            return
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None

@@ -14,7 +14,9 @@ gate, the slot and the peer a request holds, and the waits for them),
 ``exchange`` (the upstream exchange) with ``heartbeat``, ``sse``, ``body``
 and ``built`` (the ways a response is relayed or built), ``watch`` (the
 disconnect and stall watchers), ``failures`` (what the client is told),
-``outcome`` (the one record), ``drain``, ``ids``, ``timing``, ``settings``.
+``outcome`` (the one record), ``drain``, ``ids``, ``timing``, ``settings``;
+``fast`` (the common case run from the protocols' callbacks, handed to the
+rest wherever it is not common).
 """
 
 from proxy.endpoints import ENDPOINTS

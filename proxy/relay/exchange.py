@@ -88,15 +88,35 @@ class Exchange:
         opened is returned unanswered: nothing was sent, so the caller may
         send the request to another peer. Otherwise None: the client is answered.
         """
-        head = self._request_head(scope, peer, len(body.data), outcome.request_id)
+        head = self.request_head(scope, peer, len(body.data), outcome.request_id)
         conn = await self._open(send, peer, outcome, may_move)
         if not isinstance(conn, Connection):
             return conn
-        if await self._exchange(conn, head, scope, receive, send, peer, body, outcome, may_resend=True):
-            conn = await self._open(send, peer, outcome, False, fresh=True)
-            if isinstance(conn, Connection):
-                await self._exchange(conn, head, scope, receive, send, peer, body, outcome, may_resend=False)
+        await self.resume(conn, head, scope, receive, send, peer, body, outcome, sent=False)
         return None
+
+    async def resume(
+        self,
+        conn: Connection,
+        head: bytes,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        peer: Peer,
+        body: RequestBody,
+        outcome: Outcome,
+        *,
+        sent: bool,
+    ) -> None:
+        """The exchange on ``conn``, from its send (``sent``: from just after it, for an exchange
+        begun from callbacks, ``proxy/relay/fast.py``), to the client's answer."""
+        resend = await self._exchange(
+            conn, head, scope, receive, send, peer, body, outcome, may_resend=True, sent=sent
+        )
+        if resend:
+            fresh = await self._open(send, peer, outcome, False, fresh=True)
+            if isinstance(fresh, Connection):
+                await self._exchange(fresh, head, scope, receive, send, peer, body, outcome, may_resend=False)
 
     async def _exchange(
         self,
@@ -110,6 +130,7 @@ class Exchange:
         outcome: Outcome,
         *,
         may_resend: bool,
+        sent: bool = False,
     ) -> bool:
         """One request on ``conn``; True when it must be sent again on a new connection.
 
@@ -128,8 +149,9 @@ class Exchange:
         drain, pool, health = self._drain, peer.pool, peer.health
         resend = False
         outcome.peer, outcome.conn = peer, conn
-        conn.send(head, body.data)
-        outcome.sent_at = perf_counter()
+        if not sent:
+            conn.send(head, body.data)
+            outcome.sent_at = perf_counter()
         guards, arm_stall_watch = arm_guards(conn, outcome, scope, self._total_timeout_s, self._send_stall_s)
         watch = ClientWatch(receive, conn, arm_stall_watch)
         drain.active.add(conn)
@@ -208,7 +230,7 @@ class Exchange:
             return None
         return conn
 
-    def _request_head(self, scope: Scope, peer: Peer, length: int, request_id: bytes) -> bytes:
+    def request_head(self, scope: Scope, peer: Peer, length: int, request_id: bytes) -> bytes:
         """The head sent upstream: the client's headers that may cross, and the gateway's own."""
         headers = forward_request_headers(scope["headers"], self._request_drop)
         headers.append((b"x-request-id", request_id))

@@ -18,12 +18,14 @@ from proxy.errors import HTTPError, echo
 from proxy.metrics import Metrics
 from proxy.payload import ask_for_stream, check_request, parse_request
 from proxy.pool import Pool
+from proxy.protocol import Client
 from proxy.relay.drain import Drain
 from proxy.relay.exchange import Exchange
 from proxy.relay.failures import refuse
+from proxy.relay.fast import FastExchange
 from proxy.relay.ids import RequestIds
 from proxy.relay.outcome import Outcome
-from proxy.relay.request import BodyBudget, RequestBody, read_request
+from proxy.relay.request import BodyBudget, RequestBody, check_head, read_request
 from proxy.relay.routes import ModelLoad, Peer, RouteEntry, Routes
 from proxy.relay.settings import RelaySettings
 from proxy.relay.ticket import Ticket
@@ -59,12 +61,15 @@ class Relay:
             metrics.watch_admission(self._routes.admission_sample)
             metrics.watch_replicas(self._routes.replica_sample)
         self.request_id_of = RequestIds()
-        self._drain = Drain()
+        self._drain = self.drain = Drain()
         self._exchange = Exchange(settings, self._drain)
         # A body larger than the whole budget could never be served: 413, not a 503 to retry forever.
         self._max_body_bytes = min(settings.max_body_bytes, settings.body_budget_bytes)
         self._body_budget = BodyBudget(settings.body_budget_bytes)
         self._load_wait_s = settings.load_wait_s
+        # The fast path's deadline for the head; with a whole-request limit, no fast path.
+        self._head_timeout_s = settings.first_byte_timeout_s
+        self._total_timeout_s = settings.total_timeout_s
 
     @property
     def table(self) -> RoutingTable:
@@ -126,6 +131,72 @@ class Relay:
             outcome.bytes_out = await refuse(
                 send, outcome.endpoint.envelope, outcome.refusal, outcome.request_id, outcome.started
             )
+        outcome.record(scope, self._metrics, self._access)
+
+    def try_fast(self, scope: Scope, data: bytes, client: Client, leave: Callable[[], None]) -> bool:
+        """Begin the exchange of a request whose body ``data`` came whole, from the protocol's
+        callback (``proxy/relay/fast.py``); False, having changed nothing, when it is not one
+        the fast path serves (the caller runs the request as any other)."""
+        body = RequestBody(self._body_budget)
+        limit = self._max_body_bytes
+        try:
+            check_head(scope, limit, body)
+        except HTTPError:
+            return False
+        if len(data) > limit or not body.fits(len(data)) or self._drain.closing or self._total_timeout_s:
+            return False
+        outcome = Outcome(self.request_id_of(scope), ENDPOINTS[scope["path"]])
+        try:
+            entry, doc, drop, put = self._parse(data, outcome)
+        except HTTPError:
+            return False
+        if (
+            drop
+            or put
+            or outcome.stream
+            or outcome.built is not None
+            or entry.rename is not None
+            or len(entry.peers) != 1
+        ):
+            return False
+        peer = entry.peers[0]
+        conn = peer.pool.take_idle()
+        if conn is None:
+            return False
+        ticket = Ticket()
+        if ticket.take(entry, doc) is not peer:
+            ticket.release(perf_counter())
+            peer.pool.put_back(conn)
+            return False
+        del doc
+        if data:
+            body.charge(len(data))
+        body.data = data
+        outcome.started = outcome.arrived = perf_counter()
+        self._arrived(outcome)
+        exchange = FastExchange(
+            self, scope, client, outcome, ticket, body, peer, conn, leave, self._head_timeout_s
+        )
+        exchange.start(self._exchange.request_head(scope, peer, len(data), outcome.request_id))
+        return True
+
+    async def resume(self, fast: FastExchange, scope: Scope, receive: Receive, send: Send) -> None:
+        """Go on with an exchange the fast path began, as ``__call__`` would have from its send."""
+        outcome = fast.outcome
+        try:
+            try:
+                await self._exchange.resume(
+                    fast.conn, fast.head, scope, receive, send, fast.peer, fast.body, outcome, sent=True
+                )
+            finally:
+                fast.body.drop()
+                fast.ticket.release(outcome.started)
+            outcome.record(scope, self._metrics, self._access)
+        finally:
+            fast.leave()
+
+    def record(self, scope: Scope, outcome: Outcome) -> None:
+        """Write a request's metrics and access-log line (``Outcome.record``)."""
         outcome.record(scope, self._metrics, self._access)
 
     async def _run_on_set(

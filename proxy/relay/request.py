@@ -101,6 +101,23 @@ async def read_request(scope: Scope, receive: Receive, limit: int, body: Request
     405, 413, 415, 503 (the budget) or ClientGone; whatever was charged stays
     on ``body`` for the caller to ``drop``.
     """
+    check_head(scope, limit, body)
+    message = await receive()
+    if message["type"] == "http.request" and not message.get("more_body", False):
+        # The common case: the whole body came with the head.
+        data: bytes = message.get("body", b"")
+        if len(data) > limit:
+            raise too_large(limit)
+        if data:
+            body.charge(len(data))
+        body.data = data
+        return
+    # Its deadline (--body-timeout, from the end of the head) is the protocol's (proxy/protocol.py).
+    await _read_rest(message, receive, limit, body)
+
+
+def check_head(scope: Scope, limit: int, body: RequestBody) -> None:
+    """The request's method and head, before its body is read: 405, 413, 415 or 503 (the budget)."""
     if scope["method"] != "POST":
         raise HTTPError(
             405,
@@ -140,18 +157,6 @@ async def read_request(scope: Scope, receive: Receive, limit: int, body: Request
         # It could not be held whole now: refused before any of it is read. Nothing is
         # reserved: a head alone must not hold the budget (its bytes are charged as they come).
         raise over_budget(body.limit_bytes)
-    message = await receive()
-    if message["type"] == "http.request" and not message.get("more_body", False):
-        # The common case: the whole body came with the head.
-        data: bytes = message.get("body", b"")
-        if len(data) > limit:
-            raise too_large(limit)
-        if data:
-            body.charge(len(data))
-        body.data = data
-        return
-    # Its deadline (--body-timeout, from the end of the head) is the protocol's (proxy/protocol.py).
-    await _read_rest(message, receive, limit, body)
 
 
 async def _read_rest(message: Message, receive: Receive, limit: int, body: RequestBody) -> None:

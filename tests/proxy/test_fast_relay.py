@@ -1,0 +1,173 @@
+"""The relay's fast path end to end in process: the gateway's app on uvicorn, an upstream on asyncio.
+
+Which requests it serves from callbacks (counted at ``Relay.try_fast``), that
+the rest of an exchange it hands over is answered as the task path answers,
+and that a request served from callbacks leaves nothing for the collector.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import orjson
+import pytest
+import uvicorn
+
+from engines.spec import Guards
+from proxy.app import Gateway, build_app
+from proxy.protocol import protocol_class
+from proxy.routing import Route, RoutingTable, UpstreamAddress
+from proxy.startup.settings import Settings
+
+pytestmark = pytest.mark.anyio
+
+REPLY = orjson.dumps(
+    {"id": "c1", "object": "chat.completion", "choices": [], "usage": {"completion_tokens": 3}}
+)
+
+
+class Upstream(asyncio.Protocol):
+    """Answers each request by its body's ``mode``: whole at once, head then body later, or a 500."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport: Any = transport
+        self.buffer = b""
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        head, sep, rest = self.buffer.partition(b"\r\n\r\n")
+        if not sep:
+            return
+        length = int(
+            next(line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))[15:]
+        )
+        if len(rest) < length:
+            return
+        body, self.buffer = rest[:length], rest[length:]
+        mode = orjson.loads(body).get("mode")
+        if mode == "error":
+            error = b'{"error":{"message":"boom"}}'
+            self.transport.write(
+                b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: %d\r\n\r\n%b" % (len(error), error)
+            )
+            return
+        response_head = (
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(REPLY)
+        )
+        if mode == "later":
+            self.transport.write(response_head)
+            asyncio.get_running_loop().call_later(0.05, self.transport.write, REPLY)
+        else:
+            self.transport.write(response_head + REPLY)
+
+
+@asynccontextmanager
+async def gateway() -> AsyncIterator[tuple[int, Gateway, list[bool]]]:
+    """A gateway over one upstream; each ``Relay.try_fast`` answer is appended to the list."""
+    loop = asyncio.get_running_loop()
+    upstream = await loop.create_server(Upstream, "127.0.0.1", 0)
+    upstream_port = upstream.sockets[0].getsockname()[1]
+    route = Route(model="m1", upstream=UpstreamAddress("127.0.0.1", upstream_port), guards=Guards())
+    app = build_app(RoutingTable([route]), Settings())
+    taken: list[bool] = []
+    try_fast = app.relay.try_fast
+
+    def counted(*args: Any) -> bool:
+        taken.append(try_fast(*args))
+        return taken[-1]
+
+    app.relay.try_fast = counted  # type: ignore[method-assign,assignment]
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=0,
+        http=protocol_class(10.0, 64 * 1024),
+        lifespan="on",
+        access_log=False,
+        server_header=False,
+        proxy_headers=False,
+        log_level="critical",
+    )
+    server = uvicorn.Server(config)
+    task = asyncio.ensure_future(server.serve())
+    while not server.started:  # noqa: ASYNC110 - uvicorn sets a flag, it has no event to wait on
+        await asyncio.sleep(0.01)
+    try:
+        yield server.servers[0].sockets[0].getsockname()[1], app, taken
+    finally:
+        server.should_exit = True
+        await task
+        upstream.close()
+
+
+async def posts(port: int, *bodies: bytes) -> list[tuple[bytes, bytes]]:
+    """Each body POSTed in turn on one connection; each response's head and body."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    answers = []
+    for body in bodies:
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
+        )
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(
+            next(v for n, _, v in (h.partition(b": ") for h in head.split(b"\r\n")) if n == b"content-length")
+        )
+        answers.append((head, await reader.readexactly(length)))
+    writer.close()
+    return answers
+
+
+async def test_a_plain_request_is_served_from_callbacks_and_answered_whole() -> None:
+    """The first request opens the pool's connection (a wait: the task's way); the next one reuses it."""
+    async with gateway() as (port, _, taken):
+        [first, (head, body)] = await posts(port, b'{"model":"m1"}', b'{"model":"m1","messages":[]}')
+    assert taken == [False, True]
+    assert first[1] == REPLY
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert b"x-request-id: " in head and b"server-timing: " in head
+    assert body == REPLY
+
+
+async def test_a_stream_and_an_unknown_model_go_the_task_s_way() -> None:
+    async with gateway() as (port, _, taken):
+        [(head, body)] = await posts(port, b'{"model":"nope","messages":[]}')
+    assert taken == [False]
+    assert head.startswith(b"HTTP/1.1 404 ") and orjson.loads(body)["error"]["code"] == "model_not_found"
+
+
+async def test_a_head_whose_body_comes_later_and_an_upstream_error_are_handed_over() -> None:
+    async with gateway() as (port, _, taken):
+        answers = await posts(
+            port,
+            b'{"model":"m1"}',
+            b'{"model":"m1","mode":"later"}',
+            b'{"model":"m1","mode":"error"}',
+            b'{"model":"m1"}',
+        )
+    assert taken == [False, True, True, True]
+    _, (later_head, later_body), (error_head, error_body), (_, plain_body) = answers
+    assert later_head.startswith(b"HTTP/1.1 200 OK\r\n") and later_body == REPLY
+    # The upstream's error as the task path relays it: its status, in OpenAI's envelope.
+    assert error_head.startswith(b"HTTP/1.1 500 ") and orjson.loads(error_body)["error"]["message"] == "boom"
+    assert plain_body == REPLY
+
+
+async def test_a_request_served_from_callbacks_leaves_nothing_for_the_collector() -> None:
+    async with gateway() as (port, _, taken):
+        await posts(port, b'{"model":"m1"}')  # start-up's garbage, and the pool's first connection
+        gc.collect()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            await posts(port, *[b'{"model":"m1"}'] * 20)
+            gc.collect()
+            left = {type(o).__name__ for o in gc.garbage}
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+    assert taken[0] is False and all(taken[1:])
+    assert not left & {"FastExchange", "Client", "Outcome", "ClientWriter", "RequestResponseCycle"}, left
