@@ -108,10 +108,13 @@ class Gateway:
             return False
         state = self.state
         state.in_flight += 1
-        if self.relay.try_fast(scope, data, client, state.leave):
-            return True
-        state.in_flight -= 1
-        return False
+        taken = False
+        try:
+            taken = self.relay.try_fast(scope, data, client, state.leave)
+        finally:
+            if not taken:
+                state.in_flight -= 1
+        return taken
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":

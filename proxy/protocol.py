@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -101,7 +102,7 @@ def _nothing() -> None:
 class Client:
     """What the protocol gives the app's fast path (``proxy/relay/fast.py``) for one request."""
 
-    __slots__ = ("close", "ended", "hand_over", "run", "writer")
+    __slots__ = ("close", "ended", "lost", "run", "watch", "writer")
 
     def __init__(
         self,
@@ -109,21 +110,28 @@ class Client:
         run: Callable[[App], None],
         ended: Callable[[], None],
         close: Callable[[], None],
+        watch: Callable[[], None],
     ) -> None:
         # The writer of this request's response (the server's own, to its transport).
         self.writer = writer
-        # Closes the client's connection (a response that could not be written).
-        self.close = close
         # Runs an ASGI app for this request in a task, on its cycle (the hand-over).
         self.run = run
         # Told once the exchange is no longer the fast path's (answered, or handed over).
         self.ended = ended
-        # Hands the exchange to a task (the client's connection was lost); the exchange's own.
-        self.hand_over: Callable[[], None] = _nothing
+        # Closes the client's connection (a response that could not be written).
+        self.close = close
+        # Reads the client's connection again, as ``receive`` does when a relay waits on it:
+        # its close is then seen (a large body or a pipelined head paused the reading).
+        self.watch = watch
+        # Told that the client's connection was lost; set by the exchange, while it runs.
+        self.lost: Callable[[], None] = _nothing
 
     def detach(self) -> None:
-        """Let go of the exchange's ``hand_over``: it leaves no reference cycle for the collector."""
-        self.hand_over = _nothing
+        """Let go of the exchange's ``lost``: it leaves no reference cycle for the collector."""
+        self.lost = _nothing
+
+
+logger = logging.getLogger("blazar.server")
 
 
 class _Refused(Exception):
@@ -192,8 +200,8 @@ class GatewayProtocol(HttpToolsProtocol):
             # silently: the relay's writer asks, so that its record says what was sent.
             self.cycle.scope["extensions"]["blazar.gone"] = True  # type: ignore[assignment]
         if self._fast_client is not None:
-            # The relay's task, told of the disconnect as any is, closes the upstream.
-            self._fast_client.hand_over()
+            # The exchange closes its upstream, as the task path's watcher would.
+            self._fast_client.lost()
 
     def data_received(self, data: bytes) -> None:
         if self._after_response is not None:
@@ -348,7 +356,7 @@ class GatewayProtocol(HttpToolsProtocol):
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
         # A POST to a fast path, as its head ends (not a pipelined one started later): its
         # task waits for the body's end (``on_message_complete``, or the end of this read).
-        if self._deciding and self._fast is not None:
+        if self._deciding and self._fast is not None and app is self.app:
             scope = cycle.scope
             if (
                 scope["method"] == "POST"
@@ -372,18 +380,27 @@ class GatewayProtocol(HttpToolsProtocol):
             data = bytes(raw)
             cycle.body = bytearray()
             cycle.message_event.clear()
-            client = Client(
-                ClientWriter(cycle),
-                functools.partial(self._run_task, cycle),
-                self._fast_over,
-                self.transport.close,
-            )
-            if self._fast(cycle.scope, data, client):
+            run = functools.partial(self._run_task, cycle)
+            watch = functools.partial(self._watch, cycle)
+            client = Client(ClientWriter(cycle), run, self._fast_over, self.transport.close, watch)
+            try:
+                taken = self._fast(cycle.scope, data, client)
+            except Exception:
+                # Nothing is taken before the last step that can fail: served as any request.
+                logger.exception("the relay's fast path failed; the request is served as any other")
+                taken = False
+            if taken:
                 self._fast_client = client
+                # As the relay's read of the body would (``receive``): a large body paused reading.
+                self.flow.resume_reading()
                 return
             cycle.body = raw
             cycle.message_event.set()
         HttpToolsProtocol._start_asgi_task(self, cycle, app)
+
+    def _watch(self, cycle: RequestResponseCycle) -> None:
+        if not cycle.disconnected and not cycle.response_complete:
+            self.flow.resume_reading()
 
     def _run_task(self, cycle: RequestResponseCycle, app: Any) -> None:
         HttpToolsProtocol._start_asgi_task(self, cycle, app)

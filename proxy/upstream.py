@@ -508,7 +508,12 @@ class Connection(asyncio.Protocol):
         The only event left for a request whose body was read is the
         disconnect, so its completion means the client has gone.
         """
-        if task.cancelled() or self.state is not ConnState.ACTIVE:
+        if not task.cancelled():
+            self.client_gone()
+
+    def client_gone(self) -> None:
+        """The client's connection is gone: end the exchange with ``ClientGone`` and close."""
+        if self.state is not ConnState.ACTIVE:
             return
         self._fail(ClientGone())
         self.close()

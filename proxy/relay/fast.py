@@ -12,8 +12,9 @@ the request.
 Anything else hands the exchange to the code that serves every other
 request, from where it stands (``Relay.resume``, a task like any other
 request's): an upstream error, a close or an abort (a drain, a cancel from
-the status page, the head's deadline), a head whose body is still coming, a
-response of another kind, or the client's connection lost. Nothing is
+the status page, the head's deadline, the client's connection lost, which
+closes the upstream at once), a head whose body is still coming, or a
+response of another kind. Nothing is
 written to the client before that hand-over, so the code that takes over
 answers as it would have from the start. What the fast path checks before
 sending is the same code the other path runs (``check_head``,
@@ -45,6 +46,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("blazar.relay")
 
+# When the task path starts watching the client (``proxy/relay/watch.py``'s ``_WATCH_AFTER_S``).
+WATCH_AFTER_S = 0.05
 # The largest body written from a callback in one write; a larger one goes through the task.
 MAX_BODY_BYTES = 64 * 1024
 
@@ -55,7 +58,9 @@ class FastExchange:
     __slots__ = (
         "_head_timeout_s",
         "_over",
+        "_released",
         "_timer",
+        "_watch_timer",
         "body",
         "client",
         "conn",
@@ -95,8 +100,11 @@ class FastExchange:
         # The head's deadline, as ``Connection.read_head`` keeps it on the other path.
         self._head_timeout_s = head_timeout_s
         self._timer: int | None = None
+        self._watch_timer: int | None = None
         # No longer the callbacks': answered, or handed to a task.
         self._over = False
+        # What the request held is given back.
+        self._released = False
 
     def start(self, head: bytes) -> None:
         """Send the request; the upstream's callback does the rest."""
@@ -104,14 +112,35 @@ class FastExchange:
         self.head = head
         outcome.peer, outcome.conn = self.peer, conn
         conn.listener = self.on_upstream
-        self.client.hand_over = self.hand_over
+        self.client.lost = self.client_lost
         conn.send(head, self.body.data)
         outcome.sent_at = perf_counter()
         self.relay.drain.active.add(conn)
         self._timer = conn.head_deadline(self._head_timeout_s)
+        # When the task path starts watching the client: its reading resumed, its close seen.
+        self._watch_timer = conn.timers.later(WATCH_AFTER_S, self.client.watch)
+
+    def client_lost(self) -> None:
+        """The client's connection is gone: the upstream is closed now, the rest handed over."""
+        self.conn.client_gone()  # its callback hands the exchange over
+        self.hand_over()
 
     def on_upstream(self) -> None:
         """The upstream's head, its end or an error came (or the connection closed)."""
+        try:
+            self._on_upstream()
+        except Exception:
+            # Logged; the task path then answers (or, past the answer's start, the client's
+            # connection is closed), and what the request held is given back.
+            log.exception("the relay's fast path failed on %s", self.outcome.request_id.decode())
+            if not self._over:
+                self.hand_over()
+            elif not self._released:
+                self.client.close()
+                self.conn.close()
+                self._release()
+
+    def _on_upstream(self) -> None:
         conn = self.conn
         if conn.error is None and not conn.whole:
             if conn.status:
@@ -155,14 +184,6 @@ class FastExchange:
             outcome.client_gone = True
             if exc.nothing_sent:
                 outcome.status = 499
-        except Exception:
-            # A head the server's writer refuses (as uvicorn's checks do): logged, the client's
-            # connection closed and the request not recorded, as the server does for a task.
-            log.exception("the response to %s could not be written", outcome.request_id.decode())
-            self.client.close()
-            conn.close()
-            self._release()
-            return
         self._release()
         self.relay.record(self.scope, outcome)
 
@@ -170,6 +191,7 @@ class FastExchange:
         """What the request held, given back: what ``Exchange._exchange``'s and ``Relay.__call__``'s
         ends do."""
         conn, outcome = self.conn, self.outcome
+        self._released = True
         try:
             self.relay.drain.active.discard(conn)
             outcome.conn = None
@@ -194,7 +216,11 @@ class FastExchange:
         # Each reference back to this exchange let go: a request leaves no cycle for the collector.
         self.client.detach()
         self.conn.listener = None
+        timers = self.conn.timers
         if self._timer is not None:
-            self.conn.timers.cancel(self._head_timeout_s, self._timer)
+            timers.cancel(self._head_timeout_s, self._timer)
             self._timer = None
+        if self._watch_timer is not None:
+            timers.cancel(WATCH_AFTER_S, self._watch_timer)
+            self._watch_timer = None
         self.client.ended()

@@ -160,6 +160,7 @@ class Relay:
         ):
             return False
         peer = entry.peers[0]
+        head = self._exchange.request_head(scope, peer, len(data), outcome.request_id)
         conn = peer.pool.take_idle()
         if conn is None:
             return False
@@ -169,15 +170,15 @@ class Relay:
             peer.pool.put_back(conn)
             return False
         del doc
+        # Taken from here: nothing below fails (the budget had room, nothing ran since).
         if data:
             body.charge(len(data))
         body.data = data
-        outcome.started = outcome.arrived = perf_counter()
         self._arrived(outcome)
         exchange = FastExchange(
             self, scope, client, outcome, ticket, body, peer, conn, leave, self._head_timeout_s
         )
-        exchange.start(self._exchange.request_head(scope, peer, len(data), outcome.request_id))
+        exchange.start(head)
         return True
 
     async def resume(self, fast: FastExchange, scope: Scope, receive: Receive, send: Send) -> None:

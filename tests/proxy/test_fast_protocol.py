@@ -199,7 +199,7 @@ async def test_a_hand_over_runs_in_a_task_whose_receive_gives_the_disconnect_not
         received.append(await receive())
 
     handed: list[bool] = []
-    client.hand_over = lambda: handed.append(True)
+    client.lost = lambda: handed.append(True)
     client.run(rest)
     await settle()
     assert received == [] and len(protocol.tasks) == 1  # its receive waits: the body was the fast path's
@@ -216,7 +216,23 @@ async def test_a_connection_lost_after_the_answer_tells_nobody() -> None:
     protocol.data_received(post())
     client = app.clients[0]
     handed: list[bool] = []
-    client.hand_over = lambda: handed.append(True)
+    client.lost = lambda: handed.append(True)
     answer(client)
     protocol.connection_lost(None)
     assert handed == []
+
+
+async def test_an_accepted_request_reads_its_connection_again_and_its_watch_does_after_a_pipelined_head() -> (
+    None
+):
+    """A body over uvicorn's high-water mark, or a pipelined head, pauses reading: the client's
+    close would go unseen. Accepted, the request reads again (as the relay's ``receive`` of its
+    body would); its ``watch`` does so after a pipelined head (as the relay's watcher would)."""
+    app = App()
+    protocol, transport = connect(app)
+    protocol.data_received(post(b'{"model":"m1","pad":"%b"}' % (b"x" * 70_000)))
+    assert len(app.offered) == 1 and not transport.paused
+    protocol.data_received(post())
+    assert transport.paused  # pipelined behind the first: uvicorn pauses reading
+    app.clients[0].watch()
+    assert not transport.paused
