@@ -58,7 +58,10 @@ log = logging.getLogger("blazar.access")
 # A line waits at most this long (plus the loop's own lag) before it is written.
 FLUSH_AFTER_S = 0.05
 # And at most this many lines wait: the buffer is bounded, and so is one write.
-MAX_LINES = 512
+# A batch is formatted as it is written: a pause for the requests behind it. A batch
+# of 512 (all of 50 ms at ~6,000 requests a second) made it ~0.75 ms and doubled the
+# added p99 at C=1; 32 lines take ~0.1 ms.
+MAX_LINES = 32
 
 # The running loop or None: asyncio's own accessor, which does not raise. It
 # costs a getpid() system call (its fork check), so it is called once a batch.
