@@ -46,7 +46,6 @@ response written through ``send`` after such a close finds
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import sys
 from collections.abc import Awaitable, Callable
@@ -102,33 +101,37 @@ def _nothing() -> None:
 class Client:
     """What the protocol gives the app's fast path (``proxy/relay/fast.py``) for one request."""
 
-    __slots__ = ("close", "ended", "lost", "run", "watch", "writer")
+    __slots__ = ("_cycle", "_protocol", "lost")
 
-    def __init__(
-        self,
-        writer: ClientWriter,
-        run: Callable[[App], None],
-        ended: Callable[[], None],
-        close: Callable[[], None],
-        watch: Callable[[], None],
-    ) -> None:
-        # The writer of this request's response (the server's own, to its transport).
-        self.writer = writer
-        # Runs an ASGI app for this request in a task, on its cycle (the hand-over).
-        self.run = run
-        # Told once the exchange is no longer the fast path's (answered, or handed over).
-        self.ended = ended
-        # Closes the client's connection (a response that could not be written).
-        self.close = close
-        # Reads the client's connection again, as ``receive`` does when a relay waits on it:
-        # its close is then seen (a large body or a pipelined head paused the reading).
-        self.watch = watch
+    def __init__(self, protocol: GatewayProtocol, cycle: RequestResponseCycle) -> None:
+        self._protocol = protocol
+        self._cycle = cycle
         # Told that the client's connection was lost; set by the exchange, while it runs.
         self.lost: Callable[[], None] = _nothing
 
-    def detach(self) -> None:
-        """Let go of the exchange's ``lost``: it leaves no reference cycle for the collector."""
-        self.lost = _nothing
+    def writer(self) -> ClientWriter:
+        """The writer of this request's response (the server's own, to its transport)."""
+        return ClientWriter(self._cycle)
+
+    def run(self, app: App) -> None:
+        """Run ``app`` for this request in a task, on its cycle (the hand-over)."""
+        HttpToolsProtocol._start_asgi_task(self._protocol, self._cycle, app)
+
+    def ended(self) -> None:
+        """The exchange is no longer the fast path's (answered, or handed over)."""
+        self.lost = _nothing  # no reference back to the exchange: no cycle for the collector
+        self._protocol._fast_client = None
+
+    def close(self) -> None:
+        """Close the client's connection (a response that could not be written)."""
+        self._protocol.transport.close()
+
+    def watch(self) -> None:
+        """Read the client's connection again, as ``receive`` does when a relay waits on it: its
+        close is then seen (a large body or a pipelined head paused the reading)."""
+        cycle = self._cycle
+        if not cycle.disconnected and not cycle.response_complete:
+            self._protocol.flow.resume_reading()
 
 
 logger = logging.getLogger("blazar.server")
@@ -380,9 +383,7 @@ class GatewayProtocol(HttpToolsProtocol):
             data = bytes(raw)
             cycle.body = bytearray()
             cycle.message_event.clear()
-            run = functools.partial(self._run_task, cycle)
-            watch = functools.partial(self._watch, cycle)
-            client = Client(ClientWriter(cycle), run, self._fast_over, self.transport.close, watch)
+            client = Client(self, cycle)
             try:
                 taken = self._fast(cycle.scope, data, client)
             except Exception:
@@ -397,16 +398,6 @@ class GatewayProtocol(HttpToolsProtocol):
             cycle.body = raw
             cycle.message_event.set()
         HttpToolsProtocol._start_asgi_task(self, cycle, app)
-
-    def _watch(self, cycle: RequestResponseCycle) -> None:
-        if not cycle.disconnected and not cycle.response_complete:
-            self.flow.resume_reading()
-
-    def _run_task(self, cycle: RequestResponseCycle, app: Any) -> None:
-        HttpToolsProtocol._start_asgi_task(self, cycle, app)
-
-    def _fast_over(self) -> None:
-        self._fast_client = None
 
     def on_response_complete(self) -> None:
         # uvicorn's, with its keep-alive wait on a coarse timer.

@@ -174,7 +174,7 @@ class FastExchange:
         headers.append(timing_header(outcome.own_s, head_at - sent_at))
         headers.append((b"content-length", conn.content_length))  # type: ignore[arg-type]
         data = conn.take_body()
-        out = self.client.writer
+        out = self.client.writer()
         try:
             out.start(status, headers)
             outcome.tail = usage_tail(b"", data)
@@ -213,8 +213,6 @@ class FastExchange:
 
     def _end_callbacks(self) -> None:
         self._over = True
-        # Each reference back to this exchange let go: a request leaves no cycle for the collector.
-        self.client.detach()
         self.conn.listener = None
         timers = self.conn.timers
         if self._timer is not None:

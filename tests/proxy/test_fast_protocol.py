@@ -108,8 +108,9 @@ def connect(app: App) -> tuple[GatewayProtocol, FakeTransport]:
 
 def answer(client: Client, body: bytes = b"fast") -> None:
     """What the relay's fast path does once the upstream's answer is whole: one write."""
-    client.writer.start(200, [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))])
-    client.writer.write(body, False)
+    writer = client.writer()
+    writer.start(200, [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))])
+    writer.write(body, False)
     client.ended()
 
 

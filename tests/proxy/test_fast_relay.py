@@ -140,6 +140,26 @@ async def test_a_stream_and_an_unknown_model_go_the_task_s_way() -> None:
     assert head.startswith(b"HTTP/1.1 404 ") and orjson.loads(body)["error"]["code"] == "model_not_found"
 
 
+@pytest.mark.parametrize(
+    "body",
+    [b'{"model":"m1","stream":true}', b'{"model":"m1","messages":[], "stream" :\n true}'],
+)
+async def test_a_stream_is_declined_before_any_parse(body: bytes) -> None:
+    """The task path serves it, parsing it once (the upstream here answers JSON: a 502 that says so)."""
+    async with gateway() as (port, app, taken):
+        parse = app.relay._parse
+        parsed: list[bytes] = []
+
+        def counted(data: Any, outcome: Any) -> Any:
+            parsed.append(bytes(data))
+            return parse(data, outcome)
+
+        app.relay._parse = counted  # type: ignore[method-assign,assignment]
+        [(head, answer)] = await posts(port, body)
+    assert taken == [False] and parsed == [body]
+    assert head.startswith(b"HTTP/1.1 502 ") and b"not an event stream" in answer
+
+
 async def test_a_head_whose_body_comes_later_and_an_upstream_error_are_handed_over() -> None:
     async with gateway() as (port, _, taken):
         answers = await posts(
