@@ -97,12 +97,14 @@ class Gateway:
         # endpoints; another API's requests may need translating).
         self.fast_paths = frozenset(path for path, endpoint in ENDPOINTS.items() if endpoint.api is None)
 
-    def fast(self, scope: Scope, data: bytes, client: Client) -> bool:
+    def fast(self, scope: Scope, data: bytes | bytearray, client: Client) -> bool:
         """Serve a POST to one of ``fast_paths`` whose body ``data`` came whole from the protocol's
         callback (``proxy/relay/fast.py``); False, having changed nothing, when the request is
         to be served as any other (an ASGI task): the checks ``__call__`` makes first, then the
         relay's."""
-        if self._with_cors or self.state.draining or self.browser.refusal(scope) is not None:
+        if self.relay.declines(data) or self._with_cors or self.state.draining:
+            return False
+        if self.browser.refusal(scope) is not None:
             return False
         if self._with_keys and not self.keys.allows(scope):
             return False

@@ -174,7 +174,7 @@ class GatewayProtocol(HttpToolsProtocol):
         self._codings: bytes | None = None
         # The relay's fast path (proxy/relay/fast.py), where the app offers one: a POST to one of
         # its paths waits, untasked, for its body's end in this read; offered to ``fast`` then.
-        self._fast: Callable[[Any, bytes, Client], bool] | None = getattr(self.app, "fast", None)
+        self._fast: Callable[[Any, bytearray, Client], bool] | None = getattr(self.app, "fast", None)
         self._fast_paths: frozenset[str] = getattr(self.app, "fast_paths", frozenset())
         self._deciding = False
         self._deferred: tuple[RequestResponseCycle, Any] | None = None
@@ -377,10 +377,9 @@ class GatewayProtocol(HttpToolsProtocol):
         cycle, app = self._deferred
         self._deferred = None
         if cycle is self.cycle and not cycle.disconnected:
-            raw = cycle.body
+            data = cycle.body
             # Its body is taken as ``receive`` would take it: what the task's receive
             # gives after a hand-over is the disconnect, as after a relay's read.
-            data = bytes(raw)
             cycle.body = bytearray()
             cycle.message_event.clear()
             client = Client(self, cycle)
@@ -395,7 +394,7 @@ class GatewayProtocol(HttpToolsProtocol):
                 # As the relay's read of the body would (``receive``): a large body paused reading.
                 self.flow.resume_reading()
                 return
-            cycle.body = raw
+            cycle.body = data
             cycle.message_event.set()
         HttpToolsProtocol._start_asgi_task(self, cycle, app)
 

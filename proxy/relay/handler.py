@@ -133,7 +133,15 @@ class Relay:
             )
         outcome.record(scope, self._metrics, self._access)
 
-    def try_fast(self, scope: Scope, data: bytes, client: Client, leave: Callable[[], None]) -> bool:
+    @staticmethod
+    def declines(data: bytes | bytearray) -> bool:
+        """Whether ``try_fast`` would decline a body at once: a stream, told from its bytes before
+        any parse (the task path parses it once)."""
+        return _asks_for_stream(data)
+
+    def try_fast(
+        self, scope: Scope, data: bytes | bytearray, client: Client, leave: Callable[[], None]
+    ) -> bool:
         """Begin the exchange of a request whose body ``data`` came whole, from the protocol's
         callback (``proxy/relay/fast.py``); False, having changed nothing, when it is not one
         the fast path serves (the caller runs the request as any other)."""
@@ -145,8 +153,6 @@ class Relay:
             return False
         if len(data) > limit or not body.fits(len(data)) or self._drain.closing or self._total_timeout_s:
             return False
-        if _asks_for_stream(data):
-            return False  # told before any parse: the task path parses it once
         outcome = Outcome(self.request_id_of(scope), ENDPOINTS[scope["path"]])
         try:
             entry, doc, drop, put = self._parse(data, outcome)
