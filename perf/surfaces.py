@@ -182,30 +182,28 @@ def start_blazar(
 
 
 def start_httpx_gateway(upstreams: dict[str, str], cpu: int | None, log_dir: Path) -> Process:
-    port = free_port()
-    argv = [sys.executable, "-m", "perf.httpx_gateway", "--port", str(port)]
-    for name, url in upstreams.items():
-        argv += ["--upstream", f"{name}={url}"]
-    log = (log_dir / f"httpx-{port}.log").open("wb")
-    proc = subprocess.Popen(
-        pinned(argv, cpu), cwd=ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT
-    )
-    wait_listening(port, proc)
-    return Process("blazar-httpx", proc, port)
+    return _start_relay("perf.httpx_gateway", "blazar-httpx", "httpx", upstreams, cpu, log_dir)
 
 
 def start_floor(upstreams: dict[str, str], cpu: int | None, log_dir: Path) -> Process:
     """The floor (``perf/floor_proxy.py``): what a Python relay on uvloop and httptools costs at least."""
+    return _start_relay("perf.floor_proxy", "floor", "floor", upstreams, cpu, log_dir)
+
+
+def _start_relay(
+    module: str, name: str, log_name: str, upstreams: dict[str, str], cpu: int | None, log_dir: Path
+) -> Process:
+    """One of perf's own relays (``--port``, ``--upstream MODEL=URL`` each), started and listening."""
     port = free_port()
-    argv = [sys.executable, "-m", "perf.floor_proxy", "--port", str(port)]
-    for name, url in upstreams.items():
-        argv += ["--upstream", f"{name}={url}"]
-    log = (log_dir / f"floor-{port}.log").open("wb")
+    argv = [sys.executable, "-m", module, "--port", str(port)]
+    for model, url in upstreams.items():
+        argv += ["--upstream", f"{model}={url}"]
+    log = (log_dir / f"{log_name}-{port}.log").open("wb")
     proc = subprocess.Popen(
         pinned(argv, cpu), cwd=ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT
     )
     wait_listening(port, proc)
-    return Process("floor", proc, port)
+    return Process(name, proc, port)
 
 
 def nginx_binary() -> str | None:

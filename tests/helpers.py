@@ -15,13 +15,17 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
 import orjson
+import uvicorn
+
+from proxy.protocol import protocol_class
 
 ROOT = Path(__file__).resolve().parents[1]
 # The line a gateway logs once an engine child proved itself ready: the child's pid and port.
@@ -243,3 +247,32 @@ class Events:
     def close(self) -> None:
         self._response.close()
         self._client.close()
+
+
+# -- an in-process server ---------------------------------------------------------
+
+
+@asynccontextmanager
+async def in_process_server(app: Any) -> AsyncIterator[int]:
+    """``app`` served by uvicorn with the gateway's protocol class, on a free port (yielded), in
+    this process's loop; stopped at the end."""
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=0,
+        http=protocol_class(10.0, 64 * 1024),
+        lifespan="on",
+        access_log=False,
+        server_header=False,
+        proxy_headers=False,
+        log_level="critical",
+    )
+    server = uvicorn.Server(config)
+    task = asyncio.ensure_future(server.serve())
+    while not server.started:  # noqa: ASYNC110 - uvicorn sets a flag, it has no event to wait on
+        await asyncio.sleep(0.01)
+    try:
+        yield server.servers[0].sockets[0].getsockname()[1]
+    finally:
+        server.should_exit = True
+        await task

@@ -16,12 +16,12 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
-import uvicorn
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
-from proxy.protocol import ClientWriter, protocol_class
+from proxy.protocol import ClientWriter
 from proxy.relay.out import AsgiWriter, writer_for
+from tests.helpers import in_process_server
 
 pytestmark = pytest.mark.anyio
 
@@ -53,28 +53,8 @@ async def serving(scenarios: dict[str, Scenario], seen: list[object]) -> AsyncIt
             seen.append(exc)
             raise
 
-    config = uvicorn.Config(
-        app,
-        host="127.0.0.1",
-        port=0,
-        http=protocol_class(10.0, 64 * 1024),
-        ws="none",
-        lifespan="on",
-        access_log=False,
-        server_header=False,
-        proxy_headers=False,
-        log_level="critical",
-    )
-    server = uvicorn.Server(config)
-    task = asyncio.ensure_future(server.serve())
-    while not server.started:  # noqa: ASYNC110 - uvicorn sets a flag, it has no event to wait on
-        await asyncio.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
+    async with in_process_server(app) as port:
         yield port
-    finally:
-        server.should_exit = True
-        await task
 
 
 async def exchange(port: int, *paths: str) -> bytes:

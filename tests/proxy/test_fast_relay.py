@@ -15,13 +15,12 @@ from typing import Any
 
 import orjson
 import pytest
-import uvicorn
 
 from engines.spec import Guards
 from proxy.app import Gateway, build_app
-from proxy.protocol import protocol_class
 from proxy.routing import Route, RoutingTable, UpstreamAddress
 from proxy.startup.settings import Settings
+from tests.helpers import in_process_server
 
 pytestmark = pytest.mark.anyio
 
@@ -81,26 +80,10 @@ async def gateway() -> AsyncIterator[tuple[int, Gateway, list[bool]]]:
         return taken[-1]
 
     app.relay.try_fast = counted  # type: ignore[method-assign,assignment]
-    config = uvicorn.Config(
-        app,
-        host="127.0.0.1",
-        port=0,
-        http=protocol_class(10.0, 64 * 1024),
-        lifespan="on",
-        access_log=False,
-        server_header=False,
-        proxy_headers=False,
-        log_level="critical",
-    )
-    server = uvicorn.Server(config)
-    task = asyncio.ensure_future(server.serve())
-    while not server.started:  # noqa: ASYNC110 - uvicorn sets a flag, it has no event to wait on
-        await asyncio.sleep(0.01)
     try:
-        yield server.servers[0].sockets[0].getsockname()[1], app, taken
+        async with in_process_server(app) as port:
+            yield port, app, taken
     finally:
-        server.should_exit = True
-        await task
         upstream.close()
 
 
