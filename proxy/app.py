@@ -34,7 +34,7 @@ from proxy.errors import HTTPError, echo, error_body
 from proxy.health import DEFAULT_INTERVAL_S
 from proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from proxy.metrics import Metrics, merge_expositions
-from proxy.protocol import Client
+from proxy.protocol import FastClient
 from proxy.readiness import NOT_CHECKED, Readiness
 from proxy.relay import (
     ENDPOINTS,
@@ -97,7 +97,7 @@ class Gateway:
         # endpoints; another API's requests may need translating).
         self.fast_paths = frozenset(path for path, endpoint in ENDPOINTS.items() if endpoint.api is None)
 
-    def fast(self, scope: Scope, data: bytes | bytearray, client: Client) -> bool:
+    def fast(self, scope: Scope, data: bytes | bytearray, client: FastClient) -> bool:
         """Serve a POST to one of ``fast_paths`` whose body ``data`` came whole from the protocol's
         callback (``proxy/relay/fast.py``); False, having changed nothing, when the request is
         to be served as any other (an ASGI task): the checks ``__call__`` makes first, then the

@@ -49,7 +49,7 @@ import asyncio
 import logging
 import sys
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import (
@@ -96,6 +96,31 @@ App = Callable[[Any, Any, Any], Awaitable[None]]
 
 def _nothing() -> None:
     pass
+
+
+class ResponseWriter(Protocol):
+    """What the fast path writes its answer with: ``ClientWriter``, or the lean protocol itself."""
+
+    def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None: ...
+
+    def write(self, body: bytes, more: bool) -> Awaitable[None] | None: ...
+
+
+class FastClient(Protocol):
+    """What a protocol gives the app's fast path for one request: ``Client`` here, or the lean
+    protocol (``proxy/lean.py``) for the request it serves."""
+
+    lost: Callable[[], None]
+
+    def writer(self) -> ResponseWriter: ...
+
+    def run(self, app: App) -> None: ...
+
+    def ended(self) -> None: ...
+
+    def close(self) -> None: ...
+
+    def watch(self) -> None: ...
 
 
 class Client:
@@ -243,6 +268,18 @@ class GatewayProtocol(HttpToolsProtocol):
             )
         elif self._head_begun and self._head_timer is None:
             self._arm_head_timer()
+
+    def replay(self, data: bytes, offer: Callable[[Any, bytearray, Client], bool] | None) -> None:
+        """Read ``data``, the bytes of a connection another protocol had (``proxy/lean.py``), from
+        the first byte of the request it was reading; ``offer`` stands for the app's fast path for
+        that request (None: it is not offered, and runs as a task)."""
+        fast = self._fast
+        self._fast = offer
+        try:
+            self.data_received(data)
+        finally:
+            if self._fast is offer:
+                self._fast = fast
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -605,13 +642,7 @@ class ClientWriter:
                     cycle.keep_alive = False
                     close = True
             content += (name, b": ", value, b"\r\n")
-        # uvicorn's checks, made once over the whole head rather than twice a
-        # header (the names and the values are every fourth item of the head),
-        # and as a table: what is left when the allowed bytes are deleted.
-        if b"".join(content[1::4]).translate(None, _NAME_BYTES) or b"".join(content[3::4]).translate(
-            None, _VALUE_BYTES
-        ):
-            raise RuntimeError("Invalid HTTP header name or value.")
+        check_header_bytes(content)
         if not cycle.keep_alive and not close:
             content.append(b"connection: close\r\n")
         if cycle.chunked_encoding is None and status not in (204, 304):
@@ -671,6 +702,16 @@ class ClientWriter:
             cycle.on_response()
             return None
         return cycle.flow.drain() if cycle.flow.write_paused else None
+
+
+def check_header_bytes(content: list[bytes]) -> None:
+    """uvicorn's checks of a response head's names and values, made once over the whole head
+    (``content``: the status line, then name, ``": "``, value, ``"\\r\\n"`` a header) rather than
+    twice a header, and as a table: what is left when the allowed bytes are deleted."""
+    if b"".join(content[1::4]).translate(None, _NAME_BYTES) or b"".join(content[3::4]).translate(
+        None, _VALUE_BYTES
+    ):
+        raise RuntimeError("Invalid HTTP header name or value.")
 
 
 def _coding_refusal(codings: bytes, version: str) -> tuple[int, str, str] | None:

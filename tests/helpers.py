@@ -25,7 +25,7 @@ import httpx
 import orjson
 import uvicorn
 
-from proxy.protocol import protocol_class
+from proxy.lean import server_protocol
 
 ROOT = Path(__file__).resolve().parents[1]
 # The line a gateway logs once an engine child proved itself ready: the child's pid and port.
@@ -254,13 +254,13 @@ class Events:
 
 @asynccontextmanager
 async def in_process_server(app: Any) -> AsyncIterator[int]:
-    """``app`` served by uvicorn with the gateway's protocol class, on a free port (yielded), in
-    this process's loop; stopped at the end."""
+    """``app`` served by uvicorn with the gateway's protocols (the lean one, then the full one), on
+    a free port (yielded), in this process's loop; stopped at the end."""
     config = uvicorn.Config(
         app,
         host="127.0.0.1",
         port=0,
-        http=protocol_class(10.0, 64 * 1024),
+        http=server_protocol(10.0, 64 * 1024),
         lifespan="on",
         access_log=False,
         server_header=False,

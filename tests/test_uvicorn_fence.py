@@ -1,7 +1,9 @@
 """uvicorn's internals that the gateway uses, by name and shape: a release that reshapes one fails here.
 
 ``proxy/protocol.py`` subclasses uvicorn's httptools protocol and writes its
-request cycles' state itself; ``proxy/startup`` subclasses ``uvicorn.Server``.
+request cycles' state itself; ``proxy/lean.py`` is a protocol uvicorn makes in
+its place, which reads its config and server state and makes uvicorn's protocol
+in turn; ``proxy/startup`` subclasses ``uvicorn.Server``.
 None of that is public API, so ``pyproject.toml`` pins uvicorn to the range
 these tests passed on, and this file lists every name the gateway relies on,
 with the parameters of each method it overrides or calls, and the attributes
@@ -20,6 +22,7 @@ from typing import Any
 import pytest
 import uvicorn
 import uvicorn.config
+from uvicorn.protocols import utils
 from uvicorn.protocols.http import flow_control, httptools_impl
 from uvicorn.server import ServerState
 
@@ -215,3 +218,19 @@ async def test_a_live_protocol_and_cycle_have_the_attributes_the_gateway_reads_a
         await asyncio.sleep(0.01)
     assert transport.written.startswith(b"HTTP/1.1 204") and transport.closing
     protocol.connection_lost(None)
+
+
+def test_what_the_lean_protocol_reads_of_uvicorn_is_there() -> None:
+    """``proxy/lean.py``: the address helpers, the config and server-state fields it reads, and
+    the shutdown call uvicorn makes on every connection (the lean protocol answers it)."""
+    for name in ("get_local_addr", "get_remote_addr", "is_ssl"):
+        assert parameters(getattr(utils, name)) == ["transport"], name
+    config = uvicorn.Config(_app, timeout_keep_alive=7)
+    config.load()
+    assert config.loaded_app is not None and config.timeout_keep_alive == 7
+    assert config.root_path == "" and config.limit_concurrency is None
+    state = ServerState()
+    assert isinstance(state.connections, set) and isinstance(state.tasks, set)
+    assert state.total_requests == 0 and state.default_headers == []
+    assert "connection.shutdown()" in inspect.getsource(uvicorn.Server.shutdown)
+    assert parameters(httptools_impl.HttpToolsProtocol.shutdown) == []

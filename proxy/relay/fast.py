@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from proxy.asgi import Receive, Scope, Send
 from proxy.headers import filter_response_headers, is_event_stream_type
-from proxy.protocol import Client
+from proxy.protocol import FastClient
 from proxy.relay.body import usage_tail
 from proxy.relay.outcome import Outcome
 from proxy.relay.request import RequestBody
@@ -77,7 +77,7 @@ class FastExchange:
         self,
         relay: Relay,
         scope: Scope,
-        client: Client,
+        client: FastClient,
         outcome: Outcome,
         ticket: Ticket,
         body: RequestBody,

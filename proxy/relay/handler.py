@@ -18,7 +18,7 @@ from proxy.errors import HTTPError, echo
 from proxy.metrics import Metrics
 from proxy.payload import ask_for_stream, check_request, parse_request
 from proxy.pool import Pool
-from proxy.protocol import Client
+from proxy.protocol import FastClient
 from proxy.relay.drain import Drain
 from proxy.relay.exchange import Exchange
 from proxy.relay.failures import refuse
@@ -140,7 +140,7 @@ class Relay:
         return _asks_for_stream(data)
 
     def try_fast(
-        self, scope: Scope, data: bytes | bytearray, client: Client, leave: Callable[[], None]
+        self, scope: Scope, data: bytes | bytearray, client: FastClient, leave: Callable[[], None]
     ) -> bool:
         """Begin the exchange of a request whose body ``data`` came whole, from the protocol's
         callback (``proxy/relay/fast.py``); False, having changed nothing, when it is not one

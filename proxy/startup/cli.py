@@ -32,8 +32,8 @@ from proxy.app import Gateway, build_app
 from proxy.auth import ApiKeys, read_key_file
 from proxy.browser import AllowedHosts
 from proxy.cors import Cors
+from proxy.lean import server_protocol
 from proxy.metrics import Metrics
-from proxy.protocol import protocol_class
 from proxy.routing import RoutingTable, UpstreamAddress, UpstreamSpecError, parse_upstream_spec
 from proxy.startup import configfile
 from proxy.startup.catalog import Catalog
@@ -401,7 +401,7 @@ def _uvicorn_config(settings: Settings, app: Gateway) -> uvicorn.Config:
         host=settings.host,
         port=settings.port,
         loop="uvloop",
-        http=protocol_class(settings.header_timeout_s, settings.max_header_bytes, settings.body_timeout_s),
+        http=server_protocol(settings.header_timeout_s, settings.max_header_bytes, settings.body_timeout_s),
         ws="none",
         timeout_keep_alive=settings.keep_alive_timeout_s,
         lifespan="on",

@@ -17,6 +17,7 @@ import pytest
 import uvicorn
 from uvicorn.server import ServerState
 
+from proxy.lean import server_protocol
 from proxy.protocol import Client, GatewayProtocol, protocol_class
 
 pytestmark = pytest.mark.anyio
@@ -237,3 +238,287 @@ async def test_an_accepted_request_reads_its_connection_again_and_its_watch_does
     assert transport.paused  # pipelined behind the first: uvicorn pauses reading
     app.clients[0].watch()
     assert not transport.paused
+
+
+# The lean protocol (``proxy/lean.py``): the connection while its requests are the fast path's, and
+# the full protocol above for the rest of its life, fed the request's bytes from its first.
+
+
+class SwitchingTransport(FakeTransport):
+    """A transport whose protocol may be replaced (``set_protocol``), as the lean protocol does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.protocol: Any = None
+
+    def set_protocol(self, protocol: Any) -> None:
+        self.protocol = protocol
+
+    def feed(self, data: bytes) -> None:
+        self.protocol.data_received(data)
+
+
+def connect_lean(
+    app: App, *, header_timeout_s: float = 10.0, max_header_bytes: int = 64 * 1024, keep_alive_s: float = 5
+) -> tuple[ServerState, SwitchingTransport]:
+    config = uvicorn.Config(
+        app,
+        lifespan="off",
+        access_log=False,
+        server_header=False,
+        proxy_headers=False,
+        log_level="critical",
+        timeout_keep_alive=keep_alive_s,  # type: ignore[arg-type]
+    )
+    config.load()
+    state = ServerState()
+    protocol = server_protocol(header_timeout_s, max_header_bytes)(
+        config=config, server_state=state, app_state={}
+    )
+    transport = SwitchingTransport()
+    transport.protocol = protocol
+    protocol.connection_made(transport)  # type: ignore[arg-type]
+    return state, transport
+
+
+async def test_lean_a_post_whose_body_came_with_its_head_is_answered_without_the_full_protocol() -> None:
+    app = App()
+    state, transport = connect_lean(app)
+    lean = transport.protocol
+    transport.feed(post())
+    scope, data = app.offered[0]
+    assert (scope["method"], scope["path"], scope["http_version"], data) == ("POST", PATH, "1.1", BODY)
+    assert dict(scope["headers"])[b"host"] == b"gw" and scope["client"] == ("127.0.0.1", 50000)
+    answer(app.clients[0])
+    await settle()
+    assert transport.protocol is lean and not state.tasks and app.runs == []
+    assert transport.written.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert transport.written.endswith(b"\r\ncontent-length: 4\r\n\r\nfast")
+    assert not transport.closed and state.total_requests == 1
+    # Kept alive: the next request the same way.
+    transport.feed(post(b'{"model":"m1"}'))
+    answer(app.clients[1])
+    assert [data for _, data in app.offered] == [BODY, b'{"model":"m1"}']
+    assert transport.written.count(b"HTTP/1.1 200 OK") == 2 and transport.protocol is lean
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        pytest.param(post(version=b"1.0"), id="HTTP/1.0"),
+        pytest.param(post(extra=b"Expect: 100-continue\r\n"), id="expect-100"),
+        pytest.param(post(path="/v1/models"), id="another path"),
+        pytest.param(post(path=PATH + "?a=1"), id="a query"),
+        pytest.param(post(extra=b"Host: other\r\n"), id="two Host fields"),
+        pytest.param(b"GET /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n\r\n", id="GET"),
+        pytest.param(
+            b"POST %b HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%b\r\n0\r\n\r\n"
+            % (PATH.encode(), len(BODY), BODY),
+            id="chunked",
+        ),
+    ],
+)
+async def test_lean_other_requests_go_to_the_full_protocol_whole(request_bytes: bytes) -> None:
+    app = App()
+    _, transport = connect_lean(app)
+    transport.feed(request_bytes)
+    await settle()
+    assert isinstance(transport.protocol, GatewayProtocol)
+    assert app.offered == []
+    assert len(app.runs) == 1 or transport.written.startswith(b"HTTP/1.1 400 ")
+
+
+async def test_lean_a_declined_request_runs_as_a_task_with_its_whole_body_offered_once() -> None:
+    app = App(take=False)
+    _, transport = connect_lean(app)
+    transport.feed(post())
+    await settle()
+    assert len(app.offered) == 1  # not offered again by the full protocol
+    assert app.runs == [(PATH, [{"type": "http.request", "body": BODY, "more_body": False}])]
+    assert transport.written.endswith(b"\r\n\r\nok")
+    # The connection stays with the full protocol, which offers what comes next.
+    transport.feed(post())
+    assert len(app.offered) == 2
+
+
+@pytest.mark.parametrize("cut", [10, -5], ids=["head", "body"])
+async def test_lean_a_request_cut_across_reads_is_served_whole_by_the_full_protocol(cut: int) -> None:
+    app = App(take=False)
+    _, transport = connect_lean(app)
+    request = post()
+    transport.feed(request[:cut])
+    assert isinstance(transport.protocol, GatewayProtocol)
+    transport.feed(request[cut:])
+    await settle()
+    # A head cut in two is the full protocol's to offer (its body ends with it), a body cut in two not.
+    assert len(app.offered) == (1 if cut > 0 else 0)
+    assert [b"".join(m["body"] for m in messages) for _, messages in app.runs] == [BODY]
+
+
+async def test_lean_two_requests_in_one_read_are_served_in_order_by_the_full_protocol() -> None:
+    app = App()
+    _, transport = connect_lean(app)
+    transport.feed(post() + post(b'{"model":"m2"}'))
+    await settle()
+    assert [messages[0]["body"] for _, messages in app.runs] == [BODY, b'{"model":"m2"}']
+    assert transport.written.count(b"HTTP/1.1 200 OK") == 2
+
+
+async def test_lean_a_malformed_request_gets_the_full_protocol_s_refusal() -> None:
+    _, transport = connect_lean(App())
+    transport.feed(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Length: x\r\n\r\n")
+    assert transport.written.startswith(b"HTTP/1.1 400 Bad Request\r\n") and transport.closed
+
+
+async def test_lean_a_head_over_the_limit_gets_the_full_protocol_s_431() -> None:
+    _, transport = connect_lean(App(), max_header_bytes=1024)
+    transport.feed(post(extra=b"X-Pad: %b\r\n" % (b"a" * 2000)))
+    assert transport.written.startswith(b"HTTP/1.1 431 ") and transport.closed
+
+
+async def test_lean_a_request_read_while_one_is_served_waits_for_its_answer() -> None:
+    app = App()
+    _, transport = connect_lean(app)
+    transport.feed(post())
+    transport.feed(post(b'{"model":"m2"}'))
+    assert len(app.offered) == 1
+    answer(app.clients[0])
+    assert len(app.offered) == 1  # after the exchange's own ending, not inside its write
+    await settle()
+    assert [data for _, data in app.offered] == [BODY, b'{"model":"m2"}']
+    answer(app.clients[1])
+    assert transport.written.count(b"HTTP/1.1 200 OK") == 2
+
+
+async def test_lean_a_hand_over_runs_on_the_full_protocol_with_the_body_taken() -> None:
+    app = App()
+    _, transport = connect_lean(app)
+    transport.feed(post())
+    transport.feed(post(b'{"model":"m2"}'))  # read while the first is served
+    client = app.clients[0]
+    received: list[dict[str, Any]] = []
+
+    async def rest(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        received.append(await receive())
+        await send({"type": "http.response.start", "status": 502, "headers": [(b"content-length", b"3")]})
+        await send({"type": "http.response.body", "body": b"bad"})
+
+    client.ended()
+    client.run(rest)
+    full = transport.protocol
+    assert isinstance(full, GatewayProtocol) and full.cycle.scope["path"] == PATH
+    await settle()
+    assert received == []  # its receive waits: the body was the fast path's
+    assert transport.written == b""
+    full.connection_lost(None)
+    await settle()
+    assert received == [{"type": "http.disconnect"}]
+
+
+async def test_lean_a_connection_lost_while_served_is_told_and_the_hand_over_sees_it() -> None:
+    app = App()
+    state, transport = connect_lean(app)
+    lean = transport.protocol
+    transport.feed(post())
+    client = app.clients[0]
+    received: list[dict[str, Any]] = []
+
+    async def rest(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        received.append(await receive())
+
+    def lost() -> None:
+        # What the exchange does: close its upstream, hand the request over.
+        client.ended()
+        client.run(rest)
+
+    client.lost = lost
+    transport.closed = True
+    lean.connection_lost(None)
+    await settle()
+    assert received == [{"type": "http.disconnect"}]
+    assert transport.protocol.cycle.scope["extensions"]["blazar.gone"] is True
+    assert not state.connections
+
+
+async def test_lean_connection_close_is_answered_and_closed() -> None:
+    app = App()
+    _, transport = connect_lean(app)
+    transport.feed(post(extra=b"Connection: close\r\n"))
+    answer(app.clients[0])
+    assert b"\r\nconnection: close\r\n" in transport.written and transport.closed
+
+
+async def test_lean_a_silent_connection_gets_408_and_an_idle_one_is_closed() -> None:
+    _, silent = connect_lean(App(), header_timeout_s=0.05)
+    app = App()
+    _, idle = connect_lean(app, keep_alive_s=0.05)
+    idle.feed(post())
+    answer(app.clients[0])
+    await asyncio.sleep(0.15)
+    assert silent.written.startswith(b"HTTP/1.1 408 ") and silent.closed
+    assert idle.closed and idle.written.count(b"HTTP/1.1") == 1
+
+
+async def test_lean_shutdown_closes_an_idle_connection_now_and_a_busy_one_after_its_answer() -> None:
+    app = App()
+    _, idle = connect_lean(app)
+    idle.protocol.shutdown()
+    assert idle.closed
+    _, busy = connect_lean(app)
+    busy.feed(post())
+    busy.protocol.shutdown()
+    assert not busy.closed
+    answer(app.clients[0])
+    assert busy.closed and b"\r\nconnection: close\r\n" in busy.written
+
+
+async def test_lean_bytes_read_after_an_answer_come_after_those_that_waited_behind_it() -> None:
+    """The next read can come before the bytes that waited behind the answered request are read
+    (one loop turn): they are still read first, in the order sent."""
+    app = App(take=False)
+    _, transport = connect_lean(app)
+    app.take = True
+    transport.feed(post())
+    transport.feed(b"GET /v1/models HTTP/1.1\r\nHost: gw\r\n\r\n")  # waits behind the first
+    answer(app.clients[0])
+    app.take = False
+    transport.feed(post(b'{"model":"m3"}'))  # before the loop's next turn
+    await settle()
+    assert [path for path, _ in app.runs] == ["/v1/models", PATH]
+    assert app.runs[1][1][0]["body"] == b'{"model":"m3"}'
+
+
+async def test_lean_a_head_split_around_an_answer_is_read_whole() -> None:
+    app = App()
+    _, transport = connect_lean(app)
+    second = post(b'{"model":"m2"}')
+    transport.feed(post())
+    transport.feed(second[:40])
+    answer(app.clients[0])
+    transport.feed(second[40:])
+    await settle()
+    assert b" 400 " not in transport.written
+    assert [data for _, data in app.offered] == [BODY, b'{"model":"m2"}']
+
+
+async def test_lean_the_first_head_is_due_when_the_connection_opened_not_when_it_began() -> None:
+    """A head begun on a new connection and passed to the full protocol keeps its deadline (the
+    connection's start + ``header_timeout_s``): no second wait for a slow client."""
+    _, transport = connect_lean(App())
+    due = transport.protocol._first_deadline
+    await asyncio.sleep(0.02)
+    transport.feed(post()[:30])
+    full = transport.protocol
+    assert isinstance(full, GatewayProtocol)
+    assert full._head_timer is not None and full._head_timer.when() == due
+
+
+async def test_lean_a_full_write_buffer_is_told_to_the_full_protocol() -> None:
+    _, transport = connect_lean(App())
+    transport.protocol.pause_writing()
+    transport.feed(b"GET /v1/models HTTP/1.1\r\nHost: gw\r\n\r\n")
+    full = transport.protocol
+    assert full.flow.write_paused
+    full.resume_writing()  # the client reads again: the response goes out
+    await settle()
+    assert transport.written.endswith(b"ok")

@@ -1,0 +1,415 @@
+"""The client's connection while its requests are the relay's common case: httptools, nothing more.
+
+uvicorn's protocol (``proxy/protocol.py``'s ``GatewayProtocol``) builds an
+ASGI scope, a request-response cycle and an ``asyncio.Event`` for every
+request, and runs a dozen Python callbacks of its own and ours around the
+parser, before the relay's fast path (``proxy/relay/fast.py``) is offered
+the request. ``LeanProtocol`` serves a connection while each request on it
+is one that fast path may take, with the parser's callbacks only:
+
+- a whole request in one read, and nothing after it (no pipelining), its
+  head within ``max_header_bytes``;
+- ``POST`` to one of the app's ``fast_paths`` (the path exactly: no query,
+  no escape, not the absolute form), HTTP/1.1, one Host field, a body
+  framed by Content-Length, no Expect, Upgrade or Transfer-Encoding.
+
+Such a request is offered to the app's ``fast`` with a small scope of its
+own (no extensions: ``blazar.gone`` and the writer are the full protocol's),
+and this protocol is its ``Client``. Its answer is written in one write.
+
+Anything else, and anything the fast path declines, passes the connection
+to the full protocol for the rest of its life: it is made as uvicorn
+would make it, given the transport, and fed the bytes of the request being
+read from its first byte (and any read after it). The full protocol then
+serves it as if it had had the connection from the start: its head and body
+deadlines, its limits and refusals, pipelining, ASGI tasks. A request the
+fast path took and then hands over (an upstream error, a stream, the
+client's connection lost) is replayed the same way, and the full protocol
+runs the hand-over's task on it with its body taken, as it would have.
+
+A connection that sends nothing is answered 408 after ``header_timeout_s``
+(by the full protocol's own reply), and one idle after a response is closed
+after uvicorn's ``timeout_keep_alive``, on one timer a connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httptools
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE
+from uvicorn.protocols.utils import get_local_addr, get_remote_addr, is_ssl
+
+from proxy.protocol import App, FastClient, GatewayProtocol, check_header_bytes, protocol_class
+from proxy.upstream import ClientGone
+
+logger = logging.getLogger("blazar.server")
+
+# Header fields whose presence sends the request to the full protocol.
+_ODD = frozenset({b"transfer-encoding", b"expect", b"upgrade"})
+
+
+def _nothing() -> None:
+    pass
+
+
+class LeanProtocol(asyncio.Protocol):
+    """An HTTP/1.1 server connection for the relay's common case; the full protocol for the rest."""
+
+    # The full protocol, with the same limits (``server_protocol`` sets them).
+    full: type[GatewayProtocol] = GatewayProtocol
+    header_timeout_s: float = 10.0
+    max_header_bytes: int = 64 * 1024
+
+    def __init__(
+        self,
+        config: Any,
+        server_state: Any,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        if not config.loaded:
+            config.load()
+        self.config = config
+        self.server_state = server_state
+        self.app_state = app_state
+        self.loop = _loop or asyncio.get_event_loop()
+        app = config.loaded_app
+        self._fast: Callable[[Any, bytes | bytearray, FastClient], bool] | None = getattr(app, "fast", None)
+        if config.root_path or config.limit_concurrency is not None:
+            self._fast = None  # uvicorn's own handling of those, in the full protocol
+        self._fast_paths = {path.encode(): path for path in getattr(app, "fast_paths", ())}
+        self._keep_alive_s: float = config.timeout_keep_alive
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]
+        self.client: tuple[str, int] | None = None
+        self.server: tuple[str, int | None] | None = None
+        self.scheme = "http"
+        # The request being parsed.
+        self._url = b""
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._body: bytes | bytearray = b""
+        self._hosts = 0
+        self._odd = False
+        self._ended = False
+        self._again = False
+        # The request the fast path serves: its bytes (for a hand-over), and what came after it.
+        self._busy = False
+        self._data = b""
+        self._pending = b""
+        self._paused = False
+        self._keep_alive = True
+        self._head: bytes | None = None
+        # Told that the client's connection was lost; set by the exchange, while it runs.
+        self.lost: Callable[[], None] = _nothing
+        # The deadline of a connection's first head, and the idle connection's (one per connection).
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._idle_since = 0.0
+        # The connection's first head must be whole by then (0: a request has been served).
+        self._first_deadline = 0.0
+        # The transport's buffer is over its high-water mark (told to the full protocol at a switch).
+        self._write_paused = False
+        # Set once the full protocol has the connection.
+        self._full: GatewayProtocol | None = None
+
+    # -- asyncio.Protocol ---------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self.transport = transport
+        if self._fast is None:
+            self._switch(b"")
+            return
+        self.server_state.connections.add(self)
+        self.server = get_local_addr(transport)
+        self.client = get_remote_addr(transport)
+        self.scheme = "https" if is_ssl(transport) else "http"
+        self._first_deadline = self.loop.time() + self.header_timeout_s
+        self._head_timer = self.loop.call_at(self._first_deadline, self._silent)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server_state.connections.discard(self)
+        self._cancel_timers()
+        if self._busy:
+            # The exchange closes its upstream and hands the request over: to the full protocol,
+            # which is then told of the loss as it would have been.
+            self.lost()
+        full = self._full
+        if full is not None:
+            full.connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._busy:
+            # A request behind the one being served: read once that one is answered.
+            self._pending += data
+            if len(self._pending) > self.max_header_bytes and not self._paused:
+                self._paused = True
+                self.transport.pause_reading()
+            return
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        if self._pending:
+            # Read after an answer, before the bytes that waited behind it were: theirs come first.
+            data = self._pending + data
+            self._pending = b""
+        if len(data) > self.max_header_bytes:
+            self._switch(data)
+            return
+        self._idle_since = 0.0
+        self._ended = self._again = self._odd = False
+        try:
+            self.parser.feed_data(data)
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade):
+            self._switch(data)  # the full protocol's refusal, in its words
+            return
+        parser = self.parser
+        path = self._fast_paths.get(self._url)
+        if (
+            not self._ended
+            or self._again
+            or self._odd
+            or path is None
+            or self._hosts != 1
+            or parser.get_method() != b"POST"
+            or parser.get_http_version() != "1.1"
+        ):
+            self._switch(data)
+            return
+        body, self._body = self._body, b""
+        scope = {
+            "type": "http",
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": self.scheme,
+            "path": path,
+            "raw_path": self._url,
+            "query_string": b"",
+            "root_path": "",
+            "headers": self._headers,
+            "client": self.client,
+            "server": self.server,
+        }
+        fast = self._fast
+        assert fast is not None  # without it the full protocol has the connection from its start
+        self._busy = True
+        try:
+            taken = fast(scope, body, self)
+        except Exception:
+            # Nothing is taken before the last step that can fail: served as any request.
+            logger.exception("the relay's fast path failed; the request is served as any other")
+            taken = False
+        if taken:
+            self._data = data
+            self._first_deadline = 0.0
+        else:
+            self._busy = False
+            self._switch(data)
+
+    def eof_received(self) -> None:
+        pass  # the transport closes: connection_lost
+
+    def pause_writing(self) -> None:
+        # One write a response here; the full protocol's flow control is told at a switch.
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+
+    def shutdown(self) -> None:
+        """The server's graceful shutdown: close now, or after the response under way."""
+        if self._busy:
+            self._keep_alive = False
+        else:
+            self.transport.close()
+
+    # -- httptools callbacks -------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self._ended:
+            self._again = True  # a second request in the read: the full protocol pipelines it
+            return
+        self._url = b""
+        self._headers = []
+        self._hosts = 0
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        name = name.lower()
+        if name == b"host":
+            self._hosts += 1
+        elif name in _ODD:
+            self._odd = True
+        self._headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        if not self._ended:
+            # Asked here: llhttp clears the flags it reads from at the message's end.
+            self._keep_alive = self.parser.should_keep_alive()
+
+    def on_body(self, body: bytes) -> None:
+        if not self._ended:
+            self._body = body if not self._body else bytes(self._body) + body
+
+    def on_message_complete(self) -> None:
+        self._ended = True
+
+    # -- the fast path's client (``proxy/protocol.py``'s ``Client``) ------------
+
+    def writer(self) -> LeanProtocol:
+        return self
+
+    def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        """The response head, held for the body's one write."""
+        content = [STATUS_LINE[status]]
+        for name, value in (*self.server_state.default_headers, *headers):
+            content += (name, b": ", value, b"\r\n")
+        check_header_bytes(content)
+        if not self._keep_alive:
+            content.append(b"connection: close\r\n")
+        content.append(b"\r\n")
+        self._head = b"".join(content)
+
+    def write(self, body: bytes, more: bool) -> Awaitable[None] | None:
+        """The whole body after the held head, in one write; the request is then over."""
+        assert not more, "the fast path writes whole responses"
+        head, self._head = self._head, None
+        transport = self.transport
+        if transport.is_closing():
+            self._busy = False
+            raise ClientGone("the client's connection closed", nothing_sent=head is not None)
+        transport.write(head + body if head is not None else body)
+        self._answered()
+        return None
+
+    def ended(self) -> None:
+        """The exchange is no longer the fast path's (answered, or handed over)."""
+        self.lost = _nothing
+
+    def close(self) -> None:
+        self._busy = False
+        self.transport.close()
+
+    def watch(self) -> None:
+        """Read the client's connection again (a request behind this one paused it): its close is seen."""
+        if self._paused and not self.transport.is_closing():
+            self._paused = False
+            self.transport.resume_reading()
+
+    def run(self, app: App) -> None:
+        """Run ``app`` for the request in a task (the hand-over): on the full protocol, which
+        is given the connection and the request's bytes, its body taken as ``receive`` takes it."""
+        self._busy = False
+        data, self._data = self._data, b""
+
+        def offer(scope: Any, body: bytes | bytearray, client: Any) -> bool:
+            client.run(app)
+            return True
+
+        full = self._switch(data, offer)
+        full._fast_client = None
+
+    # -- the rest ------------------------------------------------------------
+
+    def _answered(self) -> None:
+        """The response is written: the next request, or the keep-alive wait, or the close."""
+        self._busy = False
+        self._data = b""
+        self.server_state.total_requests += 1
+        if not self._keep_alive:
+            self.transport.close()
+            return
+        if self._pending:
+            # After this callback: the exchange gives back its connection and records first.
+            self.loop.call_soon(self._next)
+            return
+        self._idle_since = self.loop.time()
+        if self._idle_timer is None:
+            self._idle_timer = self.loop.call_later(self._keep_alive_s, self._idle)
+
+    def _next(self) -> None:
+        if self._paused:
+            self._paused = False
+            self.transport.resume_reading()
+        if self._busy or not self._pending or self._full is not None or self.transport.is_closing():
+            return  # served already, with what came after them (``data_received``)
+        data, self._pending = self._pending, b""
+        self.data_received(data)
+
+    def _idle(self) -> None:
+        """The keep-alive wait's timer: close a connection idle for ``timeout_keep_alive``."""
+        self._idle_timer = None
+        if self._busy or self._full is not None or not self._idle_since:
+            return  # in use: armed again after its next response
+        left = self._idle_since + self._keep_alive_s - self.loop.time()
+        if left > 0:
+            self._idle_timer = self.loop.call_later(left, self._idle)
+        elif not self.transport.is_closing():
+            self.transport.close()
+
+    def _silent(self) -> None:
+        """No request head within ``header_timeout_s`` of the connection's start: the full
+        protocol's 408."""
+        self._head_timer = None
+        full = self._switch(b"")
+        full._cancel_head_timer()
+        full._head_too_slow()
+
+    def _cancel_timers(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+
+    def _switch(
+        self, data: bytes, offer: Callable[[Any, bytes | bytearray, Any], bool] | None = None
+    ) -> GatewayProtocol:
+        """Give the connection to the full protocol, with ``data`` (the bytes of the request being
+        read, from its first) and any read after it; ``offer`` stands for the app's fast path for
+        the first request (None: it is not offered)."""
+        self._cancel_timers()
+        self.server_state.connections.discard(self)
+        full = self.full(
+            config=self.config, server_state=self.server_state, app_state=self.app_state, _loop=self.loop
+        )
+        self._full = full
+        transport = self.transport
+        transport.set_protocol(full)
+        full.connection_made(transport)
+        if self._first_deadline:
+            # The connection's first head: due when it was due here, not a new wait from now.
+            full._cancel_head_timer()
+            full._head_timer = self.loop.call_at(self._first_deadline, full._head_too_slow)
+        if self._write_paused:
+            full.pause_writing()
+        if self.client is not None:
+            # As read at the connection's start (a closed transport no longer says).
+            full.client, full.server, full.scheme = self.client, self.server, self.scheme  # type: ignore[assignment]
+        data += self._pending
+        self._pending = b""
+        if self._paused:
+            self._paused = False
+            transport.resume_reading()
+        if data:
+            full.replay(data, offer)
+        return full
+
+
+def server_protocol(
+    header_timeout_s: float, max_header_bytes: int, body_timeout_s: float = 60.0
+) -> type[LeanProtocol]:
+    """The server's protocol with these limits, as uvicorn's ``http`` setting takes a class:
+    the lean one, with the full one (``proxy.protocol.protocol_class``) behind it."""
+    full = protocol_class(header_timeout_s, max_header_bytes, body_timeout_s)
+    return type(
+        "LeanProtocol",
+        (LeanProtocol,),
+        {"full": full, "header_timeout_s": header_timeout_s, "max_header_bytes": max_header_bytes},
+    )
