@@ -532,10 +532,11 @@ class Connection(asyncio.Protocol):
 
     # -- internals ----------------------------------------------------------
 
-    def head_deadline(self, timeout_s: float) -> int:
-        """Abort with ``HeadTimeout`` unless the head comes within ``timeout_s`` (``read_head``'s
-        deadline, for an exchange run from callbacks); the key to ``timers.cancel`` it with."""
-        return self.timers.later(timeout_s, self._head_timed_out, timeout_s)
+    def head_deadline(self, timeout_s: float, since_s: float = 0.0) -> int:
+        """Abort with ``HeadTimeout`` unless the head comes within ``timeout_s`` of the send, armed
+        ``since_s`` after it (``read_head``'s deadline, for an exchange run from callbacks); the
+        key to ``timers.cancel`` it with, for the delay ``timeout_s - since_s``."""
+        return self.timers.later(timeout_s - since_s, self._head_timed_out, timeout_s)
 
     def _end_head_wait(self) -> None:
         self._wait_over = True

@@ -116,9 +116,21 @@ class FastExchange:
         conn.send(head, self.body.data)
         outcome.sent_at = perf_counter()
         self.relay.drain.active.add(conn)
-        self._timer = conn.head_deadline(self._head_timeout_s)
-        # When the task path starts watching the client: its reading resumed, its close seen.
-        self._watch_timer = conn.timers.later(WATCH_AFTER_S, self.client.watch)
+        if self._head_timeout_s > WATCH_AFTER_S:
+            # One timer while the answer is quicker than the watch's start (nearly always):
+            # the watch's, which arms the head's deadline for the time left.
+            self._watch_timer = conn.timers.later(WATCH_AFTER_S, self._watch)
+        else:
+            self._timer = conn.head_deadline(self._head_timeout_s)
+            self._watch_timer = conn.timers.later(WATCH_AFTER_S, self.client.watch)
+
+    def _watch(self) -> None:
+        """When the task path starts watching the client: its reading resumed, its close seen;
+        and the head's deadline, for the time left."""
+        self._watch_timer = None
+        self.client.watch()
+        if not self._over:
+            self._timer = self.conn.head_deadline(self._head_timeout_s, WATCH_AFTER_S)
 
     def client_lost(self) -> None:
         """The client's connection is gone: the upstream is closed now, the rest handed over."""
@@ -216,7 +228,8 @@ class FastExchange:
         self.conn.listener = None
         timers = self.conn.timers
         if self._timer is not None:
-            timers.cancel(self._head_timeout_s, self._timer)
+            delay_s = self._head_timeout_s
+            timers.cancel(delay_s - WATCH_AFTER_S if delay_s > WATCH_AFTER_S else delay_s, self._timer)
             self._timer = None
         if self._watch_timer is not None:
             timers.cancel(WATCH_AFTER_S, self._watch_timer)

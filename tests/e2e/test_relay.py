@@ -313,6 +313,7 @@ def test_first_byte_timeout_is_504(start_gateway: StartGateway, fake: FakeEngine
     response = http.post(gw.url + CHAT, json=chat(), headers={"x-fake": "prefill=30"})
     assert response.status_code == 504
     assert error_of(response)["code"] == "upstream_timeout"
+    assert "within 0.3 s" in error_of(response)["message"]
     record = fake.wait_for_record(lambda r: r["closed_at"] is not None)
     assert record["outcome"] == "peer_closed"
 
