@@ -7,15 +7,17 @@ parser, before the relay's fast path (``proxy/relay/fast.py``) is offered
 the request. ``LeanProtocol`` serves a connection while each request on it
 is one that fast path may take, with the parser's callbacks only:
 
-- a whole request in one read, and nothing after it (no pipelining), its
-  head within ``max_header_bytes``;
+- a head whole in one read, and its body in that read or the next ones
+  (httpx, under the OpenAI and Anthropic SDKs, writes them apart), within
+  ``body_timeout_s`` of the head, and nothing after it (no pipelining); the
+  whole request within ``max_header_bytes``;
 - ``POST`` to one of the app's ``fast_paths`` (the path exactly: no query,
   no escape, not the absolute form), HTTP/1.1, one Host field, a body
   framed by Content-Length, no Expect, Upgrade or Transfer-Encoding.
 
 Such a request is offered to the app's ``fast`` with a small scope of its
 own (no extensions: ``blazar.gone`` and the writer are the full protocol's),
-and this protocol is its ``Client``. Its answer is written in one write.
+and this protocol is its ``FastClient``. Its answer is written in one write.
 
 Anything else, and anything the fast path declines, passes the connection
 to the full protocol for the rest of its life: it is made as uvicorn
@@ -27,9 +29,13 @@ fast path took and then hands over (an upstream error, a stream, the
 client's connection lost) is replayed the same way, and the full protocol
 runs the hand-over's task on it with its body taken, as it would have.
 
-A connection that sends nothing is answered 408 after ``header_timeout_s``
-(by the full protocol's own reply), and one idle after a response is closed
-after uvicorn's ``timeout_keep_alive``, on one timer a connection.
+A connection that sends nothing is answered 408 after ``header_timeout_s``,
+and a body that does not come after ``body_timeout_s`` (each by the full
+protocol's own reply; a first head passed to it is due when it was due
+here); a connection idle after a response is closed after uvicorn's
+``timeout_keep_alive``, on one timer a connection. A client that leaves, or
+a shutdown, while a body is still coming passes its request to the full
+protocol, which serves and records it as it would have.
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ class LeanProtocol(asyncio.Protocol):
     full: type[GatewayProtocol] = GatewayProtocol
     header_timeout_s: float = 10.0
     max_header_bytes: int = 64 * 1024
+    body_timeout_s: float = 60.0
 
     def __init__(
         self,
@@ -96,6 +103,10 @@ class LeanProtocol(asyncio.Protocol):
         self._odd = False
         self._ended = False
         self._again = False
+        self._head_done = False
+        # The bytes of a request whose head is whole and body still coming, and their deadline.
+        self._raw = b""
+        self._body_timer: asyncio.TimerHandle | None = None
         # The request the fast path serves: its bytes (for a hand-over), and what came after it.
         self._busy = False
         self._data = b""
@@ -133,6 +144,9 @@ class LeanProtocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.server_state.connections.discard(self)
         self._cancel_timers()
+        if self._raw:
+            # A body was still coming: the full protocol's request, told of the loss as it would be.
+            self._switch(self._raw)
         if self._busy:
             # The exchange closes its upstream and hands the request over: to the full protocol,
             # which is then told of the loss as it would have been.
@@ -156,20 +170,23 @@ class LeanProtocol(asyncio.Protocol):
             # Read after an answer, before the bytes that waited behind it were: theirs come first.
             data = self._pending + data
             self._pending = b""
-        if len(data) > self.max_header_bytes:
-            self._switch(data)
+        # The request's bytes from its first: with those of earlier reads whose body was still coming.
+        raw = self._raw + data if self._raw else data
+        if len(raw) > self.max_header_bytes:
+            self._switch(raw)
             return
         self._idle_since = 0.0
-        self._ended = self._again = self._odd = False
+        if not self._raw:
+            self._ended = self._again = self._odd = self._head_done = False
         try:
             self.parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade):
-            self._switch(data)  # the full protocol's refusal, in its words
+            self._switch(raw)  # the full protocol's refusal, in its words
             return
         parser = self.parser
         path = self._fast_paths.get(self._url)
         if (
-            not self._ended
+            not self._head_done
             or self._again
             or self._odd
             or path is None
@@ -177,8 +194,19 @@ class LeanProtocol(asyncio.Protocol):
             or parser.get_method() != b"POST"
             or parser.get_http_version() != "1.1"
         ):
-            self._switch(data)
+            self._switch(raw)
             return
+        if not self._ended:
+            # The head is whole, the body still coming (clients that write them apart: httpx):
+            # read on, within the body's deadline, as the full protocol would.
+            self._raw = raw
+            if self._body_timer is None:
+                self._body_timer = self.loop.call_later(self.body_timeout_s, self._body_too_slow)
+            return
+        if self._raw:
+            self._raw = b""
+            self._cancel_body_timer()
+        data = raw
         body, self._body = self._body, b""
         scope = {
             "type": "http",
@@ -221,7 +249,9 @@ class LeanProtocol(asyncio.Protocol):
 
     def shutdown(self) -> None:
         """The server's graceful shutdown: close now, or after the response under way."""
-        if self._busy:
+        if self._raw:
+            self._switch(self._raw).shutdown()  # a body still coming: the full protocol's request
+        elif self._busy:
             self._keep_alive = False
         else:
             self.transport.close()
@@ -248,6 +278,7 @@ class LeanProtocol(asyncio.Protocol):
         self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        self._head_done = True
         if not self._ended:
             # Asked here: llhttp clears the flags it reads from at the message's end.
             self._keep_alive = self.parser.should_keep_alive()
@@ -360,7 +391,20 @@ class LeanProtocol(asyncio.Protocol):
         full._cancel_head_timer()
         full._head_too_slow()
 
+    def _body_too_slow(self) -> None:
+        """The body did not come within ``body_timeout_s`` of its head: the full protocol's 408."""
+        self._body_timer = None
+        full = self._switch(self._raw)
+        full._cancel_body_timer()
+        full._body_too_slow()
+
+    def _cancel_body_timer(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
     def _cancel_timers(self) -> None:
+        self._cancel_body_timer()
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
@@ -411,5 +455,10 @@ def server_protocol(
     return type(
         "LeanProtocol",
         (LeanProtocol,),
-        {"full": full, "header_timeout_s": header_timeout_s, "max_header_bytes": max_header_bytes},
+        {
+            "full": full,
+            "header_timeout_s": header_timeout_s,
+            "max_header_bytes": max_header_bytes,
+            "body_timeout_s": body_timeout_s,
+        },
     )

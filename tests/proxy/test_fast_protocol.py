@@ -259,7 +259,12 @@ class SwitchingTransport(FakeTransport):
 
 
 def connect_lean(
-    app: App, *, header_timeout_s: float = 10.0, max_header_bytes: int = 64 * 1024, keep_alive_s: float = 5
+    app: App,
+    *,
+    header_timeout_s: float = 10.0,
+    max_header_bytes: int = 64 * 1024,
+    body_timeout_s: float = 60.0,
+    keep_alive_s: float = 5,
 ) -> tuple[ServerState, SwitchingTransport]:
     config = uvicorn.Config(
         app,
@@ -272,7 +277,7 @@ def connect_lean(
     )
     config.load()
     state = ServerState()
-    protocol = server_protocol(header_timeout_s, max_header_bytes)(
+    protocol = server_protocol(header_timeout_s, max_header_bytes, body_timeout_s)(
         config=config, server_state=state, app_state={}
     )
     transport = SwitchingTransport()
@@ -341,18 +346,65 @@ async def test_lean_a_declined_request_runs_as_a_task_with_its_whole_body_offere
     assert len(app.offered) == 2
 
 
-@pytest.mark.parametrize("cut", [10, -5], ids=["head", "body"])
-async def test_lean_a_request_cut_across_reads_is_served_whole_by_the_full_protocol(cut: int) -> None:
+async def test_lean_a_head_cut_across_reads_is_served_whole_by_the_full_protocol() -> None:
     app = App(take=False)
     _, transport = connect_lean(app)
     request = post()
-    transport.feed(request[:cut])
+    transport.feed(request[:10])
     assert isinstance(transport.protocol, GatewayProtocol)
-    transport.feed(request[cut:])
+    transport.feed(request[10:])
     await settle()
-    # A head cut in two is the full protocol's to offer (its body ends with it), a body cut in two not.
-    assert len(app.offered) == (1 if cut > 0 else 0)
+    assert len(app.offered) == 1  # the full protocol's offer: the body ended with the head
     assert [b"".join(m["body"] for m in messages) for _, messages in app.runs] == [BODY]
+
+
+@pytest.mark.parametrize("cuts", [[-5], [-20, -5]], ids=["one cut", "two cuts"])
+async def test_lean_a_body_that_comes_after_its_head_is_awaited_and_offered(cuts: list[int]) -> None:
+    """httpx (the OpenAI and Anthropic SDKs) writes a request's head and body apart: the body
+    is read on, and the request offered whole, by the lean protocol."""
+    app = App()
+    _, transport = connect_lean(app)
+    lean = transport.protocol
+    request = post()
+    for start, end in zip([0, *cuts], [*cuts, len(request)], strict=True):
+        transport.feed(request[start:end])
+    assert transport.protocol is lean
+    assert [data for _, data in app.offered] == [BODY]
+    answer(app.clients[0])
+    assert transport.written.endswith(b"fast")
+    # A hand-over replays the request from its first byte, every read of it.
+    transport.feed(post()[:-5])
+    transport.feed(post()[-5:])
+    received: list[dict[str, Any]] = []
+
+    async def rest(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        received.append(await receive())
+
+    app.clients[1].run(rest)
+    full = transport.protocol
+    assert isinstance(full, GatewayProtocol) and full.cycle.scope["path"] == PATH and not full.cycle.more_body
+
+
+async def test_lean_a_body_that_does_not_come_gets_the_full_protocol_s_408() -> None:
+    _, transport = connect_lean(App(), body_timeout_s=0.05)
+    transport.feed(post()[:-5])
+    await asyncio.sleep(0.15)
+    assert transport.written.startswith(b"HTTP/1.1 408 ") and transport.closed
+    assert b"request body did not arrive" in transport.written
+
+
+async def test_lean_a_client_that_leaves_before_its_body_ends_is_the_full_protocol_s_to_record() -> None:
+    """As on the full protocol: the request runs, and its receive gives the disconnect."""
+    app = App()
+    state, transport = connect_lean(app)
+    lean = transport.protocol
+    transport.feed(post()[:-5])
+    transport.closed = True
+    lean.connection_lost(None)
+    await settle()
+    assert app.offered == []
+    assert app.runs == [(PATH, [{"type": "http.disconnect"}])]
+    assert not state.connections
 
 
 async def test_lean_two_requests_in_one_read_are_served_in_order_by_the_full_protocol() -> None:
@@ -522,3 +574,26 @@ async def test_lean_a_full_write_buffer_is_told_to_the_full_protocol() -> None:
     full.resume_writing()  # the client reads again: the response goes out
     await settle()
     assert transport.written.endswith(b"ok")
+
+
+async def test_lean_a_body_whose_end_comes_with_the_next_request_goes_whole_to_the_full_protocol() -> None:
+    app = App()
+    _, transport = connect_lean(app)
+    first = post()
+    transport.feed(first[:-5])
+    transport.feed(first[-5:] + post(b'{"model":"m2"}'))
+    await settle()
+    assert isinstance(transport.protocol, GatewayProtocol) and app.offered == []
+    assert [messages[0]["body"] for _, messages in app.runs] == [BODY, b'{"model":"m2"}']
+
+
+async def test_lean_shutdown_while_a_body_comes_lets_the_full_protocol_finish_it() -> None:
+    app = App()
+    _, transport = connect_lean(app)
+    transport.feed(post()[:-5])
+    transport.protocol.shutdown()
+    assert not transport.closed
+    transport.feed(post()[-5:])
+    await settle()
+    assert [b"".join(m["body"] for m in messages) for _, messages in app.runs] == [BODY]
+    assert transport.closed and b"\r\nconnection: close\r\n" in transport.written
