@@ -105,7 +105,7 @@ class LeanProtocol(asyncio.Protocol):
         self._again = False
         self._head_done = False
         # The bytes of a request whose head is whole and body still coming, and their deadline.
-        self._raw = b""
+        self._raw = bytearray()
         self._body_timer: asyncio.TimerHandle | None = None
         # The request the fast path serves: its bytes (for a hand-over), and what came after it.
         self._busy = False
@@ -171,7 +171,11 @@ class LeanProtocol(asyncio.Protocol):
             data = self._pending + data
             self._pending = b""
         # The request's bytes from its first: with those of earlier reads whose body was still coming.
-        raw = self._raw + data if self._raw else data
+        if self._raw:
+            self._raw += data  # a bytearray: appended in place, not copied whole each read
+            raw: bytes | bytearray = self._raw
+        else:
+            raw = data
         if len(raw) > self.max_header_bytes:
             self._switch(raw)
             return
@@ -199,14 +203,15 @@ class LeanProtocol(asyncio.Protocol):
         if not self._ended:
             # The head is whole, the body still coming (clients that write them apart: httpx):
             # read on, within the body's deadline, as the full protocol would.
-            self._raw = raw
+            if not self._raw:
+                self._raw = bytearray(raw)
             if self._body_timer is None:
                 self._body_timer = self.loop.call_later(self.body_timeout_s, self._body_too_slow)
             return
         if self._raw:
-            self._raw = b""
+            data = bytes(raw)
+            self._raw = bytearray()
             self._cancel_body_timer()
-        data = raw
         body, self._body = self._body, b""
         scope = {
             "type": "http",
@@ -285,7 +290,12 @@ class LeanProtocol(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         if not self._ended:
-            self._body = body if not self._body else bytes(self._body) + body
+            if not self._body:
+                self._body = body
+            else:
+                if type(self._body) is bytes:
+                    self._body = bytearray(self._body)
+                self._body += body  # in place: a body in many reads is not copied whole each time
 
     def on_message_complete(self) -> None:
         self._ended = True
@@ -413,11 +423,13 @@ class LeanProtocol(asyncio.Protocol):
             self._idle_timer = None
 
     def _switch(
-        self, data: bytes, offer: Callable[[Any, bytes | bytearray, Any], bool] | None = None
+        self, data: bytes | bytearray, offer: Callable[[Any, bytes | bytearray, Any], bool] | None = None
     ) -> GatewayProtocol:
         """Give the connection to the full protocol, with ``data`` (the bytes of the request being
         read, from its first) and any read after it; ``offer`` stands for the app's fast path for
         the first request (None: it is not offered)."""
+        # A body still coming is due when it was due here, not a new wait from now.
+        body_due = self._body_timer.when() if self._body_timer is not None else 0.0
         self._cancel_timers()
         self.server_state.connections.discard(self)
         full = self.full(
@@ -442,7 +454,10 @@ class LeanProtocol(asyncio.Protocol):
             self._paused = False
             transport.resume_reading()
         if data:
-            full.replay(data, offer)
+            full.replay(bytes(data), offer)
+        if body_due and full._body_timer is not None:
+            full._cancel_body_timer()
+            full._body_timer = self.loop.call_at(body_due, full._body_too_slow)
         return full
 
 

@@ -597,3 +597,34 @@ async def test_lean_shutdown_while_a_body_comes_lets_the_full_protocol_finish_it
     await settle()
     assert [b"".join(m["body"] for m in messages) for _, messages in app.runs] == [BODY]
     assert transport.closed and b"\r\nconnection: close\r\n" in transport.written
+
+
+@pytest.mark.parametrize("how", ["over the size limit", "shutdown"])
+async def test_lean_a_body_still_coming_keeps_its_deadline_when_the_full_protocol_takes_it(how: str) -> None:
+    """Its deadline stays ``body_timeout_s`` after its head, not a new wait from the switch."""
+    big = post(b'{"model":"m1","pad":"%b"}' % (b"z" * 2000))
+    end_of_head = big.index(b"\r\n\r\n") + 4
+    _, transport = connect_lean(App(), max_header_bytes=1024, body_timeout_s=30)
+    lean = transport.protocol
+    transport.feed(big[:end_of_head])
+    due = lean._body_timer.when()
+    await asyncio.sleep(0.02)
+    if how == "shutdown":
+        lean.shutdown()
+    else:
+        transport.feed(big[end_of_head : end_of_head + 1000])
+    full = transport.protocol
+    assert isinstance(full, GatewayProtocol)
+    assert full._body_timer is not None and full._body_timer.when() == due
+
+
+async def test_lean_a_body_in_many_reads_is_offered_whole() -> None:
+    app = App()
+    _, transport = connect_lean(app)
+    body = b'{"model":"m1","pad":"%b"}' % (b"y" * 3000)
+    request = post(body)
+    end_of_head = request.index(b"\r\n\r\n") + 4
+    transport.feed(request[:end_of_head])
+    for at in range(end_of_head, len(request), 7):
+        transport.feed(request[at : at + 7])
+    assert [data for _, data in app.offered] == [body]
