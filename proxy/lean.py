@@ -31,8 +31,8 @@ runs the hand-over's task on it with its body taken, as it would have.
 
 A connection that sends nothing is answered 408 after ``header_timeout_s``,
 and a body that does not come after ``body_timeout_s`` (each by the full
-protocol's own reply; a first head passed to it is due when it was due
-here); a connection idle after a response is closed after uvicorn's
+protocol's own reply; a first head or a body passed to it is due when it
+was due here); a connection idle after a response is closed after uvicorn's
 ``timeout_keep_alive``, on one timer a connection. A client that leaves, or
 a shutdown, while a body is still coming passes its request to the full
 protocol, which serves and records it as it would have.
