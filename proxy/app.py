@@ -96,17 +96,15 @@ class Gateway:
         # The paths whose POSTs the protocol offers to ``fast`` before any task (the OpenAI
         # endpoints; another API's requests may need translating).
         self.fast_paths = frozenset(path for path, endpoint in ENDPOINTS.items() if endpoint.api is None)
+        # Charged by the protocol for the bytes of a body it holds while the rest comes.
+        self.body_budget = relay.body_budget
 
     def fast(self, scope: Scope, data: bytes | bytearray, client: FastClient) -> bool:
         """Serve a POST to one of ``fast_paths`` whose body ``data`` came whole from the protocol's
         callback (``proxy/relay/fast.py``); False, having changed nothing, when the request is
         to be served as any other (an ASGI task): the checks ``__call__`` makes first, then the
         relay's."""
-        if self.relay.declines(data) or self._with_cors or self.state.draining:
-            return False
-        if self.browser.refusal(scope) is not None:
-            return False
-        if self._with_keys and not self.keys.allows(scope):
+        if self.relay.declines(data) or not self._fast_head(scope):
             return False
         state = self.state
         state.in_flight += 1
@@ -117,6 +115,17 @@ class Gateway:
             if not taken:
                 state.in_flight -= 1
         return taken
+
+    def serves_head(self, scope: Scope) -> bool:
+        """Whether ``fast`` may take a request as far as its head tells, its body still coming:
+        False where ``__call__`` would refuse it at its head (a browser check, the key, the relay's
+        checks), so that the protocol gives it to the full protocol, which refuses it at once."""
+        return self._fast_head(scope) and self.relay.serves_head(scope)
+
+    def _fast_head(self, scope: Scope) -> bool:
+        if self._with_cors or self.state.draining or self.browser.refusal(scope) is not None:
+            return False
+        return not self._with_keys or self.keys.allows(scope)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":

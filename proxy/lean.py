@@ -10,7 +10,13 @@ is one that fast path may take, with the parser's callbacks only:
 - a head whole in one read, and its body in that read or the next ones
   (httpx, under the OpenAI and Anthropic SDKs, writes them apart), within
   ``body_timeout_s`` of the head, and nothing after it (no pipelining); the
-  whole request within ``max_header_bytes``;
+  whole request within ``max_header_bytes``. A head whose body is still
+  coming is first shown to the app's ``serves_head``: one it would refuse at
+  its head (a browser check, a key, a declared length the body budget has
+  no room for) goes to the full protocol at once, which refuses it there as
+  it always has. The body's bytes then hold the app's ``body_budget``
+  (``proxy/relay/request.py``) as they come, as the full protocol's request
+  would; bytes that do not fit go to the full protocol (its 503);
 - ``POST`` to one of the app's ``fast_paths`` (the path exactly: no query,
   no escape, not the absolute form), HTTP/1.1, one Host field, a body
   framed by Content-Length, no Expect, Upgrade or Transfer-Encoding.
@@ -43,7 +49,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
@@ -56,6 +62,14 @@ logger = logging.getLogger("blazar.server")
 
 # Header fields whose presence sends the request to the full protocol.
 _ODD = frozenset({b"transfer-encoding", b"expect", b"upgrade"})
+
+
+class BodyBudget(Protocol):
+    """The app's budget of request-body bytes held at once (``proxy/relay/request.py``)."""
+
+    def take(self, size: int) -> bool: ...
+
+    def give_back(self, size: int) -> None: ...
 
 
 def _nothing() -> None:
@@ -89,6 +103,8 @@ class LeanProtocol(asyncio.Protocol):
         if config.root_path or config.limit_concurrency is not None:
             self._fast = None  # uvicorn's own handling of those, in the full protocol
         self._fast_paths = {path.encode(): path for path in getattr(app, "fast_paths", ())}
+        self._serves_head: Callable[[Any], bool] | None = getattr(app, "serves_head", None)
+        self._budget: BodyBudget | None = getattr(app, "body_budget", None)
         self._keep_alive_s: float = config.timeout_keep_alive
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport = None  # type: ignore[assignment]
@@ -104,9 +120,12 @@ class LeanProtocol(asyncio.Protocol):
         self._ended = False
         self._again = False
         self._head_done = False
-        # The bytes of a request whose head is whole and body still coming, and their deadline.
+        # The bytes of a request whose head is whole and body still coming, its scope, and deadline.
         self._raw = bytearray()
+        self._scope: dict[str, Any] = {}
         self._body_timer: asyncio.TimerHandle | None = None
+        # What the body's bytes held so far are charged to the budget.
+        self._charged = 0
         # The request the fast path serves: its bytes (for a hand-over), and what came after it.
         self._busy = False
         self._data = b""
@@ -204,7 +223,14 @@ class LeanProtocol(asyncio.Protocol):
             # The head is whole, the body still coming (clients that write them apart: httpx):
             # read on, within the body's deadline, as the full protocol would.
             if not self._raw:
+                scope = self._scope = self._scope_of(path)
+                if self._serves_head is not None and not self._serves_head(scope):
+                    self._switch(raw)  # refused at its head, or never the fast path's
+                    return
                 self._raw = bytearray(raw)
+            if not self._hold_body():
+                self._switch(self._raw)  # the full protocol's 503, as it refuses one
+                return
             if self._body_timer is None:
                 self._body_timer = self.loop.call_later(self.body_timeout_s, self._body_too_slow)
             return
@@ -212,20 +238,11 @@ class LeanProtocol(asyncio.Protocol):
             data = bytes(raw)
             self._raw = bytearray()
             self._cancel_body_timer()
+            self._give_back()  # charged again by the fast path, or by the request the full protocol runs
+            scope, self._scope = self._scope, {}
+        else:
+            scope = self._scope_of(path)
         body, self._body = self._body, b""
-        scope = {
-            "type": "http",
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": self.scheme,
-            "path": path,
-            "raw_path": self._url,
-            "query_string": b"",
-            "root_path": "",
-            "headers": self._headers,
-            "client": self.client,
-            "server": self.server,
-        }
         fast = self._fast
         assert fast is not None  # without it the full protocol has the connection from its start
         self._busy = True
@@ -241,6 +258,22 @@ class LeanProtocol(asyncio.Protocol):
         else:
             self._busy = False
             self._switch(data)
+
+    def _scope_of(self, path: str) -> dict[str, Any]:
+        """The request's scope, for the app: what the fast path reads of it."""
+        return {
+            "type": "http",
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": self.scheme,
+            "path": path,
+            "raw_path": self._url,
+            "query_string": b"",
+            "root_path": "",
+            "headers": self._headers,
+            "client": self.client,
+            "server": self.server,
+        }
 
     def eof_received(self) -> None:
         pass  # the transport closes: connection_lost
@@ -408,6 +441,24 @@ class LeanProtocol(asyncio.Protocol):
         full._cancel_body_timer()
         full._body_too_slow()
 
+    def _hold_body(self) -> bool:
+        """Charge the budget for the body's bytes held so far; False where they do not fit."""
+        budget = self._budget
+        if budget is None:
+            return True
+        held = len(self._body)
+        if held > self._charged:
+            if not budget.take(held - self._charged):
+                return False
+            self._charged = held
+        return True
+
+    def _give_back(self) -> None:
+        if self._charged:
+            assert self._budget is not None
+            self._budget.give_back(self._charged)
+            self._charged = 0
+
     def _cancel_body_timer(self) -> None:
         if self._body_timer is not None:
             self._body_timer.cancel()
@@ -431,6 +482,7 @@ class LeanProtocol(asyncio.Protocol):
         # A body still coming is due when it was due here, not a new wait from now.
         body_due = self._body_timer.when() if self._body_timer is not None else 0.0
         self._cancel_timers()
+        self._give_back()  # the full protocol's request charges what it holds
         self.server_state.connections.discard(self)
         full = self.full(
             config=self.config, server_state=self.server_state, app_state=self.app_state, _loop=self.loop

@@ -65,7 +65,8 @@ class Relay:
         self._exchange = Exchange(settings, self._drain)
         # A body larger than the whole budget could never be served: 413, not a 503 to retry forever.
         self._max_body_bytes = min(settings.max_body_bytes, settings.body_budget_bytes)
-        self._body_budget = BodyBudget(settings.body_budget_bytes)
+        # Every body held at once, the protocol's too (a body still coming, ``proxy/lean.py``).
+        self._body_budget = self.body_budget = BodyBudget(settings.body_budget_bytes)
         self._load_wait_s = settings.load_wait_s
         # The fast path's deadline for the head; with a whole-request limit, no fast path.
         self._head_timeout_s = settings.first_byte_timeout_s
@@ -138,6 +139,16 @@ class Relay:
         """Whether ``try_fast`` would decline a body at once: a stream, told from its bytes before
         any parse (the task path parses it once)."""
         return _asks_for_stream(data)
+
+    def serves_head(self, scope: Scope) -> bool:
+        """Whether ``try_fast`` may take the request as far as its head tells (its body still
+        coming): False where ``__call__`` refuses it at its head (405, 413, 415, or a declared
+        length the budget has no room for) or the fast path never takes it."""
+        try:
+            check_head(scope, self._max_body_bytes, RequestBody(self._body_budget))
+        except HTTPError:
+            return False
+        return not (self._drain.closing or self._total_timeout_s)
 
     def try_fast(
         self, scope: Scope, data: bytes | bytearray, client: FastClient, leave: Callable[[], None]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import httpx
@@ -40,6 +41,23 @@ def test_a_configured_key_gets_in(
     assert response.status_code == 200
     seen = fake.records()[0]["headers"]
     assert "authorization" not in seen and "x-api-key" not in seen
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [b"", b"Authorization: Bearer wrong-key\r\n", b"Origin: https://evil.example\r\n"],
+    ids=["no key", "a wrong key", "a foreign page with no key"],
+)
+def test_a_head_refused_is_answered_before_its_body_comes(guarded: Running, fields: bytes) -> None:
+    """Refused at its head, as soon as it is whole: its body (clients such as httpx send it
+    apart) is not waited for, and holds none of the gateway's body budget meanwhile."""
+    with socket.create_connection(("127.0.0.1", guarded.port), timeout=5) as sock:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n%b\r\n{" % fields
+        )
+        answer = sock.recv(65536)
+    assert answer.split(b"\r\n", 1)[0] in (b"HTTP/1.1 401 Unauthorized", b"HTTP/1.1 403 Forbidden"), answer
 
 
 @pytest.mark.parametrize(

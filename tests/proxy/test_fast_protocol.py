@@ -19,6 +19,7 @@ from uvicorn.server import ServerState
 
 from proxy.lean import server_protocol
 from proxy.protocol import Client, GatewayProtocol, protocol_class
+from proxy.relay.request import BodyBudget
 
 pytestmark = pytest.mark.anyio
 
@@ -628,3 +629,95 @@ async def test_lean_a_body_in_many_reads_is_offered_whole() -> None:
     for at in range(end_of_head, len(request), 7):
         transport.feed(request[at : at + 7])
     assert [data for _, data in app.offered] == [body]
+
+
+class GuardedApp(App):
+    """The gateway's budget for bodies held, and its check of a head whose body is still coming."""
+
+    def __init__(self, budget_bytes: int = 10_000, serves: bool = True) -> None:
+        super().__init__()
+        self.body_budget = BodyBudget(budget_bytes)
+        self.serves = serves
+        self.heads: list[dict[str, Any]] = []
+
+    def serves_head(self, scope: dict[str, Any]) -> bool:
+        self.heads.append(scope)
+        return self.serves
+
+
+def head_and(body_bytes: int, body: bytes = BODY) -> tuple[bytes, bytes]:
+    """A request cut after its head and ``body_bytes`` of its body: the two parts."""
+    request = post(body)
+    cut = request.index(b"\r\n\r\n") + 4 + body_bytes
+    return request[:cut], request[cut:]
+
+
+async def test_lean_a_body_still_coming_holds_the_budget_for_its_bytes_until_offered() -> None:
+    """A head alone holds nothing; the bytes that came hold their size, given back at the offer
+    (the fast path charges the whole body itself)."""
+    app = GuardedApp()
+    _, transport = connect_lean(app)
+    head, rest = head_and(0)
+    transport.feed(head)
+    assert app.body_budget.held_bytes == 0
+    transport.feed(rest[:10])
+    transport.feed(rest[10:20])
+    assert app.body_budget.held_bytes == 20
+    transport.feed(rest[20:])
+    assert [data for _, data in app.offered] == [BODY] and app.body_budget.held_bytes == 0
+    assert [scope["path"] for scope in app.heads] == [PATH]
+    # A body that came with its head is not shown twice.
+    answer(app.clients[0])
+    transport.feed(post())
+    assert len(app.offered) == 2 and len(app.heads) == 1
+
+
+async def test_lean_body_bytes_the_budget_has_no_room_for_go_to_the_full_protocol() -> None:
+    """Refused as the full protocol refuses them: its request reads (and charges) them."""
+    app = GuardedApp(budget_bytes=1000)
+    app.body_budget.held_bytes = 990  # other requests' bodies
+    _, transport = connect_lean(app)
+    first, rest = head_and(20)
+    transport.feed(first)
+    assert isinstance(transport.protocol, GatewayProtocol)
+    assert app.body_budget.held_bytes == 990 and app.offered == []
+    transport.feed(rest)
+    await settle()
+    assert [b"".join(m["body"] for m in messages) for _, messages in app.runs] == [BODY]
+
+
+@pytest.mark.parametrize("how", ["client leaves", "body too slow", "shutdown", "over the size limit"])
+async def test_lean_a_body_coming_gives_the_budget_back_when_the_full_protocol_takes_it(how: str) -> None:
+    app = GuardedApp()
+    _, transport = connect_lean(app, max_header_bytes=1024, body_timeout_s=0.05)
+    lean = transport.protocol
+    first, rest = head_and(10, b'{"model":"m1","pad":"%b"}' % (b"z" * 2000))
+    transport.feed(first)
+    assert app.body_budget.held_bytes == 10
+    if how == "client leaves":
+        transport.closed = True
+        lean.connection_lost(None)
+    elif how == "body too slow":
+        await asyncio.sleep(0.15)
+        assert transport.written.startswith(b"HTTP/1.1 408 ")
+    elif how == "shutdown":
+        lean.shutdown()
+    else:
+        transport.feed(rest[:1500])
+    assert transport.protocol is not lean and app.body_budget.held_bytes == 0
+
+
+async def test_lean_a_head_the_app_would_refuse_goes_to_the_full_protocol_before_its_body() -> None:
+    """A wrong key, a foreign Origin, a declared length with no room: refused at the head, as the
+    full protocol refuses it, not after waiting for (and holding) a body from anyone."""
+    app = GuardedApp(serves=False)
+    _, transport = connect_lean(app)
+    first, rest = head_and(5)
+    transport.feed(first)
+    full = transport.protocol
+    assert isinstance(full, GatewayProtocol) and app.body_budget.held_bytes == 0
+    await settle()
+    assert full.cycle.scope["path"] == PATH and app.offered == []
+    transport.feed(rest)
+    await settle()
+    assert [b"".join(m["body"] for m in messages) for _, messages in app.runs] == [BODY]
