@@ -78,6 +78,7 @@ class Exchange:
         outcome: Outcome,
         *,
         may_move: bool = False,
+        failed: UpstreamError | None = None,
     ) -> ConnectFailed | None:
         """Send ``body`` to ``peer`` and relay its answer; ``outcome`` says how it went.
 
@@ -87,9 +88,11 @@ class Exchange:
         With ``may_move`` (a peer of several), a connection that could not be
         opened is returned unanswered: nothing was sent, so the caller may
         send the request to another peer. Otherwise None: the client is answered.
+        ``failed``: the connect failure of an attempt made already (the fast path's), as
+        if this one had failed so.
         """
         head = self.request_head(scope, peer, len(body.data), outcome.request_id)
-        conn = await self._open(send, peer, outcome, may_move)
+        conn = await self._open(send, peer, outcome, may_move, failed=failed)
         if not isinstance(conn, Connection):
             return conn
         await self.resume(conn, head, scope, receive, send, peer, body, outcome, sent=False)
@@ -205,7 +208,14 @@ class Exchange:
         return resend and not gone
 
     async def _open(
-        self, send: Send, peer: Peer, outcome: Outcome, may_move: bool, *, fresh: bool = False
+        self,
+        send: Send,
+        peer: Peer,
+        outcome: Outcome,
+        may_move: bool,
+        *,
+        fresh: bool = False,
+        failed: UpstreamError | None = None,
     ) -> Connection | ConnectFailed | None:
         """A connection to ``peer``; else the client is answered (None), or, with ``may_move``,
         the connect failure is returned for the caller to try another peer."""
@@ -215,6 +225,8 @@ class Exchange:
             await self._refuse(send, outcome, Draining("the gateway is shutting down"))
             return None
         try:
+            if failed is not None:
+                raise failed
             conn = await (peer.pool.connect() if fresh else peer.pool.acquire())
         except UpstreamError as exc:
             if peer.health is not None and isinstance(exc, ConnectFailed):

@@ -2,8 +2,11 @@
 
 A request that came whole in its read, to a model of one server, asking for
 no stream, no translation and nothing the gateway changes in its body, with
-a slot free and an idle connection pooled, is sent upstream from the client
-protocol's own callback (``proxy/protocol.py``). When the upstream's
+a slot free, is sent upstream from the client protocol's own callback
+(``proxy/protocol.py``, ``proxy/lean.py``) on an idle pooled connection; where
+none is pooled (a burst's first requests), on one it opens (a future for the
+connect alone: its callback sends the request). A connect that fails is
+answered by the task path as that failure, without a second attempt. When the upstream's
 response has come whole with its head (a 2xx with a Content-Length, not an
 event stream, at most ``MAX_BODY_BYTES``), the upstream connection's
 callback writes its head and body to the client in one write and records
@@ -25,6 +28,7 @@ words.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from time import perf_counter
@@ -39,7 +43,7 @@ from proxy.relay.request import RequestBody
 from proxy.relay.routes import Peer
 from proxy.relay.ticket import Ticket
 from proxy.relay.timing import timing_header
-from proxy.upstream import ClientGone, Connection
+from proxy.upstream import ClientGone, Connection, UpstreamError
 
 if TYPE_CHECKING:
     from proxy.relay.handler import Relay
@@ -56,6 +60,7 @@ class FastExchange:
     """One request's exchange with its upstream, driven by the upstream connection's callback."""
 
     __slots__ = (
+        "_connecting",
         "_head_timeout_s",
         "_over",
         "_released",
@@ -64,12 +69,14 @@ class FastExchange:
         "body",
         "client",
         "conn",
+        "connect_failure",
         "head",
         "leave",
         "outcome",
         "peer",
         "relay",
         "scope",
+        "sent",
         "ticket",
     )
 
@@ -82,7 +89,6 @@ class FastExchange:
         ticket: Ticket,
         body: RequestBody,
         peer: Peer,
-        conn: Connection,
         leave: Callable[[], None],
         head_timeout_s: float,
     ) -> None:
@@ -93,7 +99,11 @@ class FastExchange:
         self.ticket = ticket
         self.body = body
         self.peer = peer
-        self.conn = conn
+        # ``conn`` is set when the request is sent on it (``start``).
+        self.sent = False
+        self._connecting: asyncio.Future[Connection] | None = None
+        # Why the connection this exchange opened could not be (the task path answers so).
+        self.connect_failure: UpstreamError | None = None
         # Told once the request has ended (the gateway's count of requests in flight).
         self.leave = leave
         self.head = b""
@@ -106,9 +116,52 @@ class FastExchange:
         # What the request held is given back.
         self._released = False
 
-    def start(self, head: bytes) -> None:
-        """Send the request; the upstream's callback does the rest."""
-        conn, outcome = self.conn, self.outcome
+    def connect(self, head: bytes) -> None:
+        """Open a connection (none idle was pooled), then send the request on it (``start``)."""
+        self.head = head
+        self.client.lost = self._lost_connecting
+        connecting = self._connecting = asyncio.ensure_future(self.peer.pool.connect())
+        connecting.add_done_callback(self._connected)
+
+    def _connected(self, connecting: asyncio.Future[Connection]) -> None:
+        self._connecting = None
+        failure = None if connecting.cancelled() else connecting.exception()
+        if self._over:
+            # Handed over while it opened (the client left): the connection is the pool's.
+            if not connecting.cancelled() and failure is None:
+                self.peer.pool.release(connecting.result())
+            return
+        if connecting.cancelled() or failure is not None:
+            if isinstance(failure, UpstreamError):
+                self.connect_failure = failure
+            else:
+                request_id = self.outcome.request_id.decode()
+                log.error("opening a connection for %s failed", request_id, exc_info=failure)
+            self._hand_over_unsent()
+            return
+        try:
+            self.start(connecting.result(), self.head)
+        except Exception:
+            log.exception("the relay's fast path failed on %s", self.outcome.request_id.decode())
+            if not self._over:
+                self.hand_over()
+
+    def _lost_connecting(self) -> None:
+        """The client's connection is gone while the upstream's is opened: handed over unsent."""
+        if self._connecting is not None:
+            self._connecting.cancel()
+        self._hand_over_unsent()
+
+    def _hand_over_unsent(self) -> None:
+        self._over = True
+        self.client.ended()
+        self.client.run(self._resume)
+
+    def start(self, conn: Connection, head: bytes) -> None:
+        """Send the request on ``conn``; the upstream's callback does the rest."""
+        outcome = self.outcome
+        self.conn = conn
+        self.sent = True
         self.head = head
         outcome.peer, outcome.conn = self.peer, conn
         conn.listener = self.on_upstream

@@ -180,13 +180,13 @@ class Relay:
             return False
         peer = entry.peers[0]
         head = self._exchange.request_head(scope, peer, len(data), outcome.request_id)
+        # None: no idle connection is pooled, and the exchange opens one (a burst's first requests).
         conn = peer.pool.take_idle()
-        if conn is None:
-            return False
         ticket = Ticket()
         if ticket.take(entry, doc) is not peer:
             ticket.release(perf_counter())
-            peer.pool.put_back(conn)
+            if conn is not None:
+                peer.pool.put_back(conn)
             return False
         del doc
         # Taken from here: nothing below fails (the budget had room, nothing ran since).
@@ -194,10 +194,11 @@ class Relay:
             body.charge(len(data))
         body.data = data
         self._arrived(outcome)
-        exchange = FastExchange(
-            self, scope, client, outcome, ticket, body, peer, conn, leave, self._head_timeout_s
-        )
-        exchange.start(head)
+        exchange = FastExchange(self, scope, client, outcome, ticket, body, peer, leave, self._head_timeout_s)
+        if conn is None:
+            exchange.connect(head)
+        else:
+            exchange.start(conn, head)
         return True
 
     async def resume(self, fast: FastExchange, scope: Scope, receive: Receive, send: Send) -> None:
@@ -205,9 +206,16 @@ class Relay:
         outcome = fast.outcome
         try:
             try:
-                await self._exchange.resume(
-                    fast.conn, fast.head, scope, receive, send, fast.peer, fast.body, outcome, sent=True
-                )
+                if fast.sent:
+                    await self._exchange.resume(
+                        fast.conn, fast.head, scope, receive, send, fast.peer, fast.body, outcome, sent=True
+                    )
+                else:
+                    # Its connection could not be opened (answered as that failure), or the
+                    # client left while it was: the exchange from its start.
+                    await self._exchange.run(
+                        scope, receive, send, fast.peer, fast.body, outcome, failed=fast.connect_failure
+                    )
             finally:
                 fast.body.drop()
                 fast.ticket.release(outcome.started)

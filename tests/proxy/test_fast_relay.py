@@ -32,7 +32,11 @@ REPLY = orjson.dumps(
 class Upstream(asyncio.Protocol):
     """Answers each request by its body's ``mode``: whole at once, head then body later, or a 500."""
 
+    # How many connections the gateway has opened to it.
+    connections = 0
+
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        Upstream.connections += 1
         self.transport: Any = transport
         self.buffer = b""
 
@@ -65,11 +69,16 @@ class Upstream(asyncio.Protocol):
 
 
 @asynccontextmanager
-async def gateway() -> AsyncIterator[tuple[int, Gateway, list[bool]]]:
-    """A gateway over one upstream; each ``Relay.try_fast`` answer is appended to the list."""
+async def gateway(listening: bool = True) -> AsyncIterator[tuple[int, Gateway, list[bool]]]:
+    """A gateway over one upstream (``listening``: else a port nothing listens on); each
+    ``Relay.try_fast`` answer is appended to the list."""
     loop = asyncio.get_running_loop()
+    Upstream.connections = 0
     upstream = await loop.create_server(Upstream, "127.0.0.1", 0)
     upstream_port = upstream.sockets[0].getsockname()[1]
+    if not listening:
+        upstream.close()
+        await upstream.wait_closed()
     route = Route(model="m1", upstream=UpstreamAddress("127.0.0.1", upstream_port), guards=Guards())
     app = build_app(RoutingTable([route]), Settings())
     taken: list[bool] = []
@@ -106,10 +115,10 @@ async def posts(port: int, *bodies: bytes) -> list[tuple[bytes, bytes]]:
 
 
 async def test_a_plain_request_is_served_from_callbacks_and_answered_whole() -> None:
-    """The first request opens the pool's connection (a wait: the task's way); the next one reuses it."""
+    """The first request opens the pool's connection itself (none is pooled); the next reuses it."""
     async with gateway() as (port, _, taken):
         [first, (head, body)] = await posts(port, b'{"model":"m1"}', b'{"model":"m1","messages":[]}')
-    assert taken == [False, True]
+    assert taken == [True, True] and Upstream.connections == 1
     assert first[1] == REPLY
     assert head.startswith(b"HTTP/1.1 200 OK\r\n")
     assert b"x-request-id: " in head and b"server-timing: " in head
@@ -152,7 +161,7 @@ async def test_a_head_whose_body_comes_later_and_an_upstream_error_are_handed_ov
             b'{"model":"m1","mode":"error"}',
             b'{"model":"m1"}',
         )
-    assert taken == [False, True, True, True]
+    assert taken == [True, True, True, True]
     _, (later_head, later_body), (error_head, error_body), (_, plain_body) = answers
     assert later_head.startswith(b"HTTP/1.1 200 OK\r\n") and later_body == REPLY
     # The upstream's error as the task path relays it: its status, in OpenAI's envelope.
@@ -172,5 +181,55 @@ async def test_a_request_served_from_callbacks_leaves_nothing_for_the_collector(
         finally:
             gc.set_debug(0)
             gc.garbage.clear()
-    assert taken[0] is False and all(taken[1:])
+    assert all(taken)
     assert not left & {"FastExchange", "Client", "Outcome", "ClientWriter", "RequestResponseCycle"}, left
+
+
+async def test_a_connection_the_fast_path_cannot_open_is_answered_as_that_failure_once() -> None:
+    """The task path answers it (503, in OpenAI's envelope) without a second attempt."""
+    async with gateway(listening=False) as (port, app, taken):
+        pool = app.relay.pools[next(iter(app.relay.pools))]
+        connect = pool.connect
+        attempts: list[int] = []
+
+        async def counted() -> Any:
+            attempts.append(1)
+            return await connect()
+
+        pool.connect = counted  # type: ignore[method-assign]
+        [(head, body)] = await posts(port, b'{"model":"m1"}')
+    assert taken == [True] and len(attempts) == 1
+    assert head.startswith(b"HTTP/1.1 503 ")
+    error = orjson.loads(body)["error"]
+    assert error["code"] == "upstream_unavailable" and "cannot connect to upstream" in error["message"]
+
+
+async def test_a_client_that_leaves_while_the_connection_opens_holds_nothing() -> None:
+    async with gateway() as (port, app, taken):
+        pool = app.relay.pools[next(iter(app.relay.pools))]
+        connect = pool.connect
+
+        async def slow() -> Any:
+            await asyncio.sleep(0.2)
+            return await connect()
+
+        pool.connect = slow  # type: ignore[method-assign]
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        body = b'{"model":"m1"}'
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
+        )
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.close()
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if not app.state.in_flight:
+                break
+        assert taken == [True]
+        assert app.state.in_flight == 0 and app.relay.body_budget.held_bytes == 0
+        # The gateway still serves (its slot and the pool's connections are whole).
+        pool.connect = connect  # type: ignore[method-assign]
+        [(head, answer)] = await posts(port, body)
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n") and answer == REPLY
