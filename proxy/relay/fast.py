@@ -127,7 +127,7 @@ class FastExchange:
         self._connecting = None
         failure = None if connecting.cancelled() else connecting.exception()
         if self._over:
-            # Handed over while it opened (the client left): the connection is the pool's.
+            # Handed over while it opened (the client left): the connection is closed (unused).
             if not connecting.cancelled() and failure is None:
                 self.peer.pool.release(connecting.result())
             return
@@ -137,6 +137,12 @@ class FastExchange:
             else:
                 request_id = self.outcome.request_id.decode()
                 log.error("opening a connection for %s failed", request_id, exc_info=failure)
+            self._hand_over_unsent()
+            return
+        if self.relay.drain.closing:
+            # The drain ended while it opened (as ``Exchange._open`` checks): sent nowhere; the task
+            # path answers that the gateway is shutting down.
+            self.peer.pool.release(connecting.result())
             self._hand_over_unsent()
             return
         try:

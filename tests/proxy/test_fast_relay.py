@@ -32,8 +32,9 @@ REPLY = orjson.dumps(
 class Upstream(asyncio.Protocol):
     """Answers each request by its body's ``mode``: whole at once, head then body later, or a 500."""
 
-    # How many connections the gateway has opened to it.
+    # How many connections the gateway has opened to it, and how many requests it was sent.
     connections = 0
+    requests = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         Upstream.connections += 1
@@ -51,6 +52,7 @@ class Upstream(asyncio.Protocol):
         if len(rest) < length:
             return
         body, self.buffer = rest[:length], rest[length:]
+        Upstream.requests += 1
         mode = orjson.loads(body).get("mode")
         if mode == "error":
             error = b'{"error":{"message":"boom"}}'
@@ -73,7 +75,7 @@ async def gateway(listening: bool = True) -> AsyncIterator[tuple[int, Gateway, l
     """A gateway over one upstream (``listening``: else a port nothing listens on); each
     ``Relay.try_fast`` answer is appended to the list."""
     loop = asyncio.get_running_loop()
-    Upstream.connections = 0
+    Upstream.connections = Upstream.requests = 0
     upstream = await loop.create_server(Upstream, "127.0.0.1", 0)
     upstream_port = upstream.sockets[0].getsockname()[1]
     if not listening:
@@ -233,3 +235,25 @@ async def test_a_client_that_leaves_while_the_connection_opens_holds_nothing() -
         pool.connect = connect  # type: ignore[method-assign]
         [(head, answer)] = await posts(port, body)
     assert head.startswith(b"HTTP/1.1 200 OK\r\n") and answer == REPLY
+
+
+async def test_a_drain_that_ends_while_the_connection_opens_sends_nothing() -> None:
+    """As on the task path: the drain's end is checked once the connection is open (503)."""
+    async with gateway() as (port, app, taken):
+        pool = app.relay.pools[next(iter(app.relay.pools))]
+        connect = pool.connect
+        opening, go_on = asyncio.Event(), asyncio.Event()
+
+        async def held() -> Any:
+            opening.set()
+            await go_on.wait()
+            return await connect()
+
+        pool.connect = held  # type: ignore[method-assign]
+        answers = asyncio.ensure_future(posts(port, b'{"model":"m1"}'))
+        await asyncio.wait_for(opening.wait(), 5)
+        app.relay.abort_all("the drain's time is over")
+        go_on.set()
+        [(head, body)] = await asyncio.wait_for(answers, 5)
+    assert taken == [True] and Upstream.requests == 0
+    assert head.startswith(b"HTTP/1.1 503 ") and b"shutting down" in body
