@@ -106,11 +106,23 @@ class Gateway:
         relay's."""
         if self.relay.declines(data) or not self._fast_head(scope):
             return False
+        return self._try_fast(scope, data, client, False)
+
+    def fast_after_head(self, scope: Scope, data: bytes | bytearray, client: FastClient) -> bool:
+        """``fast`` for a request whose head ``serves_head`` passed as it came, before its body (the
+        SDKs write them apart): its head is not checked again, as ``__call__`` checks a head once."""
+        if self.relay.declines(data):
+            return False
+        return self._try_fast(scope, data, client, True)
+
+    def _try_fast(
+        self, scope: Scope, data: bytes | bytearray, client: FastClient, head_checked: bool
+    ) -> bool:
         state = self.state
         state.in_flight += 1
         taken = False
         try:
-            taken = self.relay.try_fast(scope, data, client, state.leave)
+            taken = self.relay.try_fast(scope, data, client, state.leave, head_checked)
         finally:
             if not taken:
                 state.in_flight -= 1

@@ -104,6 +104,11 @@ class LeanProtocol(asyncio.Protocol):
             self._fast = None  # uvicorn's own handling of those, in the full protocol
         self._fast_paths = {path.encode(): path for path in getattr(app, "fast_paths", ())}
         self._serves_head: Callable[[Any], bool] | None = getattr(app, "serves_head", None)
+        # ``fast`` for a request whose head ``serves_head`` passed before its body came (the app
+        # does not check that head again); ``fast`` itself where the app has no such method.
+        self._fast_after_head: Callable[[Any, bytes | bytearray, FastClient], bool] | None = (
+            getattr(app, "fast_after_head", None) if self._serves_head is not None else None
+        )
         self._budget: BodyBudget | None = getattr(app, "body_budget", None)
         self._keep_alive_s: float = config.timeout_keep_alive
         self.parser = httptools.HttpRequestParser(self)
@@ -234,17 +239,19 @@ class LeanProtocol(asyncio.Protocol):
             if self._body_timer is None:
                 self._body_timer = self.loop.call_later(self.body_timeout_s, self._body_too_slow)
             return
+        fast = self._fast
+        assert fast is not None  # without it the full protocol has the connection from its start
         if self._raw:
             data = bytes(raw)
             self._raw = bytearray()
             self._cancel_body_timer()
             self._give_back()  # charged again by the fast path, or by the request the full protocol runs
             scope, self._scope = self._scope, {}
+            if self._fast_after_head is not None:
+                fast = self._fast_after_head  # its head was shown to ``serves_head`` as it came
         else:
             scope = self._scope_of(path)
         body, self._body = self._body, b""
-        fast = self._fast
-        assert fast is not None  # without it the full protocol has the connection from its start
         self._busy = True
         try:
             taken = fast(scope, body, self)

@@ -151,17 +151,24 @@ class Relay:
         return not (self._drain.closing or self._total_timeout_s)
 
     def try_fast(
-        self, scope: Scope, data: bytes | bytearray, client: FastClient, leave: Callable[[], None]
+        self,
+        scope: Scope,
+        data: bytes | bytearray,
+        client: FastClient,
+        leave: Callable[[], None],
+        head_checked: bool = False,
     ) -> bool:
         """Begin the exchange of a request whose body ``data`` came whole, from the protocol's
         callback (``proxy/relay/fast.py``); False, having changed nothing, when it is not one
-        the fast path serves (the caller runs the request as any other)."""
+        the fast path serves (the caller runs the request as any other). ``head_checked``: its
+        head passed ``serves_head`` as it came (``check_head`` is not run again)."""
         body = RequestBody(self._body_budget)
         limit = self._max_body_bytes
-        try:
-            check_head(scope, limit, body)
-        except HTTPError:
-            return False
+        if not head_checked:
+            try:
+                check_head(scope, limit, body)
+            except HTTPError:
+                return False
         if len(data) > limit or not body.fits(len(data)) or self._drain.closing or self._total_timeout_s:
             return False
         outcome = Outcome(self.request_id_of(scope), ENDPOINTS[scope["path"]])

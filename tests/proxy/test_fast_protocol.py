@@ -672,6 +672,32 @@ async def test_lean_a_body_still_coming_holds_the_budget_for_its_bytes_until_off
     assert len(app.offered) == 2 and len(app.heads) == 1
 
 
+class CheckingOnceApp(GuardedApp):
+    """The gateway's ``fast_after_head``: ``fast`` for a body whose head ``serves_head`` passed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.after_head: list[bytes] = []
+
+    def fast_after_head(self, scope: dict[str, Any], data: bytes, client: Client) -> bool:
+        self.after_head.append(data)
+        return self.fast(scope, data, client)
+
+
+async def test_lean_a_body_after_its_checked_head_is_offered_as_checked() -> None:
+    """The head ``serves_head`` passed is not the app's to check again at the offer: the offer is
+    ``fast_after_head``'s; a request whose head and body came together is ``fast``'s alone."""
+    app = CheckingOnceApp()
+    _, transport = connect_lean(app)
+    head, rest = head_and(0)
+    transport.feed(head)
+    transport.feed(rest)
+    assert app.after_head == [BODY] and [data for _, data in app.offered] == [BODY]
+    answer(app.clients[0])
+    transport.feed(post())
+    assert app.after_head == [BODY] and len(app.offered) == 2 and len(app.heads) == 1
+
+
 async def test_lean_body_bytes_the_budget_has_no_room_for_go_to_the_full_protocol() -> None:
     """Refused as the full protocol refuses them: its request reads (and charges) them."""
     app = GuardedApp(budget_bytes=1000)

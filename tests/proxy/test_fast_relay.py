@@ -18,6 +18,7 @@ import pytest
 
 from engines.spec import Guards
 from proxy.app import Gateway, build_app
+from proxy.relay import handler
 from proxy.routing import Route, RoutingTable, UpstreamAddress
 from proxy.startup.settings import Settings
 from tests.helpers import in_process_server
@@ -169,6 +170,44 @@ async def test_a_head_whose_body_comes_later_and_an_upstream_error_are_handed_ov
     # The upstream's error as the task path relays it: its status, in OpenAI's envelope.
     assert error_head.startswith(b"HTTP/1.1 500 ") and orjson.loads(error_body)["error"]["message"] == "boom"
     assert plain_body == REPLY
+
+
+async def test_a_body_written_after_its_head_is_served_from_callbacks_its_head_checked_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As the SDKs write a request (head, then body): the browser checks and the relay's check of
+    the head run once, as the head comes, not again with the body."""
+    checks: list[str] = []
+    check_head = handler.check_head  # type: ignore[attr-defined]
+
+    def counted_check_head(*args: Any) -> None:
+        checks.append("head")
+        check_head(*args)
+
+    monkeypatch.setattr(handler, "check_head", counted_check_head)
+    async with gateway() as (port, app, taken):
+        refusal = app.browser.refusal
+
+        def counted_refusal(scope: Any) -> Any:
+            checks.append("browser")
+            return refusal(scope)
+
+        app.browser.refusal = counted_refusal  # type: ignore[method-assign]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        body = b'{"model":"m1","messages":[]}'
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body)
+        )
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        assert checks == ["browser", "head"]
+        writer.write(body)
+        head = await reader.readuntil(b"\r\n\r\n")
+        answer = await reader.readexactly(len(REPLY))
+        writer.close()
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n") and answer == REPLY
+    assert taken == [True] and checks == ["browser", "head"]
 
 
 async def test_a_request_served_from_callbacks_leaves_nothing_for_the_collector() -> None:
