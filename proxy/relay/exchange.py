@@ -95,6 +95,12 @@ class Exchange:
         conn = await self._open(send, peer, outcome, may_move, failed=failed)
         if not isinstance(conn, Connection):
             return conn
+        if "blazar.gone" in (scope.get("extensions") or ()):
+            # The client left while the connection opened: nothing is sent (an engine that cannot
+            # see a client leave would answer it for nobody); recorded as 499.
+            peer.pool.release(conn)
+            outcome.client_gone = True
+            return None
         await self.resume(conn, head, scope, receive, send, peer, body, outcome, sent=False)
         return None
 

@@ -17,7 +17,8 @@ request, from where it stands (``Relay.resume``, a task like any other
 request's): an upstream error, a close or an abort (a drain, a cancel from
 the status page, the head's deadline, the client's connection lost, which
 closes the upstream at once), a head whose body is still coming, or a
-response of another kind. Nothing is
+response of another kind. A client that leaves while the connection is
+being opened ends its request there (499): nothing is sent. Nothing is
 written to the client before that hand-over, so the code that takes over
 answers as it would have from the start. What the fast path checks before
 sending is the same code the other path runs (``check_head``,
@@ -153,10 +154,22 @@ class FastExchange:
                 self.hand_over()
 
     def _lost_connecting(self) -> None:
-        """The client's connection is gone while the upstream's is opened: handed over unsent."""
+        """The client's connection is gone while the upstream's is opened: nothing is sent (an
+        engine that cannot see a client leave would answer it for nobody), and the request is
+        recorded as one whose client left before its response began (499), as the task path
+        records one."""
         if self._connecting is not None:
             self._connecting.cancel()
-        self._hand_over_unsent()
+        self._over = self._released = True
+        self.client.ended()
+        outcome = self.outcome
+        outcome.client_gone = True
+        try:
+            self.body.drop()
+            self.ticket.release(outcome.started)
+        finally:
+            self.leave()
+        self.relay.record(self.scope, outcome)
 
     def _hand_over_unsent(self) -> None:
         self._over = True

@@ -218,8 +218,8 @@ class Relay:
                         fast.conn, fast.head, scope, receive, send, fast.peer, fast.body, outcome, sent=True
                     )
                 else:
-                    # Its connection could not be opened (answered as that failure), or the
-                    # client left while it was: the exchange from its start.
+                    # Its connection could not be opened (answered as that failure), or the drain
+                    # ended while it was: the exchange from its start.
                     await self._exchange.run(
                         scope, receive, send, fast.peer, fast.body, outcome, failed=fast.connect_failure
                     )

@@ -245,7 +245,14 @@ async def test_a_connection_the_fast_path_cannot_open_is_answered_as_that_failur
     assert error["code"] == "upstream_unavailable" and "cannot connect to upstream" in error["message"]
 
 
-async def test_a_client_that_leaves_while_the_connection_opens_holds_nothing() -> None:
+@pytest.mark.parametrize(
+    ("body", "fast"),
+    [(b'{"model":"m1"}', True), (b'{"model":"m1","stream":true}', False)],
+    ids=["fast path", "task path"],
+)
+async def test_a_client_that_leaves_while_the_connection_opens_holds_nothing(body: bytes, fast: bool) -> None:
+    """Its request is sent nowhere, recorded as 499, and holds nothing: on the fast path, and on
+    the task path (a stream)."""
     async with gateway() as (port, app, taken):
         pool = app.relay.pools[next(iter(app.relay.pools))]
         connect = pool.connect
@@ -256,7 +263,6 @@ async def test_a_client_that_leaves_while_the_connection_opens_holds_nothing() -
 
         pool.connect = slow  # type: ignore[method-assign]
         _, writer = await asyncio.open_connection("127.0.0.1", port)
-        body = b'{"model":"m1"}'
         writer.write(
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
@@ -268,11 +274,16 @@ async def test_a_client_that_leaves_while_the_connection_opens_holds_nothing() -
             await asyncio.sleep(0.02)
             if not app.state.in_flight:
                 break
-        assert taken == [True]
+        assert taken == ([True] if fast else [])
         assert app.state.in_flight == 0 and app.relay.body_budget.held_bytes == 0
+        # Nothing reached the upstream once the connection had opened, and the request is recorded
+        # as one whose client left before its response began (499).
+        await asyncio.sleep(0.3)
+        assert Upstream.requests == 0
+        assert [record.status for record in app.status.activity] == [499]
         # The gateway still serves (its slot and the pool's connections are whole).
         pool.connect = connect  # type: ignore[method-assign]
-        [(head, answer)] = await posts(port, body)
+        [(head, answer)] = await posts(port, b'{"model":"m1"}')
     assert head.startswith(b"HTTP/1.1 200 OK\r\n") and answer == REPLY
 
 
