@@ -65,6 +65,9 @@ _DROP_RESPONSE = HOP_BY_HOP | {
     b"access-control-max-age",
 }
 
+# What a Connection header most often says: it names no field but hop-by-hop ones, dropped already.
+_PLAIN_CONNECTION = frozenset({b"keep-alive", b"close"})
+
 SSE_HEADERS: tuple[Header, ...] = (
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
@@ -111,10 +114,9 @@ def _without(headers: Iterable[Header], drop: frozenset[bytes]) -> list[Header]:
             kept.append(header)
         elif header[0] == b"connection":
             connection.append(header)
-    if not connection:
+    if not connection or (len(connection) == 1 and connection[0][1].lower() in _PLAIN_CONNECTION):
         return kept
-    # The Connection header may name more fields to keep on this hop (it
-    # mostly names only keep-alive or close, dropped already).
+    # The Connection header may name more fields to keep on this hop.
     extra = connection_tokens(connection) - drop
     if not extra:
         return kept

@@ -16,6 +16,7 @@ import pytest
 from proxy.pool import Pool
 from proxy.routing import UpstreamAddress
 from proxy.upstream import (
+    _FRESH,
     BadResponse,
     BodyBroken,
     ConnectFailed,
@@ -81,6 +82,40 @@ async def roundtrip(pool: Pool, timeout_s: float = 5.0) -> tuple[Connection, byt
     while chunk := await conn.read(5):
         chunks.append(chunk)
     return conn, b"".join(chunks)
+
+
+def test_a_reset_sets_every_field_a_response_changes() -> None:
+    """``_reset``'s table (``_FRESH``) is the fields the class declares for it: each one set, none
+    unknown to the type checker."""
+    assert set(_FRESH) == set(Connection.__annotations__)
+
+
+async def test_a_connection_reused_starts_its_next_response_from_nothing() -> None:
+    """What a response set (its status, its headers, its framing, its end) is gone for the next."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 201 Created\r\ncontent-type: text/plain\r\ncontent-length: 2\r\n\r\nhi")
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n")
+        await writer.drain()
+
+    async with scripted(handler) as server:
+        pool = Pool(server.address, connect_timeout_s=1)
+        first, body = await roundtrip(pool)
+        assert (first.status, first.content_type, first.content_length, body) == (
+            201,
+            b"text/plain",
+            b"2",
+            b"hi",
+        )
+        pool.release(first)
+        second, body = await roundtrip(pool)
+        assert second is first and body == b"ok"
+        assert (second.status, second.content_type, second.content_length) == (200, None, None)
+        assert second.headers == [(b"transfer-encoding", b"chunked")]
+        pool.release(second)
+        pool.close()
 
 
 async def test_keep_alive_connection_is_reused() -> None:
