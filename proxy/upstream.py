@@ -146,60 +146,8 @@ def _ambiguous(codings: list[bytes], lengths: set[bytes]) -> bool:
     return len(lengths) > 1
 
 
-# A connection's fields as before a response, set by ``Connection._reset`` (immutable values only).
-_FRESH: dict[str, object] = {
-    "status": 0,
-    # The first Content-Type and Content-Length of the head, as sent.
-    "content_type": None,
-    "content_length": None,
-    # The content coding of the body (gzip, br...), None for none: the relay passes it on intact.
-    "content_encoding": None,
-    "keep_alive": False,
-    "close_delimited": False,
-    "_head_done": False,
-    # Bytes received before the head was whole.
-    "_head_bytes": 0,
-    "_stray": False,
-    "_framed": False,
-    "_complete": False,
-    "_informational": False,
-    "_error": None,
-    "_received_any": False,
-    # Bytes received since the relay last read (framing included): the pause's measure.
-    "_unread": 0,
-    # With a stray message under way: how many chunks are this response's.
-    "_kept": 0,
-    "_paused": False,
-    "_last_data_at": 0.0,
-    "_wait_since": 0.0,
-    "_read_timeout_s": 0.0,
-}
-
-
 class Connection(asyncio.Protocol):
     """One upstream connection, carrying one request at a time."""
-
-    # The fields ``_reset`` sets from ``_FRESH`` (see there).
-    status: int
-    content_type: bytes | None
-    content_length: bytes | None
-    content_encoding: bytes | None
-    keep_alive: bool
-    close_delimited: bool
-    _head_done: bool
-    _head_bytes: int
-    _stray: bool
-    _framed: bool
-    _complete: bool
-    _informational: bool
-    _error: BaseException | None
-    _received_any: bool
-    _unread: int
-    _kept: int
-    _paused: bool
-    _last_data_at: float
-    _wait_since: float
-    _read_timeout_s: float
 
     def __init__(self) -> None:
         self._loop = self.loop = asyncio.get_running_loop()
@@ -231,15 +179,37 @@ class Connection(asyncio.Protocol):
         self._reset()
 
     def _reset(self) -> None:
-        # The fields a response sets, as before any: one C call, not one assignment a field
-        # (``_FRESH``); then those whose values are made anew for each response.
-        self.__dict__.update(_FRESH)
+        self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
+        # The first Content-Type and Content-Length of the head, as sent.
+        self.content_type: bytes | None = None
+        self.content_length: bytes | None = None
+        # The content coding of the body (gzip, br...), None for none: the relay passes it on intact.
+        self.content_encoding: bytes | None = None
         self._raw_headers: list[tuple[bytes, bytes]] = []
+        self.keep_alive = False
+        self.close_delimited = False
+        self._head_done = False
+        # Bytes received before the head was whole.
+        self._head_bytes = 0
+        self._stray = False
+        self._framed = False
         # Transfer-Encoding and Content-Length as the upstream sent them, to check its framing.
         self._codings: list[bytes] = []
         self._lengths: set[bytes] = set()
+        self._complete = False
+        self._informational = False
+        self._error: BaseException | None = None
+        self._received_any = False
         self._chunks.clear()
+        # Bytes received since the relay last read (framing included): the pause's measure.
+        self._unread = 0
+        # With a stray message under way: how many chunks are this response's.
+        self._kept = 0
+        self._paused = False
+        self._last_data_at = 0.0
+        self._wait_since = 0.0
+        self._read_timeout_s = 0.0
 
     def __repr__(self) -> str:
         return f"<Connection {self.state.name} requests={self.requests_sent}>"

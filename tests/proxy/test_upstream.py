@@ -16,7 +16,6 @@ import pytest
 from proxy.pool import Pool
 from proxy.routing import UpstreamAddress
 from proxy.upstream import (
-    _FRESH,
     BadResponse,
     BodyBroken,
     ConnectFailed,
@@ -82,12 +81,6 @@ async def roundtrip(pool: Pool, timeout_s: float = 5.0) -> tuple[Connection, byt
     while chunk := await conn.read(5):
         chunks.append(chunk)
     return conn, b"".join(chunks)
-
-
-def test_a_reset_sets_every_field_a_response_changes() -> None:
-    """``_reset``'s table (``_FRESH``) is the fields the class declares for it: each one set, none
-    unknown to the type checker."""
-    assert set(_FRESH) == set(Connection.__annotations__)
 
 
 async def test_a_connection_reused_starts_its_next_response_from_nothing() -> None:
