@@ -1,4 +1,5 @@
-"""python -m perf receipt|engine-ladder|matrix|paired|assembly|translation|affinity|accesslog [--smoke]"""
+"""python -m perf receipt|engine-ladder|matrix|paired|inproc|assembly|translation|affinity|accesslog
+[--smoke]"""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "what",
         choices=(
-            "receipt", "engine-ladder", "matrix", "paired", "assembly", "translation", "affinity", "accesslog"
+            "receipt", "engine-ladder", "matrix", "paired", "inproc", "assembly", "translation", "affinity",
+            "accesslog",
         ),
     )  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help="output folder [perf/results/<what>-<time>]")
@@ -58,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         "--baseline",
         type=Path,
         default=None,
-        help="matrix, paired: also run blazar-proxy from this checkout, as blazar-base "
+        help="matrix, paired, inproc: also run blazar-proxy from this checkout, as blazar-base "
         "(e.g. a worktree of main: before and after in one run)",
     )
     parser.add_argument(
@@ -168,6 +170,14 @@ def main(argv: list[str] | None = None) -> int:
             kwargs["workload"] = args.workloads[0]
         run_paired(out, **kwargs)
         print((out / "paired.md").read_text(), end="")
+        return 0
+    if args.what == "inproc":
+        from perf.inproc import run_inproc
+
+        print(
+            run_inproc(out, baseline=args.baseline, quick=args.quick, smoke=args.smoke, cpu=args.cpu),
+            end="",
+        )
         return 0
     if args.what == "accesslog":
         from perf.accesslog import run_accesslog
