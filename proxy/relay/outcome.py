@@ -21,56 +21,82 @@ from proxy.upstream import Connection, UpstreamError
 
 
 class Outcome:
-    """How one request went, from its arrival to its end.
+    """How one request went, from its arrival to its end."""
 
-    Its fields' defaults are the class's: a request sets only what it changes, and
-    making one costs three assignments, not one a field.
-    """
-
-    # Another API's request sent as a chat completion: its translation (else None).
-    translator: Translator | None = None
-    # When the request was written upstream.
-    sent_at = 0.0
-    # Set once the model is known to be served here.
-    model = ""
-    stats: ModelMetrics | None = None
-    # The client asked for a stream.
-    stream = False
-    # A non-stream reply being built from the stream the engine was asked for.
-    built: ReplyAssembler | None = None
-    # The gateway's own answer before any exchange (400, 404, 429, 503...).
-    refusal: HTTPError | None = None
-    # The client left before the exchange began (in its upload or a queue).
-    gone_early = False
-    status = 0
-    bytes_out = 0
-    sends = 0
-    sse_started = False
-    own_s: float | None = None
-    head_s = 0.0
-    # A stream's time to its first event with data (its first token), once it came; else 0.
-    first_s = 0.0
-    error: str | None = None
-    client_gone = False
-    stalled = False
-    # A request that moved between servers of a set: each one tried, in order (else None).
-    upstreams: list[str] | None = None
-    # The replica it was sent to, and its connection while the exchange runs (to cancel it).
-    peer: Peer | None = None
-    conn: Connection | None = None
-    # The last bytes of the response (its usage, read for the status page); set at its end.
-    tail = b""
-    # Set once recorded: the request is over.
-    duration_s: float | None = None
+    __slots__ = (
+        "arrived",
+        "built",
+        "bytes_out",
+        "client_gone",
+        "conn",
+        "duration_s",
+        "endpoint",
+        "error",
+        "first_s",
+        "gone_early",
+        "head_s",
+        "model",
+        "own_s",
+        "peer",
+        "refusal",
+        "request_id",
+        "sends",
+        "sent_at",
+        "sse_started",
+        "stalled",
+        "started",
+        "stats",
+        "status",
+        "stream",
+        "tail",
+        "translator",
+        "upstreams",
+    )
 
     def __init__(self, request_id: bytes, endpoint: Endpoint) -> None:
         self.request_id = request_id
         # The API endpoint it came in on: its error envelope, how its stream ends.
         self.endpoint = endpoint
-        # The gateway's clock (``started``): restarted when the body is in (the client's upload
-        # is not the gateway's time) and after a wait for the model or a slot. When the body was
-        # in (``arrived``): the start of the request's end-to-end time.
-        self.started = self.arrived = perf_counter()
+        # Another API's request sent as a chat completion: its translation (else None).
+        self.translator: Translator | None = None
+        # The gateway's clock: restarted when the body is in (the client's
+        # upload is not the gateway's time) and after a wait for the model or a slot.
+        self.started = perf_counter()
+        # When the body was in: the start of the request's end-to-end time.
+        self.arrived = self.started
+        # When the request was written upstream.
+        self.sent_at = 0.0
+        # Set once the model is known to be served here.
+        self.model = ""
+        self.stats: ModelMetrics | None = None
+        # The client asked for a stream.
+        self.stream = False
+        # A non-stream reply being built from the stream the engine was asked for.
+        self.built: ReplyAssembler | None = None
+        # The gateway's own answer before any exchange (400, 404, 429, 503...).
+        self.refusal: HTTPError | None = None
+        # The client left before the exchange began (in its upload or a queue).
+        self.gone_early = False
+        self.status = 0
+        self.bytes_out = 0
+        self.sends = 0
+        self.sse_started = False
+        self.own_s: float | None = None
+        self.head_s = 0.0
+        # A stream's time to its first event with data (its first token), once it came; else 0.
+        self.first_s = 0.0
+        self.error: str | None = None
+        self.client_gone = False
+        self.stalled = False
+        # A request that moved between servers of a set: each one tried, in order (else None).
+        self.upstreams: list[str] | None = None
+        # The replica it was sent to, and its connection while the exchange runs (to cancel it).
+        self.peer: Peer | None = None
+        self.conn: Connection | None = None
+        # The last bytes of the response (its usage, read for the status page); set at its end.
+        self.tail = b""
+        # Set once recorded: the request is over.
+        self.duration_s: float | None = None
 
     @property
     def replica(self) -> str | None:
