@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                 cpu=args.cpu,
                 # No longer goal cells: the smoke proves the harness runs, it judges nothing.
                 goal_duration_s=0.0,
-                goal_rounds_c1=0,
+                goal_rounds=0,
             )
         if args.duration:
             plan.duration_s = args.duration

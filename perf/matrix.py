@@ -23,8 +23,9 @@ concurrency) is measured on every surface in turn, rounds interleaved, so
 that drift on this shared machine hits all surfaces alike; figures are
 medians over rounds, and the gateway's cost is quoted as the difference to
 direct and as a ratio to nginx's. The cells the goals read (json at C=1 and
-C=64) run at least ``goal_duration_s`` each, C=1 at least ``goal_rounds_c1``
-rounds, whatever the plan's own duration and rounds.
+C=64) run at least ``goal_duration_s`` each, and every cell a goal reads (sse
+at C=1 and C=16 too) at least ``goal_rounds`` rounds, whatever the plan's
+own duration and rounds.
 """
 
 from __future__ import annotations
@@ -107,17 +108,27 @@ class Plan:
     cpu: int | None = 0
     # Another checkout (a worktree of main, say) run as the surface blazar-base.
     baseline: str | None = None
-    # The cells the goals read (json at C=1 and C=64): at least this long, C=1 at least this many
-    # rounds, so that a p50 difference of ~20 µs and a p99 are measured, not guessed (0: the plan's).
+    # The cells the goals read (GOAL_CELLS) run at least this many rounds, each surface's runs in
+    # several places of the rotating order: with one round, the surface measured first in an sse
+    # cell came out up to 30 % dearer than the same build measured next (an A/A run). The json
+    # ones run at least this long, so that a p50 difference of ~20 µs and a p99 are measured, not
+    # guessed (0: the plan's).
     goal_duration_s: float = 3.0
-    goal_rounds_c1: int = 3
+    goal_rounds: int = 3
 
     def shape(self, workload: str, concurrency: int) -> tuple[int, float]:
         """(rounds, seconds per run) of one cell."""
-        if workload != "json" or concurrency not in (1, 64):
+        if (workload, concurrency) not in GOAL_CELLS:
             return self.rounds, self.duration_s
-        rounds = max(self.rounds, self.goal_rounds_c1) if concurrency == 1 else self.rounds
+        rounds = max(self.rounds, self.goal_rounds)
+        if workload != "json":
+            return rounds, self.duration_s
         return rounds, max(self.duration_s, self.goal_duration_s)
+
+
+# The cells the goals read: json at C=1 (added p50 and p99, CPU) and C=64 (req/s, CPU), sse at C=1
+# (added time to first byte) and C=16 (CPU per event).
+GOAL_CELLS = frozenset({("json", 1), ("json", 64), ("sse", 1), ("sse", 16)})
 
 
 @dataclass
