@@ -24,7 +24,8 @@ head would miss):
 Each figure is measured two ways:
 
 - ``opcodes``: bytecode instructions executed a request (``sys.settrace`` with
-  opcode events, over 100 requests), and Python calls a request. Deterministic
+  opcode events, over 100 requests), and Python calls a request (a coroutine's
+  or generator's resumption counts as one, as the tracer sees it). Deterministic
   within a build: it does not move with the load on a shared machine, and it
   follows the interpreted work (not that of C code).
 - ``CPU µs``: the process's CPU time a request, the least of ``rounds`` rounds
@@ -304,19 +305,22 @@ def _worker() -> None:
 class _Worker:
     """A worker process measuring the checkout at ``root`` (its ``proxy`` first on the path)."""
 
-    def __init__(self, root: Path, cpu: int | None) -> None:
+    def __init__(self, root: Path, cpu: int | None, log: Path) -> None:
         argv = [sys.executable, str(Path(__file__).resolve()), "--worker"]
         if cpu is not None:
             argv = ["taskset", "-c", str(cpu), *argv]
         self.root = root
-        self.proc = subprocess.Popen(
-            argv,
-            cwd=root,
-            env=dict(os.environ, PYTHONPATH=str(root)),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
+        self.log = log
+        # Its stderr to a file: a pipe nobody reads would stop a worker that writes much there.
+        with log.open("wb") as stderr:
+            self.proc = subprocess.Popen(
+                argv,
+                cwd=root,
+                env=dict(os.environ, PYTHONPATH=str(root)),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+            )
 
     def round(self, workload: str, requests: int) -> dict[str, float]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -324,26 +328,30 @@ class _Worker:
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:
-            error = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+            self.proc.wait(timeout=30)
+            error = self.log.read_text(errors="replace")
             raise RuntimeError(f"measuring {self.root} failed:\n{error[-3000:]}")
         figures: dict[str, float] = orjson.loads(line)
         return figures
 
     def close(self) -> None:
-        for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+        for pipe in (self.proc.stdin, self.proc.stdout):
             if pipe is not None:
                 pipe.close()
         self.proc.wait(timeout=30)
 
 
 def measure(
-    roots: dict[str, Path], requests: int, rounds: int, cpu: int | None
+    roots: dict[str, Path], requests: int, rounds: int, cpu: int | None, out: Path
 ) -> dict[str, dict[str, dict[str, float]]]:
     """Each checkout's figures for each workload: the rounds interleaved (a round of each checkout
-    in turn), so that the machine's drift hits them alike; CPU µs the least of the rounds."""
-    workers = {name: _Worker(root, cpu) for name, root in roots.items()}
+    in turn), so that the machine's drift hits them alike; CPU µs the least of the rounds. Each
+    worker's stderr goes to ``out``."""
+    workers: dict[str, _Worker] = {}
     figures: dict[str, dict[str, dict[str, float]]] = {name: {} for name in roots}
     try:
+        for index, (name, root) in enumerate(roots.items()):
+            workers[name] = _Worker(root, cpu, out / f"inproc-worker-{index}.log")
         for _ in range(rounds):
             for workload in WORKLOADS:
                 for name, worker in workers.items():
@@ -365,7 +373,7 @@ def run_inproc(
     roots = {"this checkout": Path(__file__).resolve().parent.parent}
     if baseline is not None:
         roots = {"baseline": baseline.resolve(), **roots}
-    runs = measure(roots, requests, rounds, cpu)
+    runs = measure(roots, requests, rounds, cpu, out)
     (out / "inproc.json").write_bytes(orjson.dumps(runs, option=orjson.OPT_INDENT_2))
     names = list(runs)
     lines = [
@@ -380,7 +388,7 @@ def run_inproc(
     lines += ["", "| workload | figure | " + " | ".join(names) + (" | change |" if len(names) > 1 else "")]
     lines.append("|---|---|" + "---:|" * (len(names) + (len(names) > 1)))
     for workload in WORKLOADS:
-        for figure, label in (("opcodes", "opcodes"), ("calls", "Python calls"), ("cpu_us", "CPU µs")):
+        for figure, label in (("opcodes", "opcodes"), ("calls", "calls and resumes"), ("cpu_us", "CPU µs")):
             values = [runs[name][workload][figure] for name in names]
             row = f"| {workload} | {label} | " + " | ".join(f"{v:.1f}" for v in values) + " |"
             if len(values) > 1:

@@ -110,8 +110,10 @@ class Gateway:
 
     def fast_after_head(self, scope: Scope, data: bytes | bytearray, client: FastClient) -> bool:
         """``fast`` for a request whose head ``serves_head`` passed as it came, before its body (the
-        SDKs write them apart): its head is not checked again, as ``__call__`` checks a head once."""
-        if self.relay.declines(data):
+        SDKs write them apart): its head is not checked again, as ``__call__`` checks a head once.
+        A drain begun since is: such a request then goes to the full protocol, which answers it 503
+        (nothing counts its upload as in flight, so the drain may not wait for it)."""
+        if self.state.draining or self.relay.declines(data):
             return False
         return self._try_fast(scope, data, client, True)
 

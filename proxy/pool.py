@@ -103,6 +103,28 @@ class Pool:
         self.last_connect_error = message
         raise ConnectFailed(message)
 
+    def unused(self, conn: Connection) -> None:
+        """Take back a connection nothing was sent on (taken idle, or opened for a request that then
+        went nowhere): pooled, with its idle time as it was if it was idle, where there is room;
+        else closed."""
+        if (
+            self._closed
+            or len(self._idle) >= self.max_idle
+            or conn.state not in (ConnState.NEW, ConnState.IDLE)
+            or conn._transport is None
+            or conn._transport.is_closing()
+        ):
+            conn.close()
+            return
+        if conn.state is ConnState.IDLE:
+            self._idle.append(conn)
+            if self._sweep is None:
+                self._sweep = conn.loop.call_at(
+                    conn.idle_since + _limit_s(conn, self.idle_timeout_s), self._close_expired
+                )
+            return
+        self._park(conn)
+
     def release(self, conn: Connection) -> None:
         """Take back a connection whose request has ended."""
         if conn.reusable and len(self._idle) < self.max_idle and not self._closed:

@@ -98,7 +98,7 @@ class Exchange:
         if "blazar.gone" in (scope.get("extensions") or ()):
             # The client left while the connection opened: nothing is sent (an engine that cannot
             # see a client leave would answer it for nobody); recorded as 499.
-            peer.pool.release(conn)
+            peer.pool.unused(conn)
             outcome.client_gone = True
             return None
         await self.resume(conn, head, scope, receive, send, peer, body, outcome, sent=False)

@@ -128,9 +128,9 @@ class FastExchange:
         self._connecting = None
         failure = None if connecting.cancelled() else connecting.exception()
         if self._over:
-            # Handed over while it opened (the client left): the connection is closed (unused).
+            # The client left while it opened: the connection, unused, is pooled for the next.
             if not connecting.cancelled() and failure is None:
-                self.peer.pool.release(connecting.result())
+                self.peer.pool.unused(connecting.result())
             return
         if connecting.cancelled() or failure is not None:
             if isinstance(failure, UpstreamError):

@@ -16,7 +16,7 @@ def test_every_workload_is_measured_and_reported(tmp_path: Path) -> None:
     assert (tmp_path / "inproc.md").read_text() == text
     rows = [line.split("|")[1:4] for line in text.splitlines() if line.startswith("| ") and "---" not in line]
     assert [(w.strip(), f.strip()) for w, f, _ in rows[1:]] == [
-        (w, f) for w in WORKLOADS for f in ("opcodes", "Python calls", "CPU µs")
+        (w, f) for w in WORKLOADS for f in ("opcodes", "calls and resumes", "CPU µs")
     ]
     # A request is thousands of opcodes and a hundred calls or more: a tracer that saw none failed.
     assert all(float(value) > 50 for _, _, value in rows[1:])

@@ -210,6 +210,27 @@ async def test_a_body_written_after_its_head_is_served_from_callbacks_its_head_c
     assert taken == [True] and checks == ["browser", "head"]
 
 
+async def test_a_body_that_comes_after_a_drain_began_is_answered_503() -> None:
+    """Its head was checked before the drain began; the drain is seen when its body comes, as the
+    full protocol's request would have seen it at its head: 503, not an exchange the drain does
+    not wait for."""
+    async with gateway() as (port, app, taken):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        body = b'{"model":"m1","messages":[]}'
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body)
+        )
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        app.state.draining = True
+        writer.write(body)
+        head = await reader.readuntil(b"\r\n\r\n")
+        writer.close()
+        app.state.draining = False
+    assert head.startswith(b"HTTP/1.1 503 ") and taken == [] and Upstream.requests == 0
+
+
 async def test_a_request_served_from_callbacks_leaves_nothing_for_the_collector() -> None:
     async with gateway() as (port, _, taken):
         await posts(port, b'{"model":"m1"}')  # start-up's garbage, and the pool's first connection

@@ -83,6 +83,38 @@ async def roundtrip(pool: Pool, timeout_s: float = 5.0) -> tuple[Connection, byt
     return conn, b"".join(chunks)
 
 
+async def test_a_connection_nothing_was_sent_on_is_pooled_for_the_next_request() -> None:
+    """Opened for a request that went nowhere, or taken idle and not used: the next request gets it
+    (an idle one with its idle time as it was), and no second connection is opened."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+
+    async with scripted(handler) as server:
+        pool = Pool(server.address, connect_timeout_s=1)
+        opened = await pool.connect()
+        assert opened.state is ConnState.NEW
+        pool.unused(opened)
+        taken = pool.take_idle()
+        assert taken is opened and taken.state is ConnState.IDLE
+        idle_since = taken.idle_since
+        pool.unused(taken)
+        assert pool.take_idle() is opened and opened.idle_since == idle_since
+        pool.unused(opened)
+        conn, body = await roundtrip(pool)
+        assert conn is opened and body == b"ok" and server.connections == 1
+        pool.release(conn)
+        pool.close()
+        # A pool that is closed takes nothing back.
+        late = Pool(server.address, connect_timeout_s=1)
+        fresh = await late.connect()
+        late.close()
+        late.unused(fresh)
+        assert fresh.state is ConnState.CLOSED
+
+
 async def test_a_connection_reused_starts_its_next_response_from_nothing() -> None:
     """What a response set (its status, its headers, its framing, its end) is gone for the next."""
 
