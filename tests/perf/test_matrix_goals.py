@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from perf.matrix import Plan, goals
+from perf.matrix import Plan, goals, round_order
 from perf.report import _met
 
 
@@ -89,3 +89,17 @@ def test_the_goal_cells_run_long_enough_whatever_the_plan() -> None:
     assert plan.shape("sse", 64) == (1, 1.0)
     assert plan.shape("sse-4ms", 16) == (1, 1.0)
     assert Plan(duration_s=1.0, rounds=1, goal_duration_s=0, goal_rounds=0).shape("json", 1) == (1, 1.0)
+
+
+def test_of_two_surfaces_next_to_each_other_neither_always_follows_the_other() -> None:
+    """Over a goal cell's three rounds, each surface goes first once at most, and blazar follows
+    blazar-base as often as blazar-base follows blazar."""
+    names = ["direct", "blazar", "blazar-base", "nginx", "floor"]
+    orders = [round_order(names, index) for index in range(3)]
+    assert all(sorted(order) == sorted(names) for order in orders)
+    assert len({order[0] for order in orders}) == 3
+
+    def follows(later: str, earlier: str) -> int:
+        return sum(order.index(later) == order.index(earlier) + 1 for order in orders)
+
+    assert follows("blazar-base", "blazar") == follows("blazar", "blazar-base") == 1
