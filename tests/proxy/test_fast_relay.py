@@ -117,6 +117,19 @@ async def posts(port: int, *bodies: bytes) -> list[tuple[bytes, bytes]]:
     return answers
 
 
+async def head_alone(port: int, body: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection on which the head of a POST of ``body`` is written, and read by the gateway;
+    its body is the caller's to write (as the SDKs write a request: head, then body)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body)
+    )
+    await writer.drain()
+    await asyncio.sleep(0.05)
+    return reader, writer
+
+
 async def test_a_plain_request_is_served_from_callbacks_and_answered_whole() -> None:
     """The first request opens the pool's connection itself (none is pooled); the next reuses it."""
     async with gateway() as (port, _, taken):
@@ -193,14 +206,8 @@ async def test_a_body_written_after_its_head_is_served_from_callbacks_its_head_c
             return refusal(scope)
 
         app.browser.refusal = counted_refusal  # type: ignore[method-assign]
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
         body = b'{"model":"m1","messages":[]}'
-        writer.write(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n" % len(body)
-        )
-        await writer.drain()
-        await asyncio.sleep(0.05)
+        reader, writer = await head_alone(port, body)
         assert checks == ["browser", "head"]
         writer.write(body)
         head = await reader.readuntil(b"\r\n\r\n")
@@ -215,14 +222,8 @@ async def test_a_body_that_comes_after_a_drain_began_is_answered_503() -> None:
     full protocol's request would have seen it at its head: 503, not an exchange the drain does
     not wait for."""
     async with gateway() as (port, app, taken):
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
         body = b'{"model":"m1","messages":[]}'
-        writer.write(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n" % len(body)
-        )
-        await writer.drain()
-        await asyncio.sleep(0.05)
+        reader, writer = await head_alone(port, body)
         app.state.draining = True
         writer.write(body)
         head = await reader.readuntil(b"\r\n\r\n")
