@@ -104,7 +104,7 @@ class Gateway:
         callback (``proxy/relay/fast.py``); False, having changed nothing, when the request is
         to be served as any other (an ASGI task): the checks ``__call__`` makes first, then the
         relay's."""
-        if self.relay.declines(data) or not self._fast_head(scope):
+        if self.relay.declines(data, client) or not self._fast_head(scope):
             return False
         return self._try_fast(scope, data, client, False)
 
@@ -113,7 +113,7 @@ class Gateway:
         SDKs write them apart): its head is not checked again, as ``__call__`` checks a head once.
         A drain begun since is: such a request then goes to the full protocol, which answers it 503
         (nothing counts its upload as in flight, so the drain may not wait for it)."""
-        if self.state.draining or self.relay.declines(data):
+        if self.state.draining or self.relay.declines(data, client):
             return False
         return self._try_fast(scope, data, client, True)
 

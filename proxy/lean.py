@@ -23,7 +23,11 @@ is one that fast path may take, with the parser's callbacks only:
 
 Such a request is offered to the app's ``fast`` with a small scope of its
 own (no extensions: ``blazar.gone`` and the writer are the full protocol's),
-and this protocol is its ``FastClient``. Its answer is written in one write.
+and this protocol is its ``FastClient``. Its answer is written in one write;
+a stream's (``streams``), chunked, as its events come (``write`` with
+``more``), the exchange told when the client takes bytes again after its
+buffer passed the high-water mark (``writable``), or dropped at once when it
+takes none (``abort``).
 
 Anything else, and anything the fast path declines, passes the connection
 to the full protocol for the rest of its life: it is made as uvicorn
@@ -31,8 +35,8 @@ would make it, given the transport, and fed the bytes of the request being
 read from its first byte (and any read after it). The full protocol then
 serves it as if it had had the connection from the start: its head and body
 deadlines, its limits and refusals, pipelining, ASGI tasks. A request the
-fast path took and then hands over (an upstream error, a stream, the
-client's connection lost) is replayed the same way, and the full protocol
+fast path took and then hands over (an upstream error, a head of another
+kind, the client's connection lost) is replayed the same way, and the full protocol
 runs the hand-over's task on it with its body taken, as it would have.
 
 A connection that sends nothing is answered 408 after ``header_timeout_s``,
@@ -55,7 +59,15 @@ import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 from uvicorn.protocols.utils import get_local_addr, get_remote_addr, is_ssl
 
-from proxy.protocol import App, FastClient, GatewayProtocol, check_header_bytes, protocol_class
+from proxy.protocol import (
+    CHUNK,
+    LAST_CHUNK,
+    App,
+    FastClient,
+    GatewayProtocol,
+    check_header_bytes,
+    protocol_class,
+)
 from proxy.upstream import ClientGone
 
 logger = logging.getLogger("blazar.server")
@@ -138,8 +150,12 @@ class LeanProtocol(asyncio.Protocol):
         self._paused = False
         self._keep_alive = True
         self._head: bytes | None = None
+        # The response under way is a stream, framed chunked (``start``'s ``chunked``).
+        self._chunked = False
         # Told that the client's connection was lost; set by the exchange, while it runs.
         self.lost: Callable[[], None] = _nothing
+        # Told that the client takes bytes again (its buffer below the low-water mark): a stream's.
+        self.writable: Callable[[], None] = _nothing
         # The deadline of a connection's first head, and the idle connection's (one per connection).
         self._head_timer: asyncio.TimerHandle | None = None
         self._idle_timer: asyncio.TimerHandle | None = None
@@ -286,11 +302,12 @@ class LeanProtocol(asyncio.Protocol):
         pass  # the transport closes: connection_lost
 
     def pause_writing(self) -> None:
-        # One write a response here; the full protocol's flow control is told at a switch.
+        # Told to a stream by ``write_paused``; to the full protocol at a switch.
         self._write_paused = True
 
     def resume_writing(self) -> None:
         self._write_paused = False
+        self.writable()
 
     def shutdown(self) -> None:
         """The server's graceful shutdown: close now, or after the response under way."""
@@ -342,39 +359,80 @@ class LeanProtocol(asyncio.Protocol):
 
     # -- the fast path's client (``proxy/protocol.py``'s ``Client``) ------------
 
+    # The fast path may relay a stream to this client (``chunked`` responses, ``write_paused``).
+    streams = True
+
     def writer(self) -> LeanProtocol:
         return self
 
-    def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        """The response head, held for the body's one write."""
+    def start(self, status: int, headers: list[tuple[bytes, bytes]], chunked: bool = False) -> None:
+        """The response head, held for the body's first write; ``chunked``: a stream, its body
+        written as it comes, framed chunked (else the whole body is one write)."""
         content = [STATUS_LINE[status]]
         for name, value in (*self.server_state.default_headers, *headers):
             content += (name, b": ", value, b"\r\n")
         check_header_bytes(content)
         if not self._keep_alive:
             content.append(b"connection: close\r\n")
+        if chunked:
+            content.append(b"transfer-encoding: chunked\r\n")
         content.append(b"\r\n")
         self._head = b"".join(content)
+        self._chunked = chunked
+
+    @property
+    def write_paused(self) -> bool:
+        """Whether the client's buffer is above its high-water mark (a stream waits for ``writable``)."""
+        return self._write_paused
+
+    def flush(self) -> None:
+        """Send a held head on its own (a stream whose first bytes are not there yet)."""
+        head, self._head = self._head, None
+        if head is None:
+            return
+        if self.transport.is_closing():
+            raise ClientGone("the client's connection closed before the response began", nothing_sent=True)
+        self.transport.write(head)
 
     def write(self, body: bytes, more: bool) -> Awaitable[None] | None:
-        """The whole body after the held head, in one write; the request is then over."""
-        assert not more, "the fast path writes whole responses"
+        """Body bytes after the held head, in one write; the request is over after the last
+        (not ``more``). Only a stream (``chunked``) has more than one."""
         head, self._head = self._head, None
         transport = self.transport
         if transport.is_closing():
-            self._busy = False
+            if not more:
+                self._busy = False
             raise ClientGone("the client's connection closed", nothing_sent=head is not None)
-        transport.write(head + body if head is not None else body)
+        if self._chunked:
+            if body:
+                transport.write((CHUNK if more else LAST_CHUNK) % (head or b"", len(body), body))
+            elif more:
+                if head is not None:
+                    transport.write(head)
+            else:
+                transport.write(head + b"0\r\n\r\n" if head is not None else b"0\r\n\r\n")
+            if more:
+                return None
+            self._chunked = False
+        else:
+            assert not more, "a response that is not a stream is written whole"
+            transport.write(head + body if head is not None else body)
         self._answered()
         return None
 
     def ended(self) -> None:
         """The exchange is no longer the fast path's (answered, or handed over)."""
-        self.lost = _nothing
+        self.lost = self.writable = _nothing
 
     def close(self) -> None:
         self._busy = False
         self.transport.close()
+
+    def abort(self) -> None:
+        """Drop the client's connection at once: a stalled stream's (a close would wait for it to
+        take the bytes it does not take)."""
+        self._busy = False
+        self.transport.abort()
 
     def watch(self) -> None:
         """Read the client's connection again (a request behind this one paused it): its close is seen."""

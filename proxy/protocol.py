@@ -66,8 +66,8 @@ from proxy.upstream import ClientGone
 
 # A body's bytes as one HTTP chunk, after what goes before it (a held head,
 # or nothing); as the last one, with the end of the body.
-_CHUNK = b"%b%x\r\n%b\r\n"
-_LAST_CHUNK = b"%b%x\r\n%b\r\n0\r\n\r\n"
+CHUNK = b"%b%x\r\n%b\r\n"
+LAST_CHUNK = b"%b%x\r\n%b\r\n0\r\n\r\n"
 # The bytes uvicorn allows in a header's name and in its value: its own
 # patterns (one byte each) asked of every byte. Deleting them from a head's
 # names and values leaves nothing unless a byte is refused; ``translate``
@@ -111,6 +111,8 @@ class FastClient(Protocol):
     protocol (``proxy/lean.py``) for the request it serves."""
 
     lost: Callable[[], None]
+    # Whether the fast path may relay a stream to it (it is then a ``StreamClient``).
+    streams: bool
 
     def writer(self) -> ResponseWriter: ...
 
@@ -123,10 +125,36 @@ class FastClient(Protocol):
     def watch(self) -> None: ...
 
 
+class StreamWriter(Protocol):
+    """What the fast path relays a stream with: the lean protocol itself."""
+
+    def start(self, status: int, headers: list[tuple[bytes, bytes]], chunked: bool = False) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def write(self, body: bytes, more: bool) -> Awaitable[None] | None: ...
+
+    @property
+    def write_paused(self) -> bool: ...
+
+
+class StreamClient(FastClient, Protocol):
+    """A ``FastClient`` whose ``streams`` is true: the fast path may relay a stream to it."""
+
+    writable: Callable[[], None]
+
+    def writer(self) -> StreamWriter: ...
+
+    def abort(self) -> None: ...
+
+
 class Client:
     """What the protocol gives the app's fast path (``proxy/relay/fast.py``) for one request."""
 
     __slots__ = ("_cycle", "_protocol", "lost")
+
+    # Its streams are the task path's (``ClientWriter``).
+    streams = False
 
     def __init__(self, protocol: GatewayProtocol, cycle: RequestResponseCycle) -> None:
         self._protocol = protocol
@@ -682,7 +710,7 @@ class ClientWriter:
         if cycle.chunked_encoding:
             if body:
                 # One copy of the body: a held head and the framing in the same format.
-                data = (_CHUNK if more else _LAST_CHUNK) % (head, len(body), body)
+                data = (CHUNK if more else LAST_CHUNK) % (head, len(body), body)
             else:
                 data = head if more else head + b"0\r\n\r\n"
         else:

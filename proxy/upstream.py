@@ -163,9 +163,12 @@ class Connection(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self._waiter: asyncio.Future[None] | None = None
         # Called instead of waking a waiter, for an exchange run from callbacks
-        # (proxy/relay/fast.py): after the read that brought the head, the end or an
-        # error; at once for what comes outside a read (a close, a timeout, an abort).
+        # (proxy/relay/fast.py): after the read that brought the head, body bytes, the end
+        # or an error; at once for what comes outside a read (a close, a timeout, an abort).
         self.listener: Callable[[], None] | None = None
+        # A listener that takes the body as it comes (``listen_body``): its read deadline runs
+        # while this is set (cleared while its client is not taking bytes, ``hold``).
+        self._listening = False
         self._feeding = False
         self._woken = False
         self._wait_over = False
@@ -207,6 +210,7 @@ class Connection(asyncio.Protocol):
         # With a stray message under way: how many chunks are this response's.
         self._kept = 0
         self._paused = False
+        self._listening = False
         self._last_data_at = 0.0
         self._wait_since = 0.0
         self._read_timeout_s = 0.0
@@ -251,6 +255,8 @@ class Connection(asyncio.Protocol):
                 self._transport.pause_reading()
             if self._waiter is not None:
                 self._wake()
+            elif self._listening:
+                self._woken = True  # told once the read is parsed, below
         if not self._head_done and self._head_bytes > MAX_HEAD_BYTES:
             # Endless header lines, or one huge one: memory stays bounded.
             self._woken = False
@@ -530,6 +536,31 @@ class Connection(asyncio.Protocol):
         if self._transport is not None:
             self._transport.abort()
 
+    def listen_body(self, timeout_s: float) -> None:
+        """Tell the listener of body bytes as they come (it takes them with ``take_body``), with
+        ``read``'s deadline: ``ReadTimeout`` when nothing comes for ``timeout_s`` while it listens."""
+        self._listening = True
+        self._read_timeout_s = timeout_s
+        self._wait_since = self._loop.time()
+        if self._read_timer is None:
+            self._read_timer = self._loop.call_at(self._wait_since + timeout_s, self._check_read_deadline)
+
+    def hold(self, held: bool) -> None:
+        """A listener's client is not taking bytes (``held``): stop reading, and the upstream's
+        silence is not counted; or it takes them again."""
+        transport = self._transport
+        if held:
+            self._listening = False
+            if transport is not None and not self._paused:
+                self._paused = True
+                transport.pause_reading()
+            return
+        self._listening = True
+        self._wait_since = self._loop.time()
+        if self._paused and transport is not None:
+            self._paused = False
+            transport.resume_reading()
+
     # -- internals ----------------------------------------------------------
 
     def head_deadline(self, timeout_s: float, since_s: float = 0.0) -> int:
@@ -553,7 +584,7 @@ class Connection(asyncio.Protocol):
             return
         now = self._loop.time()
         timeout_s = self._read_timeout_s
-        if self._waiter is None:
+        if self._waiter is None and not self._listening:
             # The relay is busy with the client (backpressure): not our silence.
             deadline = now + timeout_s
         else:

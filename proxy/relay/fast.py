@@ -1,8 +1,9 @@
 """The relay's common case run from the protocols' callbacks: no task, no ASGI message, no coroutine.
 
 A request that came whole in its read, to a model of one server, asking for
-no stream, no translation and nothing the gateway changes in its body, with
-a slot free, is sent upstream from the client protocol's own callback
+no translation and nothing the gateway changes in its body (and for no
+stream, but from the lean protocol, whose client takes streams), with a
+slot free, is sent upstream from the client protocol's own callback
 (``proxy/protocol.py``, ``proxy/lean.py``) on an idle pooled connection; where
 none is pooled (a burst's first requests), on one it opens (a future for the
 connect alone: its callback sends the request). A connect that fails is
@@ -10,14 +11,19 @@ answered by the task path as that failure, without a second attempt. When the up
 response has come whole with its head (a 2xx with a Content-Length, not an
 event stream, at most ``MAX_BODY_BYTES``), the upstream connection's
 callback writes its head and body to the client in one write and records
-the request.
+the request. A stream's 2xx event stream (no content coding) is relayed
+from the same callback as its reads come (``_start_stream``, ``_relay``),
+by ``relay_events``' rules (``proxy/relay/sse.py``'s ``EventStream``), its
+client's backpressure holding the upstream, and is recorded at its end.
 
 Anything else hands the exchange to the code that serves every other
 request, from where it stands (``Relay.resume``, a task like any other
 request's): an upstream error, a close or an abort (a drain, a cancel from
 the status page, the head's deadline, the client's connection lost, which
-closes the upstream at once), a head whose body is still coming, or a
-response of another kind. A client that leaves while the connection is
+closes the upstream at once), a non-stream head whose body is still
+coming, a response of another kind, or a stream's head not come by the
+first heartbeat's time. Once a stream's head is out, nothing is handed
+over: the callbacks end it, whatever ends it. A client that leaves while the connection is
 being opened ends its request there (499): nothing is sent. Nothing is
 written to the client before that hand-over, so the code that takes over
 answers as it would have from the start. What the fast path checks before
@@ -33,15 +39,16 @@ import asyncio
 import logging
 from collections.abc import Callable
 from time import perf_counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from proxy.asgi import Receive, Scope, Send
-from proxy.headers import filter_response_headers, is_event_stream_type
-from proxy.protocol import FastClient
+from proxy.headers import add_sse_headers, filter_response_headers, is_event_stream_type
+from proxy.protocol import FastClient, StreamClient
 from proxy.relay.body import usage_tail
 from proxy.relay.outcome import Outcome
 from proxy.relay.request import RequestBody
 from proxy.relay.routes import Peer
+from proxy.relay.sse import EventStream
 from proxy.relay.ticket import Ticket
 from proxy.relay.timing import timing_header
 from proxy.upstream import ClientGone, Connection, UpstreamError
@@ -61,10 +68,13 @@ class FastExchange:
     """One request's exchange with its upstream, driven by the upstream connection's callback."""
 
     __slots__ = (
+        "_beat_timer",
         "_connecting",
+        "_events",
         "_head_timeout_s",
         "_over",
         "_released",
+        "_stall_timer",
         "_timer",
         "_watch_timer",
         "body",
@@ -112,6 +122,12 @@ class FastExchange:
         self._head_timeout_s = head_timeout_s
         self._timer: int | None = None
         self._watch_timer: int | None = None
+        # A stream's head not come by the first heartbeat's time: the task path sends them.
+        self._beat_timer: int | None = None
+        # A stream relayed from the callbacks (``_start_stream``): its events' state, and the
+        # deadline of a client that takes no bytes.
+        self._events: EventStream | None = None
+        self._stall_timer: asyncio.TimerHandle | None = None
         # No longer the callbacks': answered, or handed to a task.
         self._over = False
         # What the request held is given back.
@@ -198,14 +214,30 @@ class FastExchange:
 
     def _watch(self) -> None:
         """When the task path starts watching the client: its reading resumed, its close seen;
-        and the head's deadline, for the time left."""
+        and the head's deadline, for the time left. A stream's head not come by the first
+        heartbeat's time is handed over then: the task path sends the heartbeats."""
         self._watch_timer = None
         self.client.watch()
-        if not self._over:
-            self._timer = self.conn.head_deadline(self._head_timeout_s, WATCH_AFTER_S)
+        if self._over:
+            return
+        heartbeat_s = self.relay.heartbeat_s
+        if self.outcome.stream and heartbeat_s:
+            if heartbeat_s <= WATCH_AFTER_S:
+                self.hand_over()
+                return
+            self._beat_timer = self.conn.timers.later(heartbeat_s - WATCH_AFTER_S, self.hand_over)
+        self._timer = self.conn.head_deadline(self._head_timeout_s, WATCH_AFTER_S)
 
     def client_lost(self) -> None:
-        """The client's connection is gone: the upstream is closed now, the rest handed over."""
+        """The client's connection is gone: the upstream is closed now, the rest handed over
+        (a stream under way ends here: its client had its 200)."""
+        if self._events is not None:
+            if not self._over:
+                self.outcome.client_gone = True
+                self.conn.listener = None
+                self.conn.client_gone()
+                self._stream_over(None)
+            return
         self.conn.client_gone()  # its callback hands the exchange over
         self.hand_over()
 
@@ -217,15 +249,30 @@ class FastExchange:
             # Logged; the task path then answers (or, past the answer's start, the client's
             # connection is closed), and what the request held is given back.
             log.exception("the relay's fast path failed on %s", self.outcome.request_id.decode())
-            if not self._over:
+            if not self._over and self._events is None:
                 self.hand_over()
             elif not self._released:
+                self._over = True
+                self.conn.listener = None
+                self.client.ended()
                 self.client.close()
                 self.conn.close()
                 self._release()
 
     def _on_upstream(self) -> None:
+        if self._events is not None:
+            self._relay()
+            return
         conn = self.conn
+        if self.outcome.stream:
+            if conn.error is None and conn.status:
+                if self.client.streams and _relayed_here(conn):
+                    self._start_stream(conn)
+                else:
+                    self.hand_over()  # an error's answer, or a head the task path refuses
+            elif conn.error is not None:
+                self.hand_over()
+            return
         if conn.error is None and not conn.whole:
             if conn.status:
                 self.hand_over()  # a head whose body is still coming: relayed as it comes
@@ -271,6 +318,136 @@ class FastExchange:
         self._release()
         self.relay.record(self.scope, outcome)
 
+    def _start_stream(self, conn: Connection) -> None:
+        """The upstream's event stream has begun: its head goes out, its events follow as they
+        come, from this connection's callback, as ``Exchange._respond`` and ``relay_events``
+        would relay them."""
+        self._cancel_head_timers()
+        client = cast(StreamClient, self.client)
+        outcome = self.outcome
+        head_at = perf_counter()
+        started, sent_at = outcome.started, outcome.sent_at
+        self.body.drop()
+        outcome.head_s = head_at - started
+        outcome.status = status = conn.status
+        headers = add_sse_headers(filter_response_headers(conn.headers))
+        headers.append((b"x-request-id", outcome.request_id))
+        outcome.own_s = sent_at - started + perf_counter() - head_at
+        headers.append(timing_header(outcome.own_s, head_at - sent_at))
+        self._events = EventStream(outcome)
+        client.writable = self._writable
+        try:
+            client.writer().start(status, headers, chunked=True)
+        except Exception:
+            self._events = None  # nothing written: the task path answers (a head uvicorn refuses)
+            raise
+        conn.listen_body(self.relay.read_timeout_s)
+        self._relay()
+
+    def _relay(self) -> None:
+        """What came of the stream since the last call: its events relayed, its end vouched for
+        (``relay_events``' rules), an upstream error told as its API's error event."""
+        conn, outcome = self.conn, self.outcome
+        events = self._events
+        assert events is not None
+        out = cast(StreamClient, self.client).writer()
+        try:
+            data = conn.take_body()
+            if data:
+                chunk = events.cut(data)
+                if chunk:
+                    events.wrote(chunk)
+                    # Counted once handed on: a write to a client that has gone raises ClientGone.
+                    if conn.whole and not conn.close_delimited and not events.pending and events.ended():
+                        outcome.tail = usage_tail(events.prev, chunk)
+                        out.write(chunk, False)
+                        outcome.bytes_out += len(chunk)
+                        self._stream_over(None)
+                        return
+                    out.write(chunk, True)
+                    outcome.bytes_out += len(chunk)
+                    outcome.sends += 1
+            error = conn.error
+            if isinstance(error, UpstreamError):
+                conn.close()
+                event = outcome.endpoint.envelope.event(error.status, error.message, error.code)
+                out.write(event, False)
+                outcome.bytes_out += len(event)
+                self._stream_over(error.code)
+                return
+            if error is not None:
+                raise ClientGone()
+            if conn.whole:
+                if not events.ended():
+                    # Without its end, the engine crashed or cut the stream: the client must know.
+                    event = events.truncated()
+                    out.write(event, False)
+                    outcome.bytes_out += len(event)
+                    self._stream_over("upstream_truncated")
+                    return
+                outcome.tail = usage_tail(events.prev, events.last)
+                # Half an event after the end: the client gets it as sent, and it counts.
+                out.write(events.pending, False)
+                outcome.bytes_out += len(events.pending)
+                self._stream_over(None)
+                return
+            # The head alone, while nothing of the body is here (a prefill, half an event).
+            out.flush()
+            if out.write_paused:
+                self._hold()
+        except ClientGone as exc:
+            outcome.client_gone = True
+            if exc.nothing_sent:
+                outcome.status = 499
+            conn.listener = None
+            conn.close()  # an engine that keeps generating for nobody must stop
+            self._stream_over(outcome.error)
+
+    def _hold(self) -> None:
+        """The client takes no more bytes for now: the upstream is not read until it does, and
+        one that takes none for ``send_stall_s`` is cut (``StallWatch``'s rule)."""
+        self.conn.hold(True)
+        stall_s = self.relay.send_stall_s
+        if stall_s and self._stall_timer is None:
+            self._stall_timer = self.conn.loop.call_later(stall_s, self._stalled)
+
+    def _writable(self) -> None:
+        """The client takes bytes again: read the upstream again."""
+        if self._over:
+            return
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
+        self.conn.hold(False)
+
+    def _stalled(self) -> None:
+        self._stall_timer = None
+        if self._over:
+            return
+        outcome = self.outcome
+        outcome.stalled = True
+        log.warning(
+            "client took nothing for %g s: closing its response and the upstream", self.relay.send_stall_s
+        )
+        self.conn.listener = None
+        self.conn.close()
+        cast(StreamClient, self.client).abort()  # a close would wait for the bytes it does not take
+        outcome.status = 499
+        self._stream_over("client_stalled")
+
+    def _stream_over(self, error: str | None) -> None:
+        """The stream has ended (or its client has): what it held given back, and its record."""
+        outcome = self.outcome
+        outcome.error = error
+        self._over = True
+        self.conn.listener = None
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
+        self.client.ended()
+        self._release()
+        self.relay.record(self.scope, outcome)
+
     def _release(self) -> None:
         """What the request held, given back: what ``Exchange._exchange``'s and ``Relay.__call__``'s
         ends do."""
@@ -286,9 +463,10 @@ class FastExchange:
             self.leave()
 
     def hand_over(self) -> None:
-        """Go on in a task, from where the exchange stands (``Relay.resume``)."""
-        if self._over:
-            return  # answered or handed over already
+        """Go on in a task, from where the exchange stands (``Relay.resume``): before anything
+        was written to the client."""
+        if self._over or self._events is not None:
+            return  # answered, handed over, or a stream under way already
         self._end_callbacks()
         self.client.run(self._resume)
 
@@ -298,6 +476,10 @@ class FastExchange:
     def _end_callbacks(self) -> None:
         self._over = True
         self.conn.listener = None
+        self._cancel_head_timers()
+        self.client.ended()
+
+    def _cancel_head_timers(self) -> None:
         timers = self.conn.timers
         if self._timer is not None:
             delay_s = self._head_timeout_s
@@ -306,4 +488,18 @@ class FastExchange:
         if self._watch_timer is not None:
             timers.cancel(WATCH_AFTER_S, self._watch_timer)
             self._watch_timer = None
-        self.client.ended()
+        if self._beat_timer is not None:
+            timers.cancel(self.relay.heartbeat_s - WATCH_AFTER_S, self._beat_timer)
+            self._beat_timer = None
+
+
+def _relayed_here(conn: Connection) -> bool:
+    """Whether a stream's answer is relayed from the callbacks: a 2xx event stream in no coding
+    (anything else is the task path's to answer, as it answers it)."""
+    status = conn.status
+    return (
+        200 <= status < 300
+        and status != 204
+        and is_event_stream_type(conn.content_type)
+        and conn.content_encoding is None
+    )

@@ -71,6 +71,10 @@ class Relay:
         # The fast path's deadline for the head; with a whole-request limit, no fast path.
         self._head_timeout_s = settings.first_byte_timeout_s
         self._total_timeout_s = settings.total_timeout_s
+        # What a stream relayed from callbacks keeps as the task path does.
+        self.read_timeout_s = settings.read_timeout_s
+        self.heartbeat_s = settings.heartbeat_s
+        self.send_stall_s = settings.send_stall_s
 
     @property
     def table(self) -> RoutingTable:
@@ -135,10 +139,10 @@ class Relay:
         outcome.record(scope, self._metrics, self._access)
 
     @staticmethod
-    def declines(data: bytes | bytearray) -> bool:
-        """Whether ``try_fast`` would decline a body at once: a stream, told from its bytes before
-        any parse (the task path parses it once)."""
-        return _asks_for_stream(data)
+    def declines(data: bytes | bytearray, client: FastClient) -> bool:
+        """Whether ``try_fast`` would decline a body at once: a stream, for a client the fast path
+        relays no stream to, told from its bytes before any parse (the task path parses it once)."""
+        return not client.streams and _asks_for_stream(data)
 
     def serves_head(self, scope: Scope) -> bool:
         """Whether ``try_fast`` may take the request as far as its head tells (its body still
@@ -179,7 +183,7 @@ class Relay:
         if (
             drop
             or put
-            or outcome.stream
+            or (outcome.stream and not client.streams)
             or outcome.built is not None
             or entry.rename is not None
             or len(entry.peers) != 1

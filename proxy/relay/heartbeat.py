@@ -31,8 +31,13 @@ async def await_head_with_heartbeats(
 ) -> None:
     """Wait for a stream's head; during a long prefill, keep the client's proxies from timing out."""
     deadline = outcome.sent_at + head_timeout_s
-    while not await conn.wait_head(max(0.0, min(heartbeat_s, deadline - perf_counter()))):
-        if perf_counter() >= deadline:
+    # The first heartbeat is due a heartbeat after the request was sent (a stream the fast path
+    # began hands its wait over at that time, ``proxy/relay/fast.py``); each next one, one after it.
+    beat = outcome.sent_at + heartbeat_s
+    while not await conn.wait_head(max(0.0, min(beat, deadline) - perf_counter())):
+        now = perf_counter()
+        beat = now + heartbeat_s
+        if now >= deadline:
             conn.close()
             raise HeadTimeout(f"upstream sent no response within {head_timeout_s:g} s")
         if not outcome.sse_started:

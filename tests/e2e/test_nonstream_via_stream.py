@@ -153,6 +153,19 @@ def test_a_client_that_leaves_a_non_stream_request_frees_the_engine(gateway: Eng
     assert used < 1.0, f"the child used {used:.2f} s of CPU in the 3 s after its client left"
 
 
+@pytest.mark.fault("clients", "a client that leaves mid-request")
+def test_a_client_that_leaves_a_stream_frees_the_engine(gateway: EngineGateway) -> None:
+    """A chat stream, which the gateway relays from the upstream connection's callbacks (its head
+    comes long before the first heartbeat's time): the child stops generating within about a
+    second of the client leaving (its CPU says so)."""
+    wait_idle(gateway.child_pid)
+    leave_after(gateway.port, chat("Tell me a very long story.", _LONG, stream=True), 1.5)
+    left = cpu_s(gateway.child_pid)
+    time.sleep(3.0)
+    used = cpu_s(gateway.child_pid) - left
+    assert used < 1.0, f"the child used {used:.2f} s of CPU in the 3 s after its client left"
+
+
 _STORY = "Tell me a very long story."
 # Another API's request, as Claude Code and Codex send it: translated, sent to mlx as a stream.
 _OTHER_APIS = [

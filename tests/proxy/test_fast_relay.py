@@ -11,7 +11,7 @@ import asyncio
 import gc
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import pytest
@@ -19,6 +19,7 @@ import pytest
 from engines.spec import Guards
 from proxy.app import Gateway, build_app
 from proxy.relay import handler
+from proxy.relay.outcome import Outcome
 from proxy.routing import Route, RoutingTable, UpstreamAddress
 from proxy.startup.settings import Settings
 from tests.helpers import in_process_server
@@ -30,17 +31,71 @@ REPLY = orjson.dumps(
 )
 
 
-class Upstream(asyncio.Protocol):
-    """Answers each request by its body's ``mode``: whole at once, head then body later, or a 500."""
+# A chat stream's events, as an engine writes them: one HTTP chunk each.
+EVENTS = [b'data: {"choices":[{"delta":{"content":"%d"}}]}\n\n' % n for n in range(3)]
+DONE = b"data: [DONE]\n\n"
+SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 
-    # How many connections the gateway has opened to it, and how many requests it was sent.
+
+STREAM_MODES = frozenset(
+    {"events", "events-later", "cut", "break", "silent", "slow-head", "endless", "endless-large"}
+)
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+class Upstream(asyncio.Protocol):
+    """Answers each request by its body's ``mode``: whole at once, head then body later, or a 500;
+    or an event stream: whole (``events``), its end later (``events-later``), without its end
+    (``cut``), broken by a close (``break``), silent after its first event (``silent``), endless
+    (``endless``, ``endless-large``), or after a slow head (``slow-head``)."""
+
+    # How many connections the gateway has opened to it, how many requests it was sent, and
+    # how many of its connections were closed under it.
     connections = 0
     requests = 0
+    lost = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         Upstream.connections += 1
         self.transport: Any = transport
         self.buffer = b""
+        self.timer: asyncio.TimerHandle | None = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        Upstream.lost += 1
+        if self.timer is not None:
+            self.timer.cancel()
+
+    def endless(self, event: bytes) -> None:
+        if not self.transport.is_closing():
+            self.transport.write(chunk(event))
+            self.timer = asyncio.get_running_loop().call_later(0.002, self.endless, event)
+
+    def stream(self, mode: str) -> None:
+        loop = asyncio.get_running_loop()
+        write = self.transport.write
+        events = b"".join(map(chunk, EVENTS))
+        if mode == "events":
+            write(SSE_HEAD + events + chunk(DONE) + b"0\r\n\r\n")
+        elif mode == "events-later":
+            write(SSE_HEAD + chunk(EVENTS[0]))
+            loop.call_later(0.05, write, b"".join(map(chunk, EVENTS[1:])))
+            loop.call_later(0.1, write, chunk(DONE) + b"0\r\n\r\n")
+        elif mode == "cut":
+            write(SSE_HEAD + events + b"0\r\n\r\n")
+        elif mode == "break":
+            write(SSE_HEAD + chunk(EVENTS[0]))
+            loop.call_later(0.05, self.transport.close)
+        elif mode == "silent":
+            write(SSE_HEAD + chunk(EVENTS[0]))
+        elif mode == "slow-head":
+            loop.call_later(0.3, write, SSE_HEAD + events + chunk(DONE) + b"0\r\n\r\n")
+        else:
+            write(SSE_HEAD)
+            self.endless(EVENTS[0] if mode == "endless" else b"data: " + b"x" * 65536 + b"\n\n")
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
@@ -55,6 +110,9 @@ class Upstream(asyncio.Protocol):
         body, self.buffer = rest[:length], rest[length:]
         Upstream.requests += 1
         mode = orjson.loads(body).get("mode")
+        if mode in STREAM_MODES:
+            self.stream(mode)
+            return
         if mode == "error":
             error = b'{"error":{"message":"boom"}}'
             self.transport.write(
@@ -72,18 +130,20 @@ class Upstream(asyncio.Protocol):
 
 
 @asynccontextmanager
-async def gateway(listening: bool = True) -> AsyncIterator[tuple[int, Gateway, list[bool]]]:
+async def gateway(
+    listening: bool = True, settings: Settings | None = None
+) -> AsyncIterator[tuple[int, Gateway, list[bool]]]:
     """A gateway over one upstream (``listening``: else a port nothing listens on); each
     ``Relay.try_fast`` answer is appended to the list."""
     loop = asyncio.get_running_loop()
-    Upstream.connections = Upstream.requests = 0
+    Upstream.connections = Upstream.requests = Upstream.lost = 0
     upstream = await loop.create_server(Upstream, "127.0.0.1", 0)
     upstream_port = upstream.sockets[0].getsockname()[1]
     if not listening:
         upstream.close()
         await upstream.wait_closed()
     route = Route(model="m1", upstream=UpstreamAddress("127.0.0.1", upstream_port), guards=Guards())
-    app = build_app(RoutingTable([route]), Settings())
+    app = build_app(RoutingTable([route]), settings or Settings())
     taken: list[bool] = []
     try_fast = app.relay.try_fast
 
@@ -99,9 +159,12 @@ async def gateway(listening: bool = True) -> AsyncIterator[tuple[int, Gateway, l
         upstream.close()
 
 
-async def posts(port: int, *bodies: bytes) -> list[tuple[bytes, bytes]]:
-    """Each body POSTed in turn on one connection; each response's head and body."""
+async def posts(port: int, *bodies: bytes, full: bool = False) -> list[tuple[bytes, bytes]]:
+    """Each body POSTed in turn on one connection; each response's head and body. ``full``: on the
+    full protocol (``on_full_protocol``)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    if full:
+        await on_full_protocol(reader, writer)
     answers = []
     for body in bodies:
         writer.write(
@@ -115,6 +178,17 @@ async def posts(port: int, *bodies: bytes) -> list[tuple[bytes, bytes]]:
         answers.append((head, await reader.readexactly(length)))
     writer.close()
     return answers
+
+
+async def on_full_protocol(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Give the connection to the full protocol, for good: a GET (the lean protocol serves POSTs
+    only), answered."""
+    writer.write(b"GET /livez HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = int(
+        next(v for n, _, v in (h.partition(b": ") for h in head.split(b"\r\n")) if n == b"content-length")
+    )
+    await reader.readexactly(length)
 
 
 async def head_alone(port: int, body: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -152,8 +226,11 @@ async def test_a_stream_and_an_unknown_model_go_the_task_s_way() -> None:
     "body",
     [b'{"model":"m1","stream":true}', b'{"model":"m1","messages":[], "stream" :\n true}'],
 )
-async def test_a_stream_is_declined_before_any_parse(body: bytes) -> None:
-    """The task path serves it, parsing it once (the upstream here answers JSON: a 502 that says so)."""
+@pytest.mark.parametrize("full", [False, True], ids=["lean protocol", "full protocol"])
+async def test_a_stream_is_parsed_once(body: bytes, full: bool) -> None:
+    """On the lean protocol the fast path takes it, and hands it over at the upstream's head (JSON
+    here: the task path's 502 that says so); on the full protocol, whose client takes no stream
+    from the fast path, it is declined before any parse. Either way, parsed once."""
     async with gateway() as (port, app, taken):
         parse = app.relay._parse
         parsed: list[bytes] = []
@@ -163,8 +240,8 @@ async def test_a_stream_is_declined_before_any_parse(body: bytes) -> None:
             return parse(data, outcome)
 
         app.relay._parse = counted  # type: ignore[method-assign,assignment]
-        [(head, answer)] = await posts(port, body)
-    assert taken == [] and parsed == [body]  # declined before the relay's checks, parsed by the task
+        [(head, answer)] = await posts(port, body, full=full)
+    assert taken == ([] if full else [True]) and parsed == [body]
     assert head.startswith(b"HTTP/1.1 502 ") and b"not an event stream" in answer
 
 
@@ -274,7 +351,7 @@ async def test_a_connection_the_fast_path_cannot_open_is_answered_as_that_failur
 )
 async def test_a_client_that_leaves_while_the_connection_opens_holds_nothing(body: bytes, fast: bool) -> None:
     """Its request is sent nowhere, recorded as 499, and holds nothing: on the fast path, and on
-    the task path (a stream)."""
+    the task path (a stream on the full protocol)."""
     async with gateway() as (port, app, taken):
         pool = app.relay.pools[next(iter(app.relay.pools))]
         connect = pool.connect
@@ -284,7 +361,9 @@ async def test_a_client_that_leaves_while_the_connection_opens_holds_nothing(bod
             return await connect()
 
         pool.connect = slow  # type: ignore[method-assign]
-        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        if not fast:
+            await on_full_protocol(reader, writer)
         writer.write(
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
@@ -329,3 +408,175 @@ async def test_a_drain_that_ends_while_the_connection_opens_sends_nothing() -> N
         [(head, body)] = await asyncio.wait_for(answers, 5)
     assert taken == [True] and Upstream.requests == 0
     assert head.startswith(b"HTTP/1.1 503 ") and b"shutting down" in body
+
+
+# -- streams relayed from the callbacks --------------------------------------------------------
+
+
+def stream_request(mode: str | None = None) -> bytes:
+    body = orjson.dumps({"model": "m1", "stream": True, **({"mode": mode} if mode else {})})
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
+    )
+
+
+def outcomes(app: Gateway) -> list[Outcome]:
+    """The records of the requests served, as the relay made them."""
+    records = list(app.status.activity)
+    assert all(isinstance(record, Outcome) for record in records)
+    return cast(list[Outcome], records)
+
+
+async def read_stream(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """A chunked response's head, and its body decoded (to its last chunk)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    assert b"transfer-encoding: chunked\r\n" in head, head
+    body = b""
+    while size := int(await reader.readuntil(b"\r\n"), 16):
+        body += await reader.readexactly(size)
+        assert await reader.readexactly(2) == b"\r\n"
+    assert await reader.readexactly(2) == b"\r\n"
+    return head, body
+
+
+@asynccontextmanager
+async def switches_counted(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[list[int]]:
+    """Each time a lean protocol gives its connection to the full protocol."""
+    from proxy.lean import LeanProtocol
+
+    switched: list[int] = []
+    switch = LeanProtocol._switch
+
+    def counted(self: Any, *args: Any) -> Any:
+        switched.append(1)
+        return switch(self, *args)
+
+    monkeypatch.setattr(LeanProtocol, "_switch", counted)
+    yield switched
+
+
+async def test_a_stream_is_relayed_from_callbacks_on_the_lean_protocol(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its events as the engine wrote them, chunked, with the SSE headers, recorded; and the
+    connection, still the lean protocol's, serves the next request from callbacks."""
+    async with switches_counted(monkeypatch) as switched, gateway() as (port, app, taken):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(stream_request("events"))
+        head, body = await read_stream(reader)
+        writer.write(stream_request("events-later"))
+        _, later = await read_stream(reader)
+        writer.close()
+        [(_, plain)] = await posts(port, b'{"model":"m1"}')
+        records = outcomes(app)
+    assert taken == [True, True, True] and switched == []
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+    for header in (b"content-type: text/event-stream", b"cache-control: no-cache", b"x-accel-buffering: no"):
+        assert header + b"\r\n" in head
+    assert b"x-request-id: " in head and b"server-timing: " in head
+    assert body == later == b"".join(EVENTS) + DONE and plain == REPLY
+    assert [(r.status, r.error, r.bytes_out) for r in records[:2]] == [(200, None, len(body))] * 2
+    assert records[0].first_s > 0 and records[1].sends >= 2
+    assert Upstream.connections == 1  # the stream's connection was pooled again, and reused
+
+
+@pytest.mark.parametrize(
+    ("mode", "code"),
+    [("cut", "upstream_truncated"), ("break", "upstream_truncated"), ("silent", "upstream_timeout")],
+)
+async def test_a_stream_that_breaks_ends_with_an_error_event(
+    mode: str, code: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without its [DONE], cut by a close, or silent past the read timeout: its events, then an
+    error event in OpenAI's shape, as the task path ends such a stream."""
+    async with (
+        switches_counted(monkeypatch) as switched,
+        gateway(settings=Settings(read_timeout_s=0.3)) as (
+            port,
+            app,
+            taken,
+        ),
+    ):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(stream_request(mode))
+        _, body = await asyncio.wait_for(read_stream(reader), 5)
+        writer.close()
+        [record] = app.status.activity
+    assert taken == [True] and switched == []
+    events = body.split(b"\n\n")
+    assert body.startswith(EVENTS[0]) and events[-1] == b""
+    assert orjson.loads(events[-2].removeprefix(b"data: "))["error"]["code"] == code
+    assert record.status == 200 and record.error == code
+
+
+async def test_a_client_that_leaves_a_stream_closes_its_upstream_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async with switches_counted(monkeypatch) as switched, gateway() as (port, app, taken):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(stream_request("endless"))
+        await reader.readuntil(EVENTS[0])
+        writer.close()
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if Upstream.lost:
+                break
+        assert Upstream.lost == 1 and app.state.in_flight == 0
+        [record] = outcomes(app)
+        assert record.client_gone and record.status == 200
+        [(_, plain)] = await posts(port, b'{"model":"m1"}')
+    assert taken == [True, True] and plain == REPLY and switched == []
+
+
+async def test_a_client_that_takes_nothing_is_cut_after_the_send_stall(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The upstream is not read while the client's buffer is full; a client that takes nothing for
+    ``send_stall_s`` is cut, and its upstream closed (499 client_stalled), as ``StallWatch`` cuts."""
+    import socket
+
+    async with (
+        switches_counted(monkeypatch) as switched,
+        gateway(settings=Settings(send_stall_s=0.3)) as (
+            port,
+            app,
+            taken,
+        ),
+    ):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", port))
+        sock.setblocking(False)
+        _, writer = await asyncio.open_connection(sock=sock)
+        writer.write(stream_request("endless-large"))
+        for _ in range(500):
+            await asyncio.sleep(0.02)
+            if Upstream.lost:
+                break
+        assert Upstream.lost == 1 and app.state.in_flight == 0
+        [record] = outcomes(app)
+        writer.close()
+    assert taken == [True] and switched == []
+    assert (record.status, record.error, record.stalled) == (499, "client_stalled", True)
+
+
+async def test_a_stream_whose_head_is_slow_is_handed_over_for_the_heartbeats(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """By the first heartbeat's time, the task path has the exchange (on the full protocol): its
+    heartbeats, then the upstream's events."""
+    async with (
+        switches_counted(monkeypatch) as switched,
+        gateway(settings=Settings(heartbeat_s=0.1)) as (
+            port,
+            _,
+            taken,
+        ),
+    ):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(stream_request("slow-head"))
+        _, body = await asyncio.wait_for(read_stream(reader), 5)
+        writer.close()
+    assert taken == [True] and switched == [1]
+    assert body.startswith(b": keepalive\n\n") and body.endswith(b"".join(EVENTS) + DONE)
