@@ -49,6 +49,7 @@ import httpx
 
 from perf import report, surfaces
 from proxy.affinity import DEFAULT_SLACK, Affinity, conversation_key
+from tests.helpers import free_port
 
 ENGINE = "mlx-0.32.0"
 # SmolLM2 prefills at 5-7 tokens/s on these CPUs (4-bit weights): a 1,500-token
@@ -374,7 +375,7 @@ def _start(
     plan: AffinityPlan, replicas: int, extra: list[str], log_dir: Path
 ) -> tuple[surfaces.Process, list[Path], list[str], str]:
     """The gateway and its children, all ready: (gateway, children's logs, their URLs, served name)."""
-    port = surfaces.free_port()
+    port = free_port()
     config = log_dir / f"affinity-{port}.toml"
     config.write_text(_config(plan, replicas))
     log_path = log_dir / f"affinity-gateway-{port}.log"

@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 
 from perf import report, surfaces
+from tests.helpers import free_port
 
 ENGINE = "mlx-0.32.0"
 # What the report calls the engine's own server, by engine kind.
@@ -139,7 +140,7 @@ def start_gateway(
 
     (process, the engine child's pid and port, the served model name).
     """
-    port = surfaces.free_port()
+    port = free_port()
     log_path = log_dir / f"{label}-gateway-{port}.log"
     argv = [
         sys.executable, "-m", "proxy", "--engine", engine, "--engine-variant", variant, "--port", str(port),

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import httpx
 
+from tests.helpers import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 
 _NGINX_CONF = """
@@ -57,13 +59,6 @@ http {{
     }}
 }}
 """
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def pinned(argv: list[str], cpu: int | None) -> list[str]:
