@@ -369,6 +369,9 @@ class Connection(asyncio.Protocol):
     def send(self, head: bytes, body: bytes | bytearray) -> None:
         """Write one request; the connection must be NEW or IDLE."""
         assert self._transport is not None
+        if self._read_timer is not None:
+            # The last response's deadline, left armed: it would read this one's with its timeout.
+            self._cancel_read_timer()
         self._reset()
         self.state = ConnState.ACTIVE
         self.requests_sent += 1
@@ -542,7 +545,8 @@ class Connection(asyncio.Protocol):
         self._listening = True
         self._read_timeout_s = timeout_s
         self._wait_since = self._loop.time()
-        if self._read_timer is None:
+        if self._read_timer is None and not self._complete and self._error is None:
+            # (A response whole already arms nothing: its end cancelled the deadline before this.)
             self._read_timer = self._loop.call_at(self._wait_since + timeout_s, self._check_read_deadline)
 
     def hold(self, held: bool) -> None:

@@ -252,12 +252,17 @@ class FastExchange:
             if not self._over and self._events is None:
                 self.hand_over()
             elif not self._released:
+                # Past the answer's start: both connections closed, the request recorded as it stands.
                 self._over = True
                 self.conn.listener = None
+                if self._stall_timer is not None:
+                    self._stall_timer.cancel()
+                    self._stall_timer = None
                 self.client.ended()
                 self.client.close()
                 self.conn.close()
                 self._release()
+                self.relay.record(self.scope, self.outcome)
 
     def _on_upstream(self) -> None:
         if self._events is not None:
@@ -342,6 +347,8 @@ class FastExchange:
             self._events = None  # nothing written: the task path answers (a head uvicorn refuses)
             raise
         conn.listen_body(self.relay.read_timeout_s)
+        # Read the client again (a pipelined head may have paused it): its close is seen.
+        client.watch()
         self._relay()
 
     def _relay(self) -> None:

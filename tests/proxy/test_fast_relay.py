@@ -47,7 +47,8 @@ def chunk(data: bytes) -> bytes:
 
 
 class Upstream(asyncio.Protocol):
-    """Answers each request by its body's ``mode``: whole at once, head then body later, or a 500;
+    """Answers each request by its body's ``mode``: whole at once, head then body later (0.05 s,
+    or 0.4 s: ``later-slow``), or a 500;
     or an event stream: whole (``events``), its end later (``events-later``), without its end
     (``cut``), broken by a close (``break``), silent after its first event (``silent``), endless
     (``endless``, ``endless-large``), or after a slow head (``slow-head``)."""
@@ -122,9 +123,11 @@ class Upstream(asyncio.Protocol):
         response_head = (
             b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(REPLY)
         )
-        if mode == "later":
+        if mode in ("later", "later-slow"):
             self.transport.write(response_head)
-            asyncio.get_running_loop().call_later(0.05, self.transport.write, REPLY)
+            asyncio.get_running_loop().call_later(
+                0.05 if mode == "later" else 0.5, self.transport.write, REPLY
+            )
         else:
             self.transport.write(response_head + REPLY)
 
@@ -580,3 +583,59 @@ async def test_a_stream_whose_head_is_slow_is_handed_over_for_the_heartbeats(
         writer.close()
     assert taken == [True] and switched == [1]
     assert body.startswith(b": keepalive\n\n") and body.endswith(b"".join(EVENTS) + DONE)
+
+
+async def test_a_stream_whole_in_one_read_leaves_no_deadline_on_its_pooled_connection() -> None:
+    """Its end came in the read that brought its head: the connection goes back to the pool with no
+    read deadline armed, which would cut the next response on it once due (a 504 for a body that
+    was on its way)."""
+    async with gateway(settings=Settings(read_timeout_s=0.6)) as (port, _, taken):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(stream_request("events"))
+        await read_stream(reader)
+        # Such a deadline would be due at 0.6 s, while the next body is on its way (0.4 to 0.8 s),
+        # well before that body's own (1.0 s).
+        await asyncio.sleep(0.4)
+        body = b'{"model":"m1","mode":"later-slow"}'
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
+        )
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        answer = await asyncio.wait_for(reader.readexactly(len(REPLY)), 5)
+        writer.close()
+    assert taken == [True, True] and Upstream.connections == 1
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n") and answer == REPLY
+
+
+async def test_a_stream_that_fails_in_the_gateway_after_its_head_is_closed_and_recorded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No hand-over once the head is out: both connections are closed, what the request held is
+    given back, and it is recorded (it does not stay "running" on the status page)."""
+    from proxy.relay.sse import EventStream
+
+    cut = EventStream.cut
+    calls: list[int] = []
+
+    def failing(self: EventStream, chunk: bytes) -> bytes:
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("a bug in the relay")
+        return cut(self, chunk)
+
+    monkeypatch.setattr(EventStream, "cut", failing)
+    async with gateway() as (port, app, taken):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(stream_request("events-later"))
+        await asyncio.wait_for(reader.readuntil(EVENTS[0]), 5)
+        # The first event's chunk ends, then the connection closes: no last chunk, a cut response.
+        assert await asyncio.wait_for(reader.read(), 5) == b"\r\n"
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if Upstream.lost:
+                break
+        [record] = outcomes(app)
+        writer.close()
+    assert taken == [True] and Upstream.lost == 1 and app.state.in_flight == 0
+    assert record.duration_s is not None and app.relay.body_budget.held_bytes == 0
