@@ -253,16 +253,9 @@ class FastExchange:
                 self.hand_over()
             elif not self._released:
                 # Past the answer's start: both connections closed, the request recorded as it stands.
-                self._over = True
-                self.conn.listener = None
-                if self._stall_timer is not None:
-                    self._stall_timer.cancel()
-                    self._stall_timer = None
-                self.client.ended()
                 self.client.close()
                 self.conn.close()
-                self._release()
-                self.relay.record(self.scope, self.outcome)
+                self._stream_over(self.outcome.error)
 
     def _on_upstream(self) -> None:
         if self._events is not None:
@@ -443,7 +436,8 @@ class FastExchange:
         self._stream_over("client_stalled")
 
     def _stream_over(self, error: str | None) -> None:
-        """The stream has ended (or its client has): what it held given back, and its record."""
+        """The stream has ended (or its client has, or the answer failed past its start): what it
+        held given back, and its record."""
         outcome = self.outcome
         outcome.error = error
         self._over = True

@@ -22,7 +22,7 @@ from proxy.relay import handler
 from proxy.relay.outcome import Outcome
 from proxy.routing import Route, RoutingTable, UpstreamAddress
 from proxy.startup.settings import Settings
-from tests.helpers import in_process_server
+from tests.helpers import in_process_server, wait_until_async
 
 pytestmark = pytest.mark.anyio
 
@@ -521,10 +521,7 @@ async def test_a_client_that_leaves_a_stream_closes_its_upstream_at_once(
         writer.write(stream_request("endless"))
         await reader.readuntil(EVENTS[0])
         writer.close()
-        for _ in range(100):
-            await asyncio.sleep(0.01)
-            if Upstream.lost:
-                break
+        await wait_until_async(lambda: Upstream.lost, "the upstream's connection closed")
         assert Upstream.lost == 1 and app.state.in_flight == 0
         [record] = outcomes(app)
         assert record.client_gone and record.status == 200
@@ -553,10 +550,7 @@ async def test_a_client_that_takes_nothing_is_cut_after_the_send_stall(
         sock.setblocking(False)
         _, writer = await asyncio.open_connection(sock=sock)
         writer.write(stream_request("endless-large"))
-        for _ in range(500):
-            await asyncio.sleep(0.02)
-            if Upstream.lost:
-                break
+        await wait_until_async(lambda: Upstream.lost, "the upstream's connection closed")
         assert Upstream.lost == 1 and app.state.in_flight == 0
         [record] = outcomes(app)
         writer.close()
@@ -631,10 +625,7 @@ async def test_a_stream_that_fails_in_the_gateway_after_its_head_is_closed_and_r
         await asyncio.wait_for(reader.readuntil(EVENTS[0]), 5)
         # The first event's chunk ends, then the connection closes: no last chunk, a cut response.
         assert await asyncio.wait_for(reader.read(), 5) == b"\r\n"
-        for _ in range(100):
-            await asyncio.sleep(0.01)
-            if Upstream.lost:
-                break
+        await wait_until_async(lambda: Upstream.lost, "the upstream's connection closed")
         [record] = outcomes(app)
         writer.close()
     assert taken == [True] and Upstream.lost == 1 and app.state.in_flight == 0
