@@ -155,13 +155,32 @@ GENERATION_DIED = 70  # EX_SOFTWARE
 def exit_when_generation_dies(
     run: Callable[[Any], None], exit_now: Callable[[int], None]
 ) -> Callable[[Any], None]:
-    """Wrap ``ResponseGenerator._run_generate``: a generation thread that died (not stopped) exits."""
+    """Wrap ``ResponseGenerator._run_generate``: a generation thread that died (not stopped) exits.
+
+    The line it exits with names the exception: the gateway quotes a child's last few lines, and the
+    main thread's own (a warning, "Starting httpd") may come between the traceback and this one.
+    """
 
     def _run_generate(self: Any) -> None:
+        failures: list[BaseException] = []
+        generate = getattr(self, "_generate", None)
+        if generate is not None:
+
+            def _generate() -> None:
+                try:
+                    generate()
+                except BaseException as exc:
+                    failures.append(exc)
+                    raise
+
+            self._generate = _generate
         run(self)
         if getattr(self, "_generation_failed", False) and not getattr(self, "_stop", False):
             # run() has logged the traceback; the gateway restarts a child that exits.
-            print("mlx_lm_server: the generation thread died: exiting", file=sys.stderr, flush=True)
+            why = f" ({type(failures[-1]).__name__}: {failures[-1]})" if failures else ""
+            # One write: a print's text and its newline are two, and another thread's line can fall between.
+            sys.stderr.write(f"mlx_lm_server: the generation thread died{why}: exiting\n")
+            sys.stderr.flush()
             exit_now(GENERATION_DIED)
 
     return _run_generate

@@ -138,6 +138,31 @@ def test_a_generation_thread_that_died_ends_the_process_and_one_stopped_does_not
     assert seen == exits
 
 
+def test_the_line_a_dying_generation_thread_exits_with_names_its_exception(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The gateway quotes a child's last three lines; the main thread's may come after the
+    traceback, so the exit's own line says what failed."""
+    seen: list[int] = []
+
+    def _generate() -> None:
+        raise RuntimeError("[load_safetensors] Invalid json header length")
+
+    def run(self: Any) -> None:  # as mlx_lm's: the exception logged and swallowed
+        try:
+            self._generate()
+        except Exception:
+            self._generation_failed, self._stop = True, False
+
+    exit_when_generation_dies(run, seen.append)(SimpleNamespace(_generate=_generate))
+    assert seen == [GENERATION_DIED]
+    line = capsys.readouterr().err
+    assert line == (
+        "mlx_lm_server: the generation thread died (RuntimeError: [load_safetensors] "
+        "Invalid json header length): exiting\n"
+    )
+
+
 @pytest.mark.parametrize("context", [32768, None])
 def test_an_empty_prompt_raises_per_request_whatever_the_context(context: int | None) -> None:
     """A prompt rendered to no tokens (role_mapping {"stop": ""} and blank messages, without a chat
