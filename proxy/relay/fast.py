@@ -246,15 +246,20 @@ class FastExchange:
         try:
             self._on_upstream()
         except Exception:
-            # Logged; the task path then answers (or, past the answer's start, the client's
-            # connection is closed), and what the request held is given back.
-            log.exception("the relay's fast path failed on %s", self.outcome.request_id.decode())
-            if not self._over and self._events is None:
-                self.hand_over()
-            elif not self._released:
-                # Past the answer's start: both connections closed, the request recorded as it stands.
+            self._failed()
+
+    def _failed(self) -> None:
+        """A callback raised: logged; the task path then answers (or, past the answer's start,
+        both connections are closed), and what the request held is given back."""
+        log.exception("the relay's fast path failed on %s", self.outcome.request_id.decode())
+        if not self._over and self._events is None:
+            self.hand_over()
+        elif not self._released:
+            # Past the answer's start: the request recorded as it stands, whatever the closes do.
+            try:
                 self.client.close()
                 self.conn.close()
+            finally:
                 self._stream_over(self.outcome.error)
 
     def _on_upstream(self) -> None:
@@ -418,7 +423,10 @@ class FastExchange:
         if self._stall_timer is not None:
             self._stall_timer.cancel()
             self._stall_timer = None
-        self.conn.hold(False)
+        try:
+            self.conn.hold(False)
+        except Exception:
+            self._failed()
 
     def _stalled(self) -> None:
         self._stall_timer = None
@@ -426,13 +434,18 @@ class FastExchange:
             return
         outcome = self.outcome
         outcome.stalled = True
+        outcome.status = 499
+        outcome.error = "client_stalled"
         log.warning(
             "client took nothing for %g s: closing its response and the upstream", self.relay.send_stall_s
         )
-        self.conn.listener = None
-        self.conn.close()
-        cast(StreamClient, self.client).abort()  # a close would wait for the bytes it does not take
-        outcome.status = 499
+        try:
+            self.conn.listener = None
+            self.conn.close()
+            cast(StreamClient, self.client).abort()  # a close would wait for the bytes it does not take
+        except Exception:
+            self._failed()
+            return
         self._stream_over("client_stalled")
 
     def _stream_over(self, error: str | None) -> None:

@@ -558,6 +558,37 @@ async def test_a_client_that_takes_nothing_is_cut_after_the_send_stall(
     assert (record.status, record.error, record.stalled) == (499, "client_stalled", True)
 
 
+async def test_a_stall_cut_that_fails_in_the_gateway_still_records_the_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An exception in the stall timer's callback (here the abort) still gives back what the
+    stream held and records it, as the client stalled: it does not stay "running"."""
+    import socket
+
+    from proxy.lean import LeanProtocol
+
+    def failing(self: LeanProtocol) -> None:
+        raise RuntimeError("a bug in the abort")
+
+    monkeypatch.setattr(LeanProtocol, "abort", failing)
+    async with gateway(settings=Settings(send_stall_s=0.3)) as (port, app, taken):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", port))
+        sock.setblocking(False)
+        _, writer = await asyncio.open_connection(sock=sock)
+        writer.write(stream_request("endless-large"))
+        try:
+            await wait_until_async(lambda: app.state.in_flight == 0, "the stream ended", timeout_s=5)
+            await wait_until_async(lambda: Upstream.lost, "the upstream's connection closed", timeout_s=5)
+        finally:
+            writer.close()
+        [record] = outcomes(app)
+    assert taken == [True]
+    assert (record.status, record.error, record.stalled) == (499, "client_stalled", True)
+    assert app.relay.body_budget.held_bytes == 0
+
+
 async def test_a_stream_whose_head_is_slow_is_handed_over_for_the_heartbeats(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
