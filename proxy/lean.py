@@ -166,6 +166,9 @@ class LeanProtocol(asyncio.Protocol):
         self._write_paused = False
         # Set once the full protocol has the connection.
         self._full: GatewayProtocol | None = None
+        # The server's shutdown came while a request was served: the full protocol, should it be
+        # given that request, is told (the server tells each connection once).
+        self._shut_down = False
 
     # -- asyncio.Protocol ---------------------------------------------------
 
@@ -315,6 +318,7 @@ class LeanProtocol(asyncio.Protocol):
             self._switch(self._raw).shutdown()  # a body still coming: the full protocol's request
         elif self._busy:
             self._keep_alive = False
+            self._shut_down = True
         else:
             self.transport.close()
 
@@ -575,6 +579,8 @@ class LeanProtocol(asyncio.Protocol):
         if body_due and full._body_timer is not None:
             full._cancel_body_timer()
             full._body_timer = self.loop.call_at(body_due, full._body_too_slow)
+        if self._shut_down:
+            full.shutdown()  # its response says ``connection: close``, and the connection closes after it
         return full
 
 

@@ -610,6 +610,40 @@ async def test_a_stream_whose_head_is_slow_is_handed_over_for_the_heartbeats(
     assert body.startswith(b": keepalive\n\n") and body.endswith(b"".join(EVENTS) + DONE)
 
 
+async def test_a_shutdown_during_a_request_the_fast_path_then_hands_over_closes_after_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The server tells each connection of its shutdown once: one told while the fast path served
+    its request tells the full protocol it hands that request to, whose response then says
+    ``connection: close`` and whose connection closes after it (as one on the full protocol from
+    the start)."""
+    from proxy.lean import LeanProtocol
+
+    made: list[LeanProtocol] = []
+    connection_made = LeanProtocol.connection_made
+
+    def kept(self: LeanProtocol, transport: Any) -> None:
+        made.append(self)
+        connection_made(self, transport)
+
+    monkeypatch.setattr(LeanProtocol, "connection_made", kept)
+    async with (
+        switches_counted(monkeypatch) as switched,
+        gateway(settings=Settings(heartbeat_s=0.15)) as (port, _, taken),
+    ):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(stream_request("slow-head"))
+        await asyncio.sleep(0.05)
+        [protocol] = made
+        protocol.shutdown()  # what uvicorn's ``Server.shutdown`` does to each connection
+        head, body = await asyncio.wait_for(read_stream(reader), 5)
+        closed = await asyncio.wait_for(reader.read(), 5)
+        writer.close()
+    assert taken == [True] and switched == [1]
+    assert b"connection: close\r\n" in head.lower(), head
+    assert body.endswith(DONE) and closed == b""
+
+
 async def test_a_stream_whole_in_one_read_leaves_no_deadline_on_its_pooled_connection() -> None:
     """Its end came in the read that brought its head: the connection goes back to the pool with no
     read deadline armed, which would cut the next response on it once due (a 504 for a body that
