@@ -529,13 +529,25 @@ async def test_a_client_that_leaves_a_stream_closes_its_upstream_at_once(
     assert taken == [True, True] and plain == REPLY and switched == []
 
 
+async def reads_nothing(port: int) -> asyncio.StreamWriter:
+    """A client that asks for an endless stream of large events and reads none of it (a small
+    receive buffer, so that the gateway's buffer fills at once)."""
+    import socket
+
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    sock.setblocking(False)
+    _, writer = await asyncio.open_connection(sock=sock)
+    writer.write(stream_request("endless-large"))
+    return writer
+
+
 async def test_a_client_that_takes_nothing_is_cut_after_the_send_stall(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The upstream is not read while the client's buffer is full; a client that takes nothing for
     ``send_stall_s`` is cut, and its upstream closed (499 client_stalled), as ``StallWatch`` cuts."""
-    import socket
-
     async with (
         switches_counted(monkeypatch) as switched,
         gateway(settings=Settings(send_stall_s=0.3)) as (
@@ -544,12 +556,7 @@ async def test_a_client_that_takes_nothing_is_cut_after_the_send_stall(
             taken,
         ),
     ):
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.connect(("127.0.0.1", port))
-        sock.setblocking(False)
-        _, writer = await asyncio.open_connection(sock=sock)
-        writer.write(stream_request("endless-large"))
+        writer = await reads_nothing(port)
         await wait_until_async(lambda: Upstream.lost, "the upstream's connection closed")
         assert Upstream.lost == 1 and app.state.in_flight == 0
         [record] = outcomes(app)
@@ -563,8 +570,6 @@ async def test_a_stall_cut_that_fails_in_the_gateway_still_records_the_stream(
 ) -> None:
     """An exception in the stall timer's callback (here the abort) still gives back what the
     stream held and records it, as the client stalled: it does not stay "running"."""
-    import socket
-
     from proxy.lean import LeanProtocol
 
     def failing(self: LeanProtocol) -> None:
@@ -572,12 +577,7 @@ async def test_a_stall_cut_that_fails_in_the_gateway_still_records_the_stream(
 
     monkeypatch.setattr(LeanProtocol, "abort", failing)
     async with gateway(settings=Settings(send_stall_s=0.3)) as (port, app, taken):
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.connect(("127.0.0.1", port))
-        sock.setblocking(False)
-        _, writer = await asyncio.open_connection(sock=sock)
-        writer.write(stream_request("endless-large"))
+        writer = await reads_nothing(port)
         try:
             await wait_until_async(lambda: app.state.in_flight == 0, "the stream ended", timeout_s=5)
             await wait_until_async(lambda: Upstream.lost, "the upstream's connection closed", timeout_s=5)
