@@ -51,12 +51,13 @@ SURFACES = (
     "blazar-no-log",
     "nginx",
     "floor",
+    "fused",
     "blazar-httpx",
     "litellm",
     "portkey",
 )
 # What a plain run measures; blazar-base comes with --baseline, blazar-no-log when asked for.
-DEFAULT_SURFACES = ("direct", "blazar", "nginx", "floor", "blazar-httpx", "litellm", "portkey")
+DEFAULT_SURFACES = ("direct", "blazar", "nginx", "floor", "fused", "blazar-httpx", "litellm", "portkey")
 # Other gateways, measured where installed; each has a section of the report (and a status if not).
 PEERS = ("litellm", "portkey")
 # The blazar-proxy builds whose goals are reported beside blazar's.
@@ -290,6 +291,8 @@ def _run_group(
             )
         if "floor" in plan.surfaces:
             procs["floor"] = surfaces.start_floor(upstreams, plan.cpu, log_dir)
+        if "fused" in plan.surfaces:
+            procs["fused"] = surfaces.start_fused(upstreams, plan.cpu, log_dir)
         if "blazar-httpx" in plan.surfaces:
             procs["blazar-httpx"] = surfaces.start_httpx_gateway(upstreams, plan.cpu, log_dir)
         peers["litellm"] = _start_litellm(plan, upstreams, out_dir, procs)

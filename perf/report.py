@@ -307,6 +307,7 @@ _COLORS = {
     "blazar-no-log": "tab:purple",
     "nginx": "tab:green",
     "floor": "tab:olive",
+    "fused": "tab:pink",
     "blazar-httpx": "tab:red",
     "litellm": "tab:orange",
     "portkey": "tab:brown",

@@ -185,6 +185,11 @@ def start_floor(upstreams: dict[str, str], cpu: int | None, log_dir: Path) -> Pr
     return _start_relay("perf.floor_proxy", "floor", "floor", upstreams, cpu, log_dir)
 
 
+def start_fused(upstreams: dict[str, str], cpu: int | None, log_dir: Path) -> Process:
+    """The fused relay (``perf/fused_proxy.py``): the gateway's json work in the floor's shape."""
+    return _start_relay("perf.fused_proxy", "fused", "fused", upstreams, cpu, log_dir)
+
+
 def _start_relay(
     module: str, name: str, log_name: str, upstreams: dict[str, str], cpu: int | None, log_dir: Path
 ) -> Process:

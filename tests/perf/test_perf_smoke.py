@@ -46,11 +46,11 @@ def test_matrix_smoke(tmp_path: Path) -> None:
     data = orjson.loads((tmp_path / "matrix.json").read_bytes())
     surfaces = {(r["workload"], r["surface"]) for r in data["rows"]}
     for workload in ("json", "sse"):
-        for surface in ("direct", "blazar", "nginx", "floor", "blazar-httpx"):
+        for surface in ("direct", "blazar", "nginx", "floor", "fused", "blazar-httpx"):
             assert (workload, surface) in surfaces
     for row in data["rows"]:
         assert row["requests"] > 0, row
-        if row["surface"] in ("blazar", "floor"):
+        if row["surface"] in ("blazar", "floor", "fused"):
             assert row["errors"] == 0, row
             assert row["cpu_us_per_request"] > 0
     assert {g["goal"] for g in data["goals"]} >= {
