@@ -206,6 +206,16 @@ class LeanProtocol(asyncio.Protocol):
                 self._paused = True
                 self.transport.pause_reading()
             return
+        if self._write_paused:
+            # The client has not taken the answers before this request (its buffer is over the
+            # high-water mark): read once it does (``resume_writing``), not answered into a buffer
+            # that a client which never reads would grow without end. In, so not idle.
+            self._pending += data
+            self._idle_since = 0.0
+            if not self._paused:
+                self._paused = True
+                self.transport.pause_reading()
+            return
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
@@ -311,6 +321,8 @@ class LeanProtocol(asyncio.Protocol):
     def resume_writing(self) -> None:
         self._write_paused = False
         self.writable()
+        if self._pending and not self._busy and self._full is None:
+            self.loop.call_soon(self._next)  # a request that waited for the client to read
 
     def shutdown(self) -> None:
         """The server's graceful shutdown: close now, or after the response under way."""

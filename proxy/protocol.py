@@ -52,6 +52,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import httptools
+from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import (
     HEADER_RE,
     HEADER_VALUE_RE,
@@ -190,6 +191,29 @@ class Client:
 logger = logging.getLogger("blazar.server")
 
 
+# Requests read ahead behind the one being served, at most: reading stops there until they are served.
+MAX_PIPELINED = 16
+
+
+class _BoundedFlow(FlowControl):
+    """uvicorn's flow control, reading no further while ``MAX_PIPELINED`` requests wait their turn.
+
+    uvicorn pauses reading as a request is queued behind the running one, but reads on wherever
+    something asks it to (a response's end, an app's ``receive``, the relay's watch of the client):
+    each time, a read's worth of requests (hundreds of small ones) joins the queue, and a client
+    that writes requests faster than they are answered grows it without end. Past the bound the
+    rest wait in the socket, as they would for nginx.
+    """
+
+    def __init__(self, transport: asyncio.Transport, pipeline: Any) -> None:
+        super().__init__(transport)
+        self._pipeline = pipeline
+
+    def resume_reading(self) -> None:
+        if len(self._pipeline) < MAX_PIPELINED:
+            super().resume_reading()
+
+
 class _Refused(Exception):
     """Raised in a parser callback to stop parsing; ``send_400_response`` answers for it."""
 
@@ -233,9 +257,12 @@ class GatewayProtocol(HttpToolsProtocol):
         self._deferred: tuple[RequestResponseCycle, Any] | None = None
         # The request the fast path is serving on this connection, while it serves it.
         self._fast_client: Client | None = None
+        # A request not begun while the client takes no answers (``_start_asgi_task``).
+        self._held: tuple[RequestResponseCycle, Any] | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.flow = _BoundedFlow(transport, self.pipeline)
         self._arm_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -422,6 +449,14 @@ class GatewayProtocol(HttpToolsProtocol):
             self._offer_fast()
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        if self.flow.write_paused:
+            # The client has not taken the answers before this one (its buffer is over the
+            # high-water mark): served once it does (``resume_writing``), not answered into a
+            # buffer that a client which never reads would grow without end. One at most: those
+            # after it queue behind it, unread past ``MAX_PIPELINED``.
+            self._held = (cycle, app)
+            self.flow.pause_reading()
+            return
         # A POST to a fast path, as its head ends (not a pipelined one started later): its
         # task waits for the body's end (``on_message_complete``, or the end of this read).
         if self._deciding and self._fast is not None and app is self.app:
@@ -477,11 +512,12 @@ class GatewayProtocol(HttpToolsProtocol):
             else:
                 self._reply_and_close(*self._after_response)
             return
-        self.flow.resume_reading()
         if self.pipeline:
             cycle, app = self.pipeline.pop()
+            self.flow.resume_reading()  # with one fewer queued (``MAX_PIPELINED``)
             self._start_asgi_task(cycle, app)
         else:
+            self.flow.resume_reading()
             handler = self.timeout_keep_alive_handler
             self._keep_alive_timer = self._timers.later(self.timeout_keep_alive, handler)
         # A queued request whose body is still coming has its turn now (uvicorn started it).
@@ -500,8 +536,22 @@ class GatewayProtocol(HttpToolsProtocol):
             self._keep_alive_timer = None
 
     def _queued(self) -> bool:
-        """Whether the request being read waits behind a running one (pipelined)."""
-        return any(cycle is self.cycle for cycle, _ in self.pipeline)
+        """Whether the request being read waits behind a running one (pipelined), or for the
+        client to take the answers before it."""
+        held = self._held
+        return (held is not None and held[0] is self.cycle) or any(
+            cycle is self.cycle for cycle, _ in self.pipeline
+        )
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        held = self._held
+        if held is not None and not self.transport.is_closing():
+            self._held = None
+            self._start_asgi_task(*held)
+            if not self._in_head and self._body_timer is None and held[0] is self.cycle:
+                # Its body, still coming, is due from its turn, as a pipelined one's.
+                self._body_timer = self.loop.call_later(self.body_timeout_s, self._body_too_slow)
 
     def send_400_response(self, msg: str) -> None:
         if self._after_response is not None:

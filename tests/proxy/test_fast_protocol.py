@@ -18,7 +18,7 @@ import uvicorn
 from uvicorn.server import ServerState
 
 from proxy.lean import server_protocol
-from proxy.protocol import Client, GatewayProtocol, protocol_class
+from proxy.protocol import MAX_PIPELINED, Client, GatewayProtocol, protocol_class
 from proxy.relay.request import BodyBudget
 
 pytestmark = pytest.mark.anyio
@@ -189,6 +189,43 @@ async def test_a_pipelined_request_waits_for_the_fast_answer_and_then_runs_as_a_
     assert [messages[0]["body"] for _, messages in app.runs] == [b'{"model":"m2"}']
     assert transport.written.count(b"HTTP/1.1 200 OK") == 2
     assert transport.written.index(b"fast") < transport.written.index(b"ok")
+
+
+async def test_pipelined_requests_are_read_no_further_than_the_bound_whatever_asks_to_read_on() -> None:
+    """A client that writes requests faster than they are answered: past ``MAX_PIPELINED`` queued,
+    reading stays paused, even where uvicorn would read on (a response's end, an app's receive,
+    the relay's watch), and goes on once the queue is under the bound."""
+    app = App()
+    protocol, transport = connect(app)
+    protocol.data_received(post() + b"".join(post(b'{"n":%d}' % n) for n in range(MAX_PIPELINED)))
+    assert len(protocol.pipeline) == MAX_PIPELINED and transport.paused
+    protocol.flow.resume_reading()  # what a watch or a receive does
+    assert transport.paused
+    answer(app.clients[0])  # the response's end starts the first queued one
+    assert len(protocol.pipeline) == MAX_PIPELINED - 1 and not transport.paused
+    for _ in range(MAX_PIPELINED + 1):
+        await settle()
+    assert len(app.runs) == MAX_PIPELINED and transport.written.count(b"HTTP/1.1 200 OK") == MAX_PIPELINED + 1
+
+
+async def test_a_request_is_not_begun_while_the_client_takes_no_answers() -> None:
+    """Its buffer over the high-water mark, the client's next request waits, unread behind it,
+    until it takes bytes again: neither the fast path nor a task answers into that buffer."""
+    app = App()
+    protocol, transport = connect(app)
+    protocol.data_received(post())
+    answer(app.clients[0])
+    protocol.pause_writing()
+    protocol.data_received(post(b'{"model":"m2"}'))
+    protocol.data_received(b"GET /v1/models HTTP/1.1\r\nHost: gw\r\n\r\n")
+    await settle()
+    assert len(app.offered) == 1 and app.runs == [] and transport.paused
+    assert transport.written.count(b"HTTP/1.1 200 OK") == 1
+    protocol.resume_writing()
+    await settle()
+    await settle()
+    assert [path for path, _ in app.runs] == [PATH, "/v1/models"]
+    assert transport.written.count(b"HTTP/1.1 200 OK") == 3
 
 
 async def test_a_hand_over_runs_in_a_task_whose_receive_gives_the_disconnect_not_the_body() -> None:
@@ -566,10 +603,57 @@ async def test_lean_the_first_head_is_due_when_the_connection_opened_not_when_it
     assert full._head_timer is not None and full._head_timer.when() == due
 
 
+async def test_lean_a_request_is_not_answered_while_the_client_takes_no_answers() -> None:
+    """A client that sends requests and reads none of the answers: the next is read and served
+    once it takes bytes again (its buffer under the low-water mark), not answered into a buffer
+    that grows without end."""
+    app = App()
+    _, transport = connect_lean(app)
+    lean = transport.protocol
+    transport.feed(post())
+    answer(app.clients[0])
+    lean.pause_writing()  # the answer is still in the transport's buffer
+    transport.feed(post(b'{"model":"m2"}'))
+    await settle()
+    assert len(app.offered) == 1 and transport.paused
+    assert transport.written.count(b"HTTP/1.1 200 OK") == 1
+    lean.resume_writing()
+    await settle()
+    assert [data for _, data in app.offered] == [BODY, b'{"model":"m2"}'] and not transport.paused
+    answer(app.clients[1])
+    transport.feed(post(b'{"model":"m3"}'))
+    answer(app.clients[2])
+    assert transport.written.count(b"HTTP/1.1 200 OK") == 3 and transport.protocol is lean
+
+
+async def test_lean_a_request_held_for_a_client_that_reads_nothing_is_not_idle() -> None:
+    """Held while the client takes no answers, a request is not an idle connection's silence."""
+    app = App()
+    _, transport = connect_lean(app, keep_alive_s=0.01)
+    lean = transport.protocol
+    transport.feed(post())
+    answer(app.clients[0])
+    lean.pause_writing()
+    transport.feed(post(b'{"model":"m2"}'))
+    await asyncio.sleep(0.05)
+    assert not transport.closed
+    lean.resume_writing()
+    await settle()
+    assert len(app.offered) == 2
+
+
 async def test_lean_a_full_write_buffer_is_told_to_the_full_protocol() -> None:
-    _, transport = connect_lean(App())
-    transport.protocol.pause_writing()
-    transport.feed(b"GET /v1/models HTTP/1.1\r\nHost: gw\r\n\r\n")
+    app = App()
+    _, transport = connect_lean(app)
+    transport.feed(post())
+    transport.protocol.pause_writing()  # a stream's bytes, say, not taken yet
+
+    async def rest(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    app.clients[0].ended()
+    app.clients[0].run(rest)  # handed over
     full = transport.protocol
     assert full.flow.write_paused
     full.resume_writing()  # the client reads again: the response goes out
