@@ -98,6 +98,8 @@ class Gateway:
         self.fast_paths = frozenset(path for path, endpoint in ENDPOINTS.items() if endpoint.api is None)
         # Charged by the protocol for the bytes of a body it holds while the rest comes.
         self.body_budget = relay.body_budget
+        # How long the protocol lets a client take none of the bytes left for it between requests.
+        self.send_stall_s = relay.send_stall_s
 
     def fast(self, scope: Scope, data: bytes | bytearray, client: FastClient) -> bool:
         """Serve a POST to one of ``fast_paths`` whose body ``data`` came whole from the protocol's

@@ -65,6 +65,7 @@ from proxy.protocol import (
     App,
     FastClient,
     GatewayProtocol,
+    UnsentWatch,
     check_header_bytes,
     protocol_class,
 )
@@ -122,6 +123,8 @@ class LeanProtocol(asyncio.Protocol):
             getattr(app, "fast_after_head", None) if self._serves_head is not None else None
         )
         self._budget: BodyBudget | None = getattr(app, "body_budget", None)
+        self._send_stall_s: float = getattr(app, "send_stall_s", 0.0)
+        self._unsent: UnsentWatch | None = None
         self._keep_alive_s: float = config.timeout_keep_alive
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport = None  # type: ignore[assignment]
@@ -178,6 +181,7 @@ class LeanProtocol(asyncio.Protocol):
             self._switch(b"")
             return
         self.server_state.connections.add(self)
+        self._unsent = UnsentWatch(self.loop, transport, self._send_stall_s, self._serving)
         self.server = get_local_addr(transport)
         self.client = get_remote_addr(transport)
         self.scheme = "https" if is_ssl(transport) else "http"
@@ -471,11 +475,16 @@ class LeanProtocol(asyncio.Protocol):
 
     # -- the rest ------------------------------------------------------------
 
+    def _serving(self) -> bool:
+        return self._busy
+
     def _answered(self) -> None:
         """The response is written: the next request, or the keep-alive wait, or the close."""
         self._busy = False
         self._data = b""
         self.server_state.total_requests += 1
+        if self._unsent is not None:
+            self._unsent.arm()  # what the client has not taken of it
         if not self._keep_alive:
             self.transport.close()
             return
@@ -547,6 +556,8 @@ class LeanProtocol(asyncio.Protocol):
 
     def _cancel_timers(self) -> None:
         self._cancel_body_timer()
+        if self._unsent is not None:
+            self._unsent.cancel()  # the full protocol watches its own responses
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
@@ -578,6 +589,8 @@ class LeanProtocol(asyncio.Protocol):
             full._head_timer = self.loop.call_at(self._first_deadline, full._head_too_slow)
         if self._write_paused:
             full.pause_writing()
+        if full._unsent is not None:
+            full._unsent.arm()  # what is left of this protocol's answers, watched by the full one
         if self.client is not None:
             # As read at the connection's start (a closed transport no longer says).
             full.client, full.server, full.scheme = self.client, self.server, self.scheme  # type: ignore[assignment]

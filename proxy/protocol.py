@@ -214,6 +214,64 @@ class _BoundedFlow(FlowControl):
             super().resume_reading()
 
 
+class UnsentWatch:
+    """Cuts a client connection that takes none of the bytes left for it for ``stall_s``, once
+    its response is written (``--send-stall``, which the relay keeps while it writes one).
+
+    The last write of a response leaves its tail in the transport's buffer when the client is
+    not reading. Nothing then waits on it: the connection waits for the next request, and its
+    close (keep-alive's end, ``connection: close``, a shutdown) waits for those bytes to go, for
+    ever if the client never takes them. Checked every ``stall_s`` while bytes are left: fewer
+    than at the last check is progress; none taken is a stalled client, whose connection is
+    aborted. While a response is under way (``busy``) the relay's own watch decides.
+    """
+
+    __slots__ = ("_busy", "_handle", "_loop", "_size", "_stall_s", "_transport")
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        transport: asyncio.Transport,
+        stall_s: float,
+        busy: Callable[[], bool],
+    ) -> None:
+        self._loop = loop
+        self._transport = transport
+        self._stall_s = stall_s
+        self._busy = busy
+        self._handle: asyncio.TimerHandle | None = None
+        self._size = 0
+
+    def arm(self) -> None:
+        """A response is written: watch what it left, if anything."""
+        if self._handle is None and self._stall_s:
+            size = self._transport.get_write_buffer_size()
+            if size:
+                self._size = size
+                self._handle = self._loop.call_later(self._stall_s, self._check)
+
+    def cancel(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _check(self) -> None:
+        self._handle = None
+        size = self._transport.get_write_buffer_size()
+        if not size or self._busy():
+            return  # all taken; or a response under way, armed again at its end
+        if size < self._size:
+            self._size = size
+            self._handle = self._loop.call_later(self._stall_s, self._check)
+            return
+        logger.warning(
+            "client took none of the %d bytes left for it for %g s: its connection is cut",
+            size,
+            self._stall_s,
+        )
+        self._transport.abort()
+
+
 class _Refused(Exception):
     """Raised in a parser callback to stop parsing; ``send_400_response`` answers for it."""
 
@@ -259,15 +317,20 @@ class GatewayProtocol(HttpToolsProtocol):
         self._fast_client: Client | None = None
         # A request not begun while the client takes no answers (``_start_asgi_task``).
         self._held: tuple[RequestResponseCycle, Any] | None = None
+        self._send_stall_s: float = getattr(self.app, "send_stall_s", 0.0)
+        self._unsent: UnsentWatch | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self.flow = _BoundedFlow(transport, self.pipeline)
+        self._unsent = UnsentWatch(self.loop, transport, self._send_stall_s, self._responding)
         self._arm_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
         self._cancel_body_timer()
+        if self._unsent is not None:
+            self._unsent.cancel()
         super().connection_lost(exc)
         # uvicorn tells only its newest cycle; a pipelined request behind a
         # running one would leave that one writing to a closed connection and
@@ -498,9 +561,16 @@ class GatewayProtocol(HttpToolsProtocol):
             cycle.message_event.set()
         HttpToolsProtocol._start_asgi_task(self, cycle, app)
 
+    def _responding(self) -> bool:
+        """Whether a response is being written (begun, not held, not complete)."""
+        cycle = self.cycle
+        return cycle is not None and not cycle.response_complete and self._held is None
+
     def on_response_complete(self) -> None:
         # uvicorn's, with its keep-alive wait on a coarse timer.
         self.server_state.total_requests += 1
+        if self._unsent is not None:
+            self._unsent.arm()
         if self.transport.is_closing():
             return
         self._unset_keepalive_if_required()

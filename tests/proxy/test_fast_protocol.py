@@ -20,6 +20,7 @@ from uvicorn.server import ServerState
 from proxy.lean import server_protocol
 from proxy.protocol import MAX_PIPELINED, Client, GatewayProtocol, protocol_class
 from proxy.relay.request import BodyBudget
+from tests.helpers import wait_until_async
 
 pytestmark = pytest.mark.anyio
 
@@ -41,6 +42,9 @@ class FakeTransport:
         self.written = b""
         self.closed = False
         self.paused = False
+        self.aborted = False
+        # What the client has not taken yet (``get_write_buffer_size``).
+        self.buffered = 0
 
     def get_extra_info(self, name: str, default: object = None) -> object:
         return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 50000)}.get(name, default)
@@ -55,7 +59,7 @@ class FakeTransport:
         self.closed = True
 
     def abort(self) -> None:
-        self.closed = True
+        self.closed = self.aborted = True
 
     def is_closing(self) -> bool:
         return self.closed
@@ -67,13 +71,14 @@ class FakeTransport:
         self.paused = False
 
     def get_write_buffer_size(self) -> int:
-        return 0
+        return self.buffered
 
 
 class App:
     """The gateway's stand-in: ``fast`` takes the request when ``take`` says so."""
 
     fast_paths = frozenset({PATH})
+    send_stall_s = 0.0
 
     def __init__(self, take: bool = True) -> None:
         self.take = take
@@ -831,3 +836,86 @@ async def test_lean_a_head_the_app_would_refuse_goes_to_the_full_protocol_before
     transport.feed(rest)
     await settle()
     assert [b"".join(m["body"] for m in messages) for _, messages in app.runs] == [BODY]
+
+
+async def _stall_passes(stall_s: float) -> None:
+    await asyncio.sleep(stall_s * 5)
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "full"])
+async def test_a_client_that_takes_nothing_of_an_answer_s_tail_is_cut_after_the_send_stall(
+    lean: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The answer written whole, its tail left in the buffer: a client that takes none of it for
+    ``send_stall_s`` is aborted (a close would wait for it for ever)."""
+    app = App()
+    app.send_stall_s = 0.01
+    transport: FakeTransport
+    if lean:
+        _, transport = connect_lean(app)
+        transport.feed(post())
+    else:
+        protocol, transport = connect(app)
+        protocol.data_received(post())
+    transport.buffered = 5000
+    answer(app.clients[0])
+    assert not transport.closed
+    await _stall_passes(app.send_stall_s)
+    assert transport.aborted
+    assert "client took none of the 5000 bytes left for it" in caplog.text
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "full"])
+async def test_a_client_that_takes_an_answer_s_tail_slowly_is_not_cut(lean: bool) -> None:
+    app = App()
+    app.send_stall_s = 0.01
+    transport: FakeTransport
+    if lean:
+        _, transport = connect_lean(app)
+        transport.feed(post())
+    else:
+        protocol, transport = connect(app)
+        protocol.data_received(post())
+    left = iter([5000, 4000, 3000, 2000, 1000, 0])
+    asked: list[int] = []
+
+    def taken_slowly() -> int:
+        asked.append(next(left, 0))  # some taken by each look at it
+        return asked[-1]
+
+    transport.get_write_buffer_size = taken_slowly  # type: ignore[method-assign]
+    answer(app.clients[0])
+    await wait_until_async(lambda: asked[-1:] == [0], "the tail taken", timeout_s=5)
+    assert asked[:6] == [5000, 4000, 3000, 2000, 1000, 0]  # a check each interval, each saw less
+    await _stall_passes(app.send_stall_s)
+    assert not transport.closed
+
+
+async def test_a_client_with_a_response_under_way_is_left_to_the_relay_s_watch() -> None:
+    """The tail of one answer is not watched while the next is written (a stream's client is
+    the relay's to cut, and its record says so); the next answer's end watches again."""
+    app = App()
+    app.send_stall_s = 0.01
+    _, transport = connect_lean(app)
+    transport.feed(post())
+    transport.buffered = 5000
+    answer(app.clients[0])
+    transport.feed(post(b'{"model":"m2"}'))  # served: the buffer is under its high-water mark
+    await _stall_passes(app.send_stall_s)
+    assert not transport.closed
+    answer(app.clients[1])
+    await _stall_passes(app.send_stall_s)
+    assert transport.aborted
+
+
+async def test_an_answer_s_tail_is_still_watched_once_the_full_protocol_has_the_connection() -> None:
+    app = App()
+    app.send_stall_s = 0.01
+    _, transport = connect_lean(app)
+    transport.feed(post())
+    transport.buffered = 5000
+    answer(app.clients[0])
+    transport.feed(b"GET /v1/models HTTP/1.1\r\nHo")  # a head cut across reads: the full protocol's
+    assert isinstance(transport.protocol, GatewayProtocol)
+    await _stall_passes(app.send_stall_s)
+    assert transport.aborted
