@@ -335,6 +335,10 @@ class LeanProtocol(asyncio.Protocol):
         elif self._busy:
             self._keep_alive = False
             self._shut_down = True
+        elif self._pending:
+            # A request held while the client takes no answers: the full protocol serves it, with
+            # ``connection: close``, once the client reads (as it serves one it holds).
+            self._switch(b"").shutdown()
         else:
             self.transport.close()
 
@@ -558,6 +562,7 @@ class LeanProtocol(asyncio.Protocol):
         self._cancel_body_timer()
         if self._unsent is not None:
             self._unsent.cancel()  # the full protocol watches its own responses
+            self._unsent = None  # it refers to this protocol: freed without the collector
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None

@@ -243,12 +243,15 @@ class UnsentWatch:
         self._size = 0
 
     def arm(self) -> None:
-        """A response is written: watch what it left, if anything."""
-        if self._handle is None and self._stall_s:
-            size = self._transport.get_write_buffer_size()
-            if size:
-                self._size = size
-                self._handle = self._loop.call_later(self._stall_s, self._check)
+        """A response is written: watch what it left, if anything, from now (what an earlier one
+        left may have been taken since: its count is no measure of progress now)."""
+        if not self._stall_s:
+            return
+        self.cancel()
+        size = self._transport.get_write_buffer_size()
+        if size:
+            self._size = size
+            self._handle = self._loop.call_later(self._stall_s, self._check)
 
     def cancel(self) -> None:
         if self._handle is not None:
@@ -318,6 +321,7 @@ class GatewayProtocol(HttpToolsProtocol):
         # A request not begun while the client takes no answers (``_start_asgi_task``).
         self._held: tuple[RequestResponseCycle, Any] | None = None
         self._send_stall_s: float = getattr(self.app, "send_stall_s", 0.0)
+        self._handing_over = False
         self._unsent: UnsentWatch | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -331,6 +335,7 @@ class GatewayProtocol(HttpToolsProtocol):
         self._cancel_body_timer()
         if self._unsent is not None:
             self._unsent.cancel()
+            self._unsent = None  # it refers to this protocol: freed without the collector
         super().connection_lost(exc)
         # uvicorn tells only its newest cycle; a pipelined request behind a
         # running one would leave that one writing to a closed connection and
@@ -393,9 +398,13 @@ class GatewayProtocol(HttpToolsProtocol):
         that request (None: it is not offered, and runs as a task)."""
         fast = self._fast
         self._fast = offer
+        # A request the lean protocol's fast path served and hands over goes on now, written or
+        # not, as it would have there (its exchange waits on the client's buffer as it writes).
+        self._handing_over = offer is not None
         try:
             self.data_received(data)
         finally:
+            self._handing_over = False
             if self._fast is offer:
                 self._fast = fast
 
@@ -512,7 +521,7 @@ class GatewayProtocol(HttpToolsProtocol):
             self._offer_fast()
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
-        if self.flow.write_paused:
+        if self.flow.write_paused and not self._handing_over:
             # The client has not taken the answers before this one (its buffer is over the
             # high-water mark): served once it does (``resume_writing``), not answered into a
             # buffer that a client which never reads would grow without end. One at most: those
@@ -633,10 +642,17 @@ class GatewayProtocol(HttpToolsProtocol):
         status, message, code = refusal or (400, f"invalid HTTP request: {msg}", "invalid_request")
         if self._in_head:
             self._refuse_in_turn(status, message, code)
+        elif self._held is not None and self._held[0] is self.cycle:
+            # The broken body is a held request's (``_start_asgi_task``): it never starts, and
+            # nothing runs before it, so it is answered now.
+            self._held = None
+            self._reply_and_close(status, message, code)
         elif self._queued():
             # The broken body is a queued request's: it never starts, and gets this in its turn.
             queued = self.cycle
-            self.pipeline = type(self.pipeline)(entry for entry in self.pipeline if entry[0] is not queued)
+            kept = [entry for entry in self.pipeline if entry[0] is not queued]
+            self.pipeline.clear()  # in place: the flow control counts this deque
+            self.pipeline.extend(kept)
             self._refuse_in_turn(status, message, code)
         else:
             # The running request's own body broke: it is answered now, and the connection closed.

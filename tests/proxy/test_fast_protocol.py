@@ -11,6 +11,8 @@ ASGI app (a task, as any request is).
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 from typing import Any
 
 import pytest
@@ -919,3 +921,117 @@ async def test_an_answer_s_tail_is_still_watched_once_the_full_protocol_has_the_
     assert isinstance(transport.protocol, GatewayProtocol)
     await _stall_passes(app.send_stall_s)
     assert transport.aborted
+
+
+async def test_a_held_request_whose_body_breaks_is_refused_and_never_run() -> None:
+    app = App()
+    protocol, transport = connect(app)
+    protocol.body_timeout_s = 0.2
+    protocol.data_received(post())
+    answer(app.clients[0])
+    protocol.pause_writing()
+    protocol.data_received(
+        b"POST /other HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\nzz\r\n"
+    )
+    assert b"HTTP/1.1 400" in transport.written and transport.closed
+    protocol.resume_writing()
+    await settle()
+    assert app.runs == [] and not protocol.tasks
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "full"])
+async def test_a_client_taking_one_answer_s_tail_while_the_next_lands_is_not_cut(lean: bool) -> None:
+    """Each answer's end starts the watch afresh: bytes an earlier answer left, taken since, are
+    not counted against a client that goes on taking the next one's."""
+    app = App()
+    app.send_stall_s = 0.1
+    transport: FakeTransport
+    if lean:
+        _, transport = connect_lean(app)
+        feed = transport.feed
+    else:
+        protocol, transport = connect(app)
+        feed = protocol.data_received
+    feed(post())
+    transport.buffered = 5000
+    answer(app.clients[0])
+    await asyncio.sleep(0.03)
+    transport.buffered = 0  # all of the first taken
+    feed(post(b'{"model":"m2"}'))
+    transport.buffered = 8000  # the second, larger, written whole
+    answer(app.clients[1])
+    await asyncio.sleep(0.04)
+    transport.buffered = 6000  # some of it taken
+    await asyncio.sleep(0.08)  # past the first answer's interval
+    assert not transport.aborted
+
+
+async def test_a_hand_over_while_the_client_s_buffer_is_full_runs_the_hand_over() -> None:
+    app = App()
+    _, transport = connect_lean(app)
+    transport.feed(post())
+    transport.protocol.pause_writing()
+    ran: list[str] = []
+
+    async def rest(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        ran.append("rest")
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"4")]})
+        await send({"type": "http.response.body", "body": b"REST"})
+
+    app.clients[0].ended()
+    app.clients[0].run(rest)
+    full = transport.protocol
+    full.resume_writing()
+    await settle()
+    assert ran == ["rest"] and app.runs == [] and transport.written.endswith(b"REST")
+
+
+async def test_lean_shutdown_while_a_request_is_held_serves_it_with_close() -> None:
+    app = App(take=False)
+    _, transport = connect_lean(app)
+    lean = transport.protocol
+    app.take = True
+    transport.feed(post())
+    answer(app.clients[0])
+    app.take = False
+    lean.pause_writing()
+    transport.feed(post(b'{"model":"m2"}'))
+    lean.shutdown()
+    full = transport.protocol
+    assert isinstance(full, GatewayProtocol) and not transport.closed
+    full.resume_writing()
+    await settle()
+    await settle()
+    assert [messages[0]["body"] for _, messages in app.runs] == [b'{"model":"m2"}']
+    assert transport.written.count(b"HTTP/1.1 200 OK") == 2 and transport.closed
+    assert transport.written.rsplit(b"HTTP/1.1 200 OK", 1)[1].count(b"connection: close") == 1
+
+
+@pytest.mark.parametrize("stall_s", [0.0, 0.1])
+async def test_a_closed_connection_s_protocol_is_freed_without_the_collector(stall_s: float) -> None:
+    app = App(take=False)
+    app.send_stall_s = stall_s
+    protocol, _ = connect(app)
+    protocol.data_received(b"GET /x HTTP/1.1\r\nHost: gw\r\n\r\n")
+    await settle()
+    protocol.connection_lost(None)
+    await settle()
+    ref = weakref.ref(protocol)
+    gc.disable()
+    try:
+        del protocol
+        await settle()
+        alive = ref() is not None
+    finally:
+        gc.enable()
+    assert not alive
+
+
+async def test_the_read_ahead_bound_counts_the_queue_a_refused_body_leaves() -> None:
+    app = App()
+    protocol, _ = connect(app)
+    protocol.data_received(post())
+    protocol.data_received(
+        post(b'{"n":1}') + b"POST /other HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"
+    )
+    assert protocol.flow._pipeline is protocol.pipeline and len(protocol.pipeline) == 1
