@@ -197,8 +197,11 @@ class Gateway:
 
     def flush(self) -> None:
         out = []
+        second, stamp = -1, ""
         for now_ns, peer, path, request_id, model, status, size, duration_s, head_s, own_s in self.lines:
-            stamp = time.strftime("%d/%b/%Y:%H:%M:%S", time.gmtime(now_ns / 1e9))
+            if now_ns // 1_000_000_000 != second:
+                second = now_ns // 1_000_000_000
+                stamp = time.strftime("%d/%b/%Y:%H:%M:%S", time.gmtime(second))
             out.append(
                 f'{peer} - [{stamp}] "POST {path.decode()}" {request_id.decode()} {model} {status} {size} '
                 f"{duration_s * 1e3:.1f}ms ttfb={head_s * 1e3:.1f}ms own={own_s * 1e3:.2f}ms"
