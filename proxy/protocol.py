@@ -247,7 +247,9 @@ class UnsentWatch:
         left may have been taken since: its count is no measure of progress now)."""
         if not self._stall_s:
             return
-        self.cancel()
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
         size = self._transport.get_write_buffer_size()
         if size:
             self._size = size
