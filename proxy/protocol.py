@@ -269,8 +269,10 @@ class UnsentWatch:
             self._size = size
             self._handle = self._loop.call_later(self._stall_s, self._check)
             return
+        peer = self._transport.get_extra_info("peername")
         logger.warning(
-            "client took none of the %d bytes left for it for %g s: its connection is cut",
+            "client %s took none of the %d bytes left for it for %g s: its connection is cut",
+            f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "?",
             size,
             self._stall_s,
         )

@@ -864,7 +864,7 @@ async def test_a_client_that_takes_nothing_of_an_answer_s_tail_is_cut_after_the_
     assert not transport.closed
     await _stall_passes(app.send_stall_s)
     assert transport.aborted
-    assert "client took none of the 5000 bytes left for it" in caplog.text
+    assert "client 127.0.0.1:50000 took none of the 5000 bytes left for it" in caplog.text
 
 
 @pytest.mark.parametrize("lean", [True, False], ids=["lean", "full"])
