@@ -451,6 +451,8 @@ class LeanProtocol(asyncio.Protocol):
     def close(self) -> None:
         self._busy = False
         self.transport.close()
+        if self._unsent is not None:
+            self._unsent.arm()  # the close waits for what the client has not taken
 
     def abort(self) -> None:
         """Drop the client's connection at once: a stalled stream's (a close would wait for it to

@@ -178,7 +178,9 @@ class Client:
 
     def close(self) -> None:
         """Close the client's connection (a response that could not be written)."""
-        self._protocol.transport.close()
+        protocol = self._protocol
+        protocol.transport.close()
+        protocol.watch_unsent()  # the close waits for what the client has not taken
 
     def watch(self) -> None:
         """Read the client's connection again, as ``receive`` does when a relay waits on it: its
@@ -262,10 +264,13 @@ class UnsentWatch:
 
     def _check(self) -> None:
         self._handle = None
-        size = self._transport.get_write_buffer_size()
-        if not size or self._busy():
-            return  # all taken; or a response under way, armed again at its end
-        if size < self._size:
+        transport = self._transport
+        size = transport.get_write_buffer_size()
+        if not size:
+            return  # all taken
+        if size < self._size or (self._busy() and not transport.is_closing()):
+            # Taken in part; or a response under way, whose relay watches it: looked at again
+            # (a response that ends in a close of its own, a refusal, is never "over").
             self._size = size
             self._handle = self._loop.call_later(self._stall_s, self._check)
             return
@@ -340,6 +345,10 @@ class GatewayProtocol(HttpToolsProtocol):
         if self._unsent is not None:
             self._unsent.cancel()
             self._unsent = None  # it refers to this protocol: freed without the collector
+        held, self._held = self._held, None
+        if held is not None:
+            # Never begun, so uvicorn never let go of its callback to this protocol.
+            held[0].on_response = _nothing
         super().connection_lost(exc)
         # uvicorn tells only its newest cycle; a pipelined request behind a
         # running one would leave that one writing to a closed connection and
@@ -582,8 +591,7 @@ class GatewayProtocol(HttpToolsProtocol):
     def on_response_complete(self) -> None:
         # uvicorn's, with its keep-alive wait on a coarse timer.
         self.server_state.total_requests += 1
-        if self._unsent is not None:
-            self._unsent.arm()
+        self.watch_unsent()
         if self.transport.is_closing():
             return
         self._unset_keepalive_if_required()
@@ -720,6 +728,12 @@ class GatewayProtocol(HttpToolsProtocol):
         ]
         self.transport.write(b"".join(head))
         self.transport.close()
+        self.watch_unsent()  # the close waits for what the client has not taken
+
+    def watch_unsent(self) -> None:
+        """Watch what the client has not taken of the responses so far (``UnsentWatch``)."""
+        if self._unsent is not None:
+            self._unsent.arm()
 
 
 class _CloseDelimitedCycle(RequestResponseCycle):

@@ -1037,3 +1037,83 @@ async def test_the_read_ahead_bound_counts_the_queue_a_refused_body_leaves() -> 
     assert len(protocol.pipeline) == 1
     flow = protocol.flow
     assert isinstance(flow, _BoundedFlow) and flow._pipeline is protocol.pipeline
+
+
+async def test_a_held_request_refused_for_its_broken_body_still_cuts_a_client_that_reads_nothing() -> None:
+    app = App()
+    app.send_stall_s = 0.01
+    protocol, transport = connect(app)
+    protocol.data_received(post())
+    transport.buffered = 100_000
+    answer(app.clients[0])
+    protocol.pause_writing()
+    protocol.data_received(
+        b"POST /other HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\nzz\r\n"
+    )
+    assert b"HTTP/1.1 400" in transport.written and transport.closed  # a close that waits for the rest
+    await _stall_passes(app.send_stall_s)
+    assert transport.aborted
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "full"])
+async def test_a_request_refused_mid_body_after_an_untaken_tail_still_cuts_the_client(lean: bool) -> None:
+    """An answer's tail left (under the high-water mark, so the next request begins); that
+    request's body never ends: its 408 closes the connection, and the client that takes none of
+    what is left is still cut."""
+    app = App()
+    app.send_stall_s = 0.01
+    transport: FakeTransport
+    if lean:
+        _, transport = connect_lean(app, body_timeout_s=0.05)
+        feed = transport.feed
+    else:
+        protocol, transport = connect(app)
+        protocol.body_timeout_s = 0.05
+        feed = protocol.data_received
+    feed(post())
+    transport.buffered = 5000
+    answer(app.clients[0])
+    feed(post(b'{"model":"m2","pad":"xxxxxxxxxx"}')[:-10])
+    await wait_until_async(lambda: transport.aborted, "the client cut", timeout_s=5)
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "full"])
+async def test_a_close_after_a_failed_answer_still_cuts_a_client_that_reads_nothing(lean: bool) -> None:
+    """The fast path closes the client's connection when an answer fails past its start: the
+    close waits for what the client has not taken, and a client that takes none is cut."""
+    app = App()
+    app.send_stall_s = 0.01
+    transport: FakeTransport
+    if lean:
+        _, transport = connect_lean(app)
+        transport.feed(post())
+    else:
+        protocol, transport = connect(app)
+        protocol.data_received(post())
+    transport.buffered = 5000
+    app.clients[0].close()
+    assert transport.closed and not transport.aborted
+    await _stall_passes(app.send_stall_s)
+    assert transport.aborted
+
+
+async def test_a_connection_lost_with_a_request_held_frees_its_protocol_without_the_collector() -> None:
+    app = App()
+    protocol, _ = connect(app)
+    protocol.data_received(post())
+    answer(app.clients[0])
+    protocol.pause_writing()
+    protocol.data_received(b"GET /x HTTP/1.1\r\nHost: gw\r\n\r\n")  # held
+    await settle()
+    protocol.connection_lost(None)
+    await settle()
+    app.clients.clear()  # the fast path's client refers to the protocol
+    ref = weakref.ref(protocol)
+    gc.disable()
+    try:
+        del protocol
+        await settle()
+        alive = ref() is not None
+    finally:
+        gc.enable()
+    assert not alive
