@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -840,6 +841,28 @@ async def test_lean_a_head_the_app_would_refuse_goes_to_the_full_protocol_before
     assert [b"".join(m["body"] for m in messages) for _, messages in app.runs] == [BODY]
 
 
+def connect_either(
+    app: App, lean: bool, body_timeout_s: float = 60.0
+) -> tuple[FakeTransport, Callable[[bytes], None]]:
+    """A connection on the lean protocol or the full one, and what gives it a read."""
+    if lean:
+        _, switching = connect_lean(app, body_timeout_s=body_timeout_s)
+        return switching, switching.feed
+    protocol, transport = connect(app)
+    protocol.body_timeout_s = body_timeout_s
+    return transport, protocol.data_received
+
+
+async def freed_without_the_collector(ref: weakref.ref[Any]) -> bool:
+    """Whether what ``ref`` refers to is gone once the loop has turned, with the collector off."""
+    gc.disable()
+    try:
+        await settle()
+        return ref() is None
+    finally:
+        gc.enable()
+
+
 async def _stall_passes(stall_s: float) -> None:
     await asyncio.sleep(stall_s * 5)
 
@@ -852,13 +875,8 @@ async def test_a_client_that_takes_nothing_of_an_answer_s_tail_is_cut_after_the_
     ``send_stall_s`` is aborted (a close would wait for it for ever)."""
     app = App()
     app.send_stall_s = 0.01
-    transport: FakeTransport
-    if lean:
-        _, transport = connect_lean(app)
-        transport.feed(post())
-    else:
-        protocol, transport = connect(app)
-        protocol.data_received(post())
+    transport, feed = connect_either(app, lean)
+    feed(post())
     transport.buffered = 5000
     answer(app.clients[0])
     assert not transport.closed
@@ -871,13 +889,8 @@ async def test_a_client_that_takes_nothing_of_an_answer_s_tail_is_cut_after_the_
 async def test_a_client_that_takes_an_answer_s_tail_slowly_is_not_cut(lean: bool) -> None:
     app = App()
     app.send_stall_s = 0.01
-    transport: FakeTransport
-    if lean:
-        _, transport = connect_lean(app)
-        transport.feed(post())
-    else:
-        protocol, transport = connect(app)
-        protocol.data_received(post())
+    transport, feed = connect_either(app, lean)
+    feed(post())
     left = iter([5000, 4000, 3000, 2000, 1000, 0])
     asked: list[int] = []
 
@@ -945,13 +958,7 @@ async def test_a_client_taking_one_answer_s_tail_while_the_next_lands_is_not_cut
     not counted against a client that goes on taking the next one's."""
     app = App()
     app.send_stall_s = 0.1
-    transport: FakeTransport
-    if lean:
-        _, transport = connect_lean(app)
-        feed = transport.feed
-    else:
-        protocol, transport = connect(app)
-        feed = protocol.data_received
+    transport, feed = connect_either(app, lean)
     feed(post())
     transport.buffered = 5000
     answer(app.clients[0])
@@ -1017,14 +1024,8 @@ async def test_a_closed_connection_s_protocol_is_freed_without_the_collector(sta
     protocol.connection_lost(None)
     await settle()
     ref = weakref.ref(protocol)
-    gc.disable()
-    try:
-        del protocol
-        await settle()
-        alive = ref() is not None
-    finally:
-        gc.enable()
-    assert not alive
+    del protocol
+    assert await freed_without_the_collector(ref)
 
 
 async def test_the_read_ahead_bound_counts_the_queue_a_refused_body_leaves() -> None:
@@ -1062,14 +1063,7 @@ async def test_a_request_refused_mid_body_after_an_untaken_tail_still_cuts_the_c
     what is left is still cut."""
     app = App()
     app.send_stall_s = 0.01
-    transport: FakeTransport
-    if lean:
-        _, transport = connect_lean(app, body_timeout_s=0.05)
-        feed = transport.feed
-    else:
-        protocol, transport = connect(app)
-        protocol.body_timeout_s = 0.05
-        feed = protocol.data_received
+    transport, feed = connect_either(app, lean, body_timeout_s=0.05)
     feed(post())
     transport.buffered = 5000
     answer(app.clients[0])
@@ -1083,13 +1077,8 @@ async def test_a_close_after_a_failed_answer_still_cuts_a_client_that_reads_noth
     close waits for what the client has not taken, and a client that takes none is cut."""
     app = App()
     app.send_stall_s = 0.01
-    transport: FakeTransport
-    if lean:
-        _, transport = connect_lean(app)
-        transport.feed(post())
-    else:
-        protocol, transport = connect(app)
-        protocol.data_received(post())
+    transport, feed = connect_either(app, lean)
+    feed(post())
     transport.buffered = 5000
     app.clients[0].close()
     assert transport.closed and not transport.aborted
@@ -1109,11 +1098,5 @@ async def test_a_connection_lost_with_a_request_held_frees_its_protocol_without_
     await settle()
     app.clients.clear()  # the fast path's client refers to the protocol
     ref = weakref.ref(protocol)
-    gc.disable()
-    try:
-        del protocol
-        await settle()
-        alive = ref() is not None
-    finally:
-        gc.enable()
-    assert not alive
+    del protocol
+    assert await freed_without_the_collector(ref)
