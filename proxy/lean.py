@@ -59,6 +59,7 @@ import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 from uvicorn.protocols.utils import get_local_addr, get_remote_addr, is_ssl
 
+from proxy import outbox
 from proxy.protocol import (
     CHUNK,
     LAST_CHUNK,
@@ -153,6 +154,10 @@ class LeanProtocol(asyncio.Protocol):
         self._paused = False
         self._keep_alive = True
         self._head: bytes | None = None
+        # A whole answer, written at the end of the loop's pass (``proxy/outbox.py``): held till then.
+        box = outbox.for_loop(self.loop)
+        self._due, self._flush_due = box.due, box.flush
+        self._out: bytes | None = None
         # The response under way is a stream, framed chunked (``start``'s ``chunked``).
         self._chunked = False
         # Told that the client's connection was lost; set by the exchange, while it runs.
@@ -190,6 +195,7 @@ class LeanProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server_state.connections.discard(self)
+        self._out = None
         self._cancel_timers()
         if self._raw:
             # A body was still coming: the full protocol's request, told of the loss as it would be.
@@ -340,6 +346,7 @@ class LeanProtocol(asyncio.Protocol):
             # ``connection: close``, once the client reads (as it serves one it holds).
             self._switch(b"").shutdown()
         else:
+            self._write_out()
             self.transport.close()
 
     # -- httptools callbacks -------------------------------------------------
@@ -440,9 +447,34 @@ class LeanProtocol(asyncio.Protocol):
             self._chunked = False
         else:
             assert not more, "a response that is not a stream is written whole"
-            transport.write(head + body if head is not None else body)
+            data = head + body if head is not None else body
+            due = self._due
+            if not due:
+                # The pass's first write: made now, the pass's end marked for any after it.
+                due.append(outbox.WRITTEN)
+                self.loop.call_soon(self._flush_due)
+                transport.write(data)
+            elif self._out is None:
+                self._out = data
+                due.append(self)
+            else:
+                self._out += data  # an answer this pass already left: this one goes after it
         self._answered()
         return None
+
+    def send_out(self) -> None:
+        """Write the answer ``write`` left in the outbox (unless sent or dropped since), and
+        watch what the client leaves of it."""
+        data, self._out = self._out, None
+        if data is not None and not self.transport.is_closing():
+            self.transport.write(data)
+        if self._unsent is not None:
+            self._unsent.arm()
+
+    def _write_out(self) -> None:
+        data, self._out = self._out, None
+        if data is not None and not self.transport.is_closing():
+            self.transport.write(data)
 
     def ended(self) -> None:
         """The exchange is no longer the fast path's (answered, or handed over)."""
@@ -450,6 +482,7 @@ class LeanProtocol(asyncio.Protocol):
 
     def close(self) -> None:
         self._busy = False
+        self._write_out()
         self.transport.close()
         if self._unsent is not None:
             self._unsent.arm()  # the close waits for what the client has not taken
@@ -458,6 +491,7 @@ class LeanProtocol(asyncio.Protocol):
         """Drop the client's connection at once: a stalled stream's (a close would wait for it to
         take the bytes it does not take)."""
         self._busy = False
+        self._out = None
         self.transport.abort()
 
     def watch(self) -> None:
@@ -489,7 +523,10 @@ class LeanProtocol(asyncio.Protocol):
         self._busy = False
         self._data = b""
         self.server_state.total_requests += 1
-        if self._unsent is not None:
+        if self._out is not None:
+            if not self._keep_alive:
+                self.send_out()  # before the close (else watched once the pass's writes are out)
+        elif self._unsent is not None:
             self._unsent.arm()  # what the client has not taken of it
         if not self._keep_alive:
             self.transport.close()
@@ -520,6 +557,7 @@ class LeanProtocol(asyncio.Protocol):
         if left > 0:
             self._idle_timer = self.loop.call_later(left, self._idle)
         elif not self.transport.is_closing():
+            self._write_out()
             self.transport.close()
 
     def _silent(self) -> None:
@@ -578,6 +616,7 @@ class LeanProtocol(asyncio.Protocol):
         """Give the connection to the full protocol, with ``data`` (the bytes of the request being
         read, from its first) and any read after it; ``offer`` stands for the app's fast path for
         the first request (None: it is not offered)."""
+        self._write_out()  # an answer left for the pass's end goes before anything the full one writes
         # A body still coming is due when it was due here, not a new wait from now.
         body_due = self._body_timer.when() if self._body_timer is not None else 0.0
         self._cancel_timers()

@@ -24,6 +24,7 @@ from typing import Any, cast
 
 import httptools
 
+from proxy import outbox
 from proxy.errors import HTTPError
 from proxy.timers import for_loop
 
@@ -153,6 +154,10 @@ class Connection(asyncio.Protocol):
         self._loop = self.loop = asyncio.get_running_loop()
         # The loop's coarse timers (proxy/timers.py), for the deadlines that may be a tick late.
         self.timers = for_loop(self._loop)
+        # A request is written at the end of the loop's pass (proxy/outbox.py): held here till then.
+        box = outbox.for_loop(self._loop)
+        self._due, self._flush_due = box.due, box.flush
+        self._out: bytes | None = None
         self._transport: asyncio.Transport | None = None
         # The parser's body callback is the list's own append: httptools calls
         # it once per HTTP chunk (an engine writes one per SSE event), and a
@@ -376,9 +381,24 @@ class Connection(asyncio.Protocol):
         self.state = ConnState.ACTIVE
         self.requests_sent += 1
         if len(body) < 65536:
-            self._transport.write(head + body)
+            due = self._due
+            if not due:
+                # The pass's first write: made now, the pass's end marked for any after it.
+                due.append(outbox.WRITTEN)
+                self._loop.call_soon(self._flush_due)
+                self._transport.write(head + body)
+            else:
+                self._out = head + body
+                due.append(self)
         else:
             self._transport.writelines((head, body))
+
+    def send_out(self) -> None:
+        """Write the request ``send`` left in the outbox, unless the connection closed since."""
+        data, self._out = self._out, None
+        transport = self._transport
+        if data is not None and transport is not None and not transport.is_closing():
+            transport.write(data)
 
     async def read_head(self, timeout_s: float) -> None:
         """Wait for the response head (status and headers), or raise."""
@@ -536,6 +556,7 @@ class Connection(asyncio.Protocol):
         """Close at once, discarding anything unsent or unread."""
         self._cancel_read_timer()
         self.state = ConnState.CLOSED
+        self._out = None
         if self._transport is not None:
             self._transport.abort()
 

@@ -350,6 +350,7 @@ async def test_lean_a_post_whose_body_came_with_its_head_is_answered_without_the
     transport.feed(post(b'{"model":"m1"}'))
     answer(app.clients[1])
     assert [data for _, data in app.offered] == [BODY, b'{"model":"m1"}']
+    await settle()
     assert transport.written.count(b"HTTP/1.1 200 OK") == 2 and transport.protocol is lean
 
 
@@ -417,6 +418,7 @@ async def test_lean_a_body_that_comes_after_its_head_is_awaited_and_offered(cuts
     assert transport.protocol is lean
     assert [data for _, data in app.offered] == [BODY]
     answer(app.clients[0])
+    await settle()
     assert transport.written.endswith(b"fast")
     # A hand-over replays the request from its first byte, every read of it.
     transport.feed(post()[:-5])
@@ -485,7 +487,72 @@ async def test_lean_a_request_read_while_one_is_served_waits_for_its_answer() ->
     await settle()
     assert [data for _, data in app.offered] == [BODY, b'{"model":"m2"}']
     answer(app.clients[1])
+    await settle()
     assert transport.written.count(b"HTTP/1.1 200 OK") == 2
+
+
+def answered_elsewhere() -> SwitchingTransport:
+    """Another connection's answer, written in this pass of the loop: the pass's first write."""
+    app = App()
+    _, transport = connect_lean(app)
+    transport.feed(post())
+    answer(app.clients[0])
+    assert transport.written.endswith(b"fast")  # the pass's first write is made at once
+    return transport
+
+
+async def test_lean_answers_after_the_pass_s_first_write_are_written_once_its_callbacks_have_run() -> None:
+    """The first write of a pass of the loop is made at once; the answers after it are written
+    at the end of the pass (``proxy/outbox.py``), after the pass's other callbacks."""
+    answered_elsewhere()
+    app = App()
+    _, first = connect_lean(app)
+    _, second = connect_lean(app)
+    first.feed(post())
+    second.feed(post())
+    answer(app.clients[1])
+    answer(app.clients[0])
+    # The next request on the first connection, read and answered in the same pass: after it.
+    first.feed(post())
+    answer(app.clients[2], b"next")
+    assert first.written == second.written == b""
+    await asyncio.sleep(0)
+    assert first.written.count(b"HTTP/1.1 200 OK") == 2
+    assert first.written.index(b"\r\n\r\nfast") < first.written.index(b"\r\n\r\nnext")
+    assert second.written.endswith(b"fast")
+    # A pass later: its first write, made at once.
+    first.feed(post())
+    answer(app.clients[3])
+    assert first.written.count(b"HTTP/1.1 200 OK") == 3
+
+
+async def test_lean_an_answer_left_for_the_pass_s_end_goes_before_what_the_full_protocol_writes() -> None:
+    """A request read in the same pass as the answer before it, and refused by the full protocol
+    there and then: the answer goes first."""
+    app = App()
+    _, transport = connect_lean(app)
+    transport.feed(post())
+    answered_elsewhere()
+    answer(app.clients[0])
+    transport.feed(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Length: x\r\n\r\n")
+    await settle()
+    assert transport.written.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert b"fastHTTP/1.1 400 Bad Request\r\n" in transport.written and transport.closed
+
+
+@pytest.mark.parametrize("how", ["closing", "lost"])
+async def test_lean_an_answer_left_for_the_pass_s_end_is_dropped_with_its_connection(how: str) -> None:
+    """Closed before the pass ends (its loss told, or still to be): nothing is written to it."""
+    app = App()
+    _, transport = connect_lean(app)
+    transport.feed(post())
+    answered_elsewhere()
+    answer(app.clients[0])
+    transport.closed = True
+    if how == "lost":
+        transport.protocol.connection_lost(None)
+    await settle()
+    assert transport.written == b""
 
 
 async def test_lean_a_hand_over_runs_on_the_full_protocol_with_the_body_taken() -> None:
@@ -631,6 +698,7 @@ async def test_lean_a_request_is_not_answered_while_the_client_takes_no_answers(
     answer(app.clients[1])
     transport.feed(post(b'{"model":"m3"}'))
     answer(app.clients[2])
+    await settle()
     assert transport.written.count(b"HTTP/1.1 200 OK") == 3 and transport.protocol is lean
 
 

@@ -525,3 +525,36 @@ async def test_a_content_coding_is_noted_and_the_body_left_as_sent() -> None:
         pool = Pool(server.address, connect_timeout_s=1)
         conn, body = await roundtrip(pool)
         assert conn.content_encoding == b"gzip" and body == b"\x1f\x8b\x08\x00"
+
+
+class _KeptTransport:
+    """A transport that keeps what is written (the connection's own side only)."""
+
+    def __init__(self) -> None:
+        self.written = b""
+        self.aborted = False
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def is_closing(self) -> bool:
+        return self.aborted
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+async def test_requests_after_the_pass_s_first_write_are_written_at_its_end_unless_closed_before() -> None:
+    """The first ``send`` of a pass of the loop writes at once; those after it leave the request
+    for the end of the pass (``proxy/outbox.py``), and a connection closed before then writes
+    nothing (its request reached no server)."""
+    first, sent, dropped = Connection(), Connection(), Connection()
+    for conn in (first, sent, dropped):
+        conn.connection_made(_KeptTransport())  # type: ignore[arg-type]
+        conn.send(REQUEST, b"{}")
+    dropped.close()
+    assert first._transport.written == REQUEST + b"{}"  # type: ignore[union-attr]
+    assert sent._transport.written == b""  # type: ignore[union-attr]
+    await asyncio.sleep(0)
+    assert sent._transport.written == REQUEST + b"{}"  # type: ignore[union-attr]
+    assert dropped._transport.written == b""  # type: ignore[union-attr]
