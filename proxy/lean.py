@@ -322,7 +322,8 @@ class LeanProtocol(asyncio.Protocol):
         }
 
     def eof_received(self) -> None:
-        pass  # the transport closes: connection_lost
+        # The transport closes (connection_lost), after what was written before: a held answer too.
+        self._write_out()
 
     def pause_writing(self) -> None:
         # Told to a stream by ``write_paused``; to the full protocol at a switch.
@@ -526,6 +527,10 @@ class LeanProtocol(asyncio.Protocol):
         if self._out is not None:
             if not self._keep_alive:
                 self.send_out()  # before the close (else watched once the pass's writes are out)
+            elif self._unsent is not None:
+                # An earlier answer's check, due before the flush (uvloop runs due timers first):
+                # the watch starts again once this answer is out (``send_out``).
+                self._unsent.cancel()
         elif self._unsent is not None:
             self._unsent.arm()  # what the client has not taken of it
         if not self._keep_alive:

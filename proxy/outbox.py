@@ -33,22 +33,17 @@ class Sender(Protocol):
 class Outbox:
     """The connections of one event loop with bytes to write at the pass's end (see ``for_loop``).
 
-    A connection leaves its bytes with itself, appends itself to ``due``, and, if ``due`` was
-    empty, has the loop ``call_soon(flush)`` (done in the caller, a frame less on every request).
+    A connection's write, where ``due`` is empty, is the pass's first: it appends ``WRITTEN`` to
+    ``due``, has the loop ``call_soon(flush)`` and writes at once. Where ``due`` is not empty,
+    it leaves its bytes with itself and appends itself. (Done in the connection's own code: a
+    frame less on every request.)
     """
 
-    __slots__ = ("__weakref__", "_loop", "due", "flush")
+    __slots__ = ("__weakref__", "due", "flush")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+    def __init__(self) -> None:
         self.due: list[Sender] = []
         self.flush = self._flush
-
-    def add(self, sender: Sender) -> None:
-        """Call ``sender.send_out()`` once this pass's callbacks have run."""
-        if not self.due:
-            self._loop.call_soon(self.flush)
-        self.due.append(sender)
 
     def _flush(self) -> None:
         due = self.due
@@ -61,7 +56,9 @@ class Outbox:
             try:
                 sender.send_out()
             except Exception as exc:  # as the loop's own callbacks: report it, and go on
-                self._loop.call_exception_handler({"message": f"{sender!r}: write failed", "exception": exc})
+                asyncio.get_running_loop().call_exception_handler(
+                    {"message": f"{sender!r}: write failed", "exception": exc}
+                )
 
 
 class _Written:
@@ -77,8 +74,9 @@ _BY_LOOP: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Outbox] = weakref
 
 
 def for_loop(loop: asyncio.AbstractEventLoop) -> Outbox:
-    """The outbox of ``loop`` (made on first use)."""
+    """The outbox of ``loop`` (made on first use; it holds no reference to the loop, which a
+    value of a weak-keyed dict must not, lest the loop live for ever)."""
     outbox = _BY_LOOP.get(loop)
     if outbox is None:
-        outbox = _BY_LOOP[loop] = Outbox(loop)
+        outbox = _BY_LOOP[loop] = Outbox()
     return outbox

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import uvicorn
+import uvloop
 from uvicorn.server import ServerState
 
 from proxy.lean import server_protocol
@@ -553,6 +555,55 @@ async def test_lean_an_answer_left_for_the_pass_s_end_is_dropped_with_its_connec
         transport.protocol.connection_lost(None)
     await settle()
     assert transport.written == b""
+
+
+async def test_lean_an_answer_left_for_the_pass_s_end_is_made_before_the_client_s_half_close_closes() -> None:
+    """The answer and the client's FIN read in the same pass, the answer first and held: uvloop
+    calls ``eof_received`` and then closes the transport itself, a close that waits for the
+    bytes written before it; the held answer is among them."""
+    app = App()
+    _, transport = connect_lean(app)
+    lean = transport.protocol
+    transport.feed(post())
+    answered_elsewhere()
+    answer(app.clients[0])
+    lean.eof_received()
+    transport.close()  # what uvloop does when eof_received returns a false value
+    await settle()
+    assert transport.written.endswith(b"fast")
+
+
+def test_lean_an_answer_left_for_the_pass_s_end_restarts_the_unsent_watch_from_its_end() -> None:
+    """An earlier answer's tail is watched (``UnsentWatch``); the next answer is held for the
+    pass's end, and the watch's check falls due in that pass. uvloop runs due timers before the
+    pass's ``call_soon`` callbacks: the check must not find the connection idle with its count
+    unchanged and cut it (the held answer with it). Each answer's end starts the watch again,
+    a held one's once it is out."""
+
+    async def scenario() -> tuple[bool, bytes]:
+        app = App()
+        app.send_stall_s = 0.2
+        _, transport = connect_lean(app)
+        lean = transport.protocol
+        transport.feed(post())
+        transport.buffered = 5000
+        answer(app.clients[0])  # the pass's first write: at once; the watch armed
+        await asyncio.sleep(0.1)
+        transport.buffered = 4000  # the client takes a little: its check looks again in stall_s
+        await asyncio.sleep(0.15)
+        handle = lean._unsent._handle
+        assert handle is not None
+        transport.feed(post(b'{"model":"m2"}'))
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(handle.when() - loop.time() - 0.05)
+        answered_elsewhere()
+        answer(app.clients[1], b"next")  # held for the pass's end
+        time.sleep(0.1)  # noqa: ASYNC251 (this pass runs past the earlier check's deadline, on purpose)
+        await settle()
+        return transport.aborted, transport.written
+
+    aborted, written = uvloop.run(scenario())
+    assert not aborted and written.endswith(b"next")
 
 
 async def test_lean_a_hand_over_runs_on_the_full_protocol_with_the_body_taken() -> None:
