@@ -122,7 +122,10 @@ def _start_gateway(log_dir: Path, upstreams: dict[str, str], *args: str) -> Runn
             if proc.poll() is not None:
                 raise RuntimeError(f"gateway exited with {proc.returncode}: {gateway.log()}")
             try:
-                if client.get(f"{gateway.url}/livez").status_code == 200:
+                # Its own answer, not another listener's on a port taken between ``free_port`` and
+                # the gateway's bind (the gateway then fails to bind, and says so, below).
+                live = client.get(f"{gateway.url}/livez")
+                if live.status_code == 200 and live.content == b'{"status":"ok"}':
                     return gateway
             except httpx.TransportError:
                 pass
