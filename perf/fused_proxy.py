@@ -26,7 +26,10 @@ record a request. Each part stands for a part of the gateway:
   activity (the last 300), its metrics (a count by status, three
   histograms) and its access-log line (fields kept, formatted a batch at a
   time to a file);
-- a keep-alive connection's idle timer, one a connection.
+- a keep-alive connection's idle timer, one a connection;
+- a pass of the loop's writes after its first (the upstream's request, the
+  client's answer) made at the pass's end, as the gateway's
+  ``proxy/outbox.py`` makes them.
 
 A stream is relayed as the floor relays one (its record at its end), and
 anything the gateway would refuse or hand to its task path is answered 502
@@ -170,6 +173,25 @@ class Gateway:
         self._date = b""
         self._date_at = 0
         self._forwarded: dict[str, bytes] = {}
+        # A pass's writes after its first, made at its end (as the gateway's ``proxy/outbox.py``).
+        self.due: list[tuple[asyncio.Transport, bytes] | None] = []
+
+    def write(self, transport: asyncio.Transport, data: bytes) -> None:
+        due = self.due
+        if due:
+            due.append((transport, data))
+            return
+        due.append(None)  # the pass's first write: at once, the pass's end marked
+        self.loop.call_soon(self.flush_due)
+        transport.write(data)
+
+    def flush_due(self) -> None:
+        due = self.due
+        if len(due) > 1:
+            for transport, data in due[1:]:  # type: ignore[misc]
+                if not transport.is_closing():
+                    transport.write(data)
+        due.clear()
 
     def date(self) -> bytes:
         now = int(time.time())
@@ -240,7 +262,7 @@ class UpstreamConnection(asyncio.Protocol):
         if self.transport is None:
             self.pending = data
         else:
-            self.transport.write(data)
+            client.gateway.write(self.transport, data)
 
     def data_received(self, data: bytes) -> None:
         self.out = []
@@ -490,7 +512,8 @@ class ClientConnection(asyncio.Protocol):
             return
         body = upstream.body
         own_s = self.sent - self.started + perf_counter() - head_at
-        self.transport.write(
+        self.gateway.write(
+            self.transport,
             b"%b%bcontent-length: %b\r\nx-request-id: %b\r\nx-blazar-timing: own=%.3f;up=%.3f\r\n%b\r\n%b"
             % (
                 self.gateway.status_lines[status],
@@ -501,7 +524,7 @@ class ClientConnection(asyncio.Protocol):
                 (head_at - self.sent) * 1000,
                 b"".join(upstream.head),
                 body,
-            )
+            ),
         )
         record.status, record.own_s, record.head_s = status, own_s, head_at - self.started
         self.done(upstream, len(body))
@@ -533,6 +556,7 @@ class ClientConnection(asyncio.Protocol):
         route.ttft.observe(record.head_s)
         gateway.record(record, self.peer, self.url)
         if not self.keep_alive:
+            gateway.flush_due()  # the answer, before the close
             self.transport.close()
             return
         self.transport.resume_reading()
@@ -551,6 +575,7 @@ class ClientConnection(asyncio.Protocol):
             self.transport.close()
 
     def refuse(self) -> None:
+        self.gateway.flush_due()  # an answer held for the pass's end goes first
         self.transport.write(_REFUSED)
         self.transport.close()
 
