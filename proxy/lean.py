@@ -466,9 +466,7 @@ class LeanProtocol(asyncio.Protocol):
     def send_out(self) -> None:
         """Write the answer ``write`` left in the outbox (unless sent or dropped since), and
         watch what the client leaves of it."""
-        data, self._out = self._out, None
-        if data is not None and not self.transport.is_closing():
-            self.transport.write(data)
+        self._write_out()
         if self._unsent is not None:
             self._unsent.arm()
 

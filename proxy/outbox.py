@@ -1,14 +1,15 @@
-"""Writes made once the event loop's pass has run its callbacks, not as each callback makes them.
+"""Writes after the first of an event loop's pass, made once the pass has run its callbacks.
 
 A request sent upstream and an answer written to a client each wake the
 process at the other end. Where that process shares the gateway's core (an
 engine, a load generator, a local client), the kernel runs it at once: the
 rest of the pass's callbacks, other connections' requests and answers, wait
 behind it, and run after it with the caches it left. Under load a pass
-brings many connections' reads. Their callbacks leave what they write
-here, and the pass's work runs together; the writes then go out one after
-the other, at the pass's end (a ``call_soon`` made by the first of them:
-the loop's ready callbacks run once its I/O callbacks have).
+brings many connections' reads. The pass's first write is made at once;
+those after it are left here, so that the pass's work runs together, and go
+out one after the other at the pass's end (a ``call_soon`` made by the
+first: the loop's ready callbacks run once its I/O callbacks have). At one
+request at a time every write is its pass's first, and nothing waits.
 
 Nothing waits on a write the gateway makes from a callback, so nothing else
 changes: a connection's bytes go out in the order written, and anything
