@@ -38,6 +38,7 @@ from proxy.protocol import FastClient
 from proxy.readiness import NOT_CHECKED, Readiness
 from proxy.relay import (
     ENDPOINTS,
+    HeadFields,
     ModelLoad,
     Relay,
     RelaySettings,
@@ -106,27 +107,41 @@ class Gateway:
         callback (``proxy/relay/fast.py``); False, having changed nothing, when the request is
         to be served as any other (an ASGI task): the checks ``__call__`` makes first, then the
         relay's."""
-        if self.relay.declines(data, client) or not self._fast_head(scope):
+        relay = self.relay
+        if self._with_cors or self.state.draining or relay.declines(data, client):
             return False
-        return self._try_fast(scope, data, client, False)
+        fields = HeadFields(scope["headers"], relay.request_drop)
+        if fields.hosts > 1:
+            refusal = self.browser.refusal(scope)
+        else:
+            refusal = self.browser.refusal_of(fields.host, fields.origin, fields.origins > 1, fields.site)
+        if refusal is not None or (self._with_keys and not self.keys.allows(scope)):
+            return False
+        return self._try_fast(scope, data, client, fields, False)
 
     def fast_after_head(self, scope: Scope, data: bytes | bytearray, client: FastClient) -> bool:
         """``fast`` for a request whose head ``serves_head`` passed as it came, before its body (the
         SDKs write them apart): its head is not checked again, as ``__call__`` checks a head once.
         A drain begun since is: such a request then goes to the full protocol, which answers it 503
         (nothing counts its upload as in flight, so the drain may not wait for it)."""
-        if self.state.draining or self.relay.declines(data, client):
+        relay = self.relay
+        if self.state.draining or relay.declines(data, client):
             return False
-        return self._try_fast(scope, data, client, True)
+        return self._try_fast(scope, data, client, HeadFields(scope["headers"], relay.request_drop), True)
 
     def _try_fast(
-        self, scope: Scope, data: bytes | bytearray, client: FastClient, head_checked: bool
+        self,
+        scope: Scope,
+        data: bytes | bytearray,
+        client: FastClient,
+        fields: HeadFields,
+        head_checked: bool,
     ) -> bool:
         state = self.state
         state.in_flight += 1
         taken = False
         try:
-            taken = self.relay.try_fast(scope, data, client, state.leave, head_checked)
+            taken = self.relay.try_fast(scope, data, client, state.leave, fields, head_checked)
         finally:
             if not taken:
                 state.in_flight -= 1

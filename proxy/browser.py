@@ -142,6 +142,13 @@ class BrowserChecks:
                 origin = value
             elif name == b"sec-fetch-site":
                 site = value
+        return self.refusal_of(host, origin, several_origins, site)
+
+    def refusal_of(
+        self, host: bytes | None, origin: bytes | None, several_origins: bool, site: bytes | None
+    ) -> HTTPError | None:
+        """``refusal`` from the values its walk notes: the Host that decides (of several, a foreign
+        one), the last Origin and whether there were more, the last Sec-Fetch-Site."""
         # No Host, or an empty one, is not a browser's request (every browser names the host).
         if host and not self.hosts.allows(host):
             return HTTPError(

@@ -148,6 +148,14 @@ def valid_request_id(value: bytes) -> bool:
     return 0 < len(value) <= _REQUEST_ID_MAX_CHARS and all(0x21 <= b <= 0x7E for b in value)
 
 
+# ``request_head`` for a POST whose forwarded lines are joined already (``HeadFields``): the
+# target, host, length, those lines, then the gateway's x-request-id and x-forwarded-for.
+POST_HEAD = (
+    b"POST %b HTTP/1.1\r\nhost: %b\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+    b"%bx-request-id: %b\r\nx-forwarded-for: %b\r\n\r\n"
+)
+
+
 def request_head(
     method: bytes, target: bytes, host: bytes, headers: Iterable[Header], content_length: int
 ) -> bytes:

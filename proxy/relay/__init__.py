@@ -16,11 +16,12 @@ and ``built`` (the ways a response is relayed or built), ``watch`` (the
 disconnect and stall watchers), ``failures`` (what the client is told),
 ``outcome`` (the one record), ``drain``, ``ids``, ``timing``, ``settings``;
 ``fast`` (the common case run from the protocols' callbacks, handed to the
-rest wherever it is not common).
+rest wherever it is not common) with ``head`` (its one walk of the fields).
 """
 
 from proxy.endpoints import ENDPOINTS
 from proxy.relay.handler import Relay
+from proxy.relay.head import HeadFields
 from proxy.relay.ids import RequestIds
 from proxy.relay.routes import ModelLoad, PeerLoad, deployment_path
 from proxy.relay.settings import RelaySettings
@@ -28,6 +29,7 @@ from proxy.relay.timing import server_timing
 
 __all__ = [
     "ENDPOINTS",
+    "HeadFields",
     "ModelLoad",
     "PeerLoad",
     "Relay",

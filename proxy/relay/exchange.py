@@ -18,6 +18,7 @@ from proxy.auth import CREDENTIAL_HEADERS
 from proxy.errors import HTTPError, echo
 from proxy.forwarded import ProxyTrust
 from proxy.headers import (
+    POST_HEAD,
     add_sse_headers,
     filter_response_headers,
     forward_request_headers,
@@ -66,7 +67,9 @@ class Exchange:
         self._total_timeout_s = settings.total_timeout_s
         self._send_stall_s = settings.send_stall_s
         self._trust = ProxyTrust(settings.forwarded_allow_ips)
-        self._request_drop = request_drop(CREDENTIAL_HEADERS if settings.strip_credentials else frozenset())
+        self._request_drop = self.request_drop = request_drop(
+            CREDENTIAL_HEADERS if settings.strip_credentials else frozenset()
+        )
 
     async def run(
         self,
@@ -248,8 +251,20 @@ class Exchange:
             return None
         return conn
 
-    def request_head(self, scope: Scope, peer: Peer, length: int, request_id: bytes) -> bytes:
-        """The head sent upstream: the client's headers that may cross, and the gateway's own."""
+    def request_head(
+        self, scope: Scope, peer: Peer, length: int, request_id: bytes, forward: list[bytes] | None = None
+    ) -> bytes:
+        """The head sent upstream: the client's headers that may cross, and the gateway's own;
+        ``forward``: those fields' lines, from ``HeadFields``' walk (None: read from the scope)."""
+        if forward is not None:
+            return POST_HEAD % (
+                peer.targets[scope["path"]],
+                peer.host_header,
+                length,
+                b"".join(forward),
+                request_id,
+                self._trust.x_forwarded_for(scope),
+            )
         headers = forward_request_headers(scope["headers"], self._request_drop)
         headers.append((b"x-request-id", request_id))
         headers.append((b"x-forwarded-for", self._trust.x_forwarded_for(scope)))

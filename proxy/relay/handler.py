@@ -23,9 +23,10 @@ from proxy.relay.drain import Drain
 from proxy.relay.exchange import Exchange
 from proxy.relay.failures import refuse
 from proxy.relay.fast import FastExchange
+from proxy.relay.head import HeadFields
 from proxy.relay.ids import RequestIds
 from proxy.relay.outcome import Outcome
-from proxy.relay.request import BodyBudget, RequestBody, check_head, read_request
+from proxy.relay.request import BodyBudget, RequestBody, check_head, read_request, refuses_head
 from proxy.relay.routes import ModelLoad, Peer, RouteEntry, Routes
 from proxy.relay.settings import RelaySettings
 from proxy.relay.ticket import Ticket
@@ -63,6 +64,8 @@ class Relay:
         self.request_id_of = RequestIds()
         self._drain = self.drain = Drain()
         self._exchange = Exchange(settings, self._drain)
+        # The fields that never cross upstream (``HeadFields`` notes the checks' among them).
+        self.request_drop = self._exchange.request_drop
         # A body larger than the whole budget could never be served: 413, not a 503 to retry forever.
         self._max_body_bytes = min(settings.max_body_bytes, settings.body_budget_bytes)
         # Every body held at once, the protocol's too (a body still coming, ``proxy/lean.py``).
@@ -160,22 +163,27 @@ class Relay:
         data: bytes | bytearray,
         client: FastClient,
         leave: Callable[[], None],
+        fields: HeadFields,
         head_checked: bool = False,
     ) -> bool:
         """Begin the exchange of a request whose body ``data`` came whole, from the protocol's
         callback (``proxy/relay/fast.py``); False, having changed nothing, when it is not one
-        the fast path serves (the caller runs the request as any other). ``head_checked``: its
-        head passed ``serves_head`` as it came (``check_head`` is not run again)."""
-        body = RequestBody(self._body_budget)
+        the fast path serves (the caller runs the request as any other). ``fields``: its head,
+        walked once (``proxy/relay/head.py``); ``head_checked``: its head passed ``serves_head``
+        as it came (``check_head``'s rules are not applied again)."""
+        budget = self._body_budget
         limit = self._max_body_bytes
-        if not head_checked:
-            try:
-                check_head(scope, limit, body)
-            except HTTPError:
-                return False
-        if len(data) > limit or not body.fits(len(data)) or self._drain.closing or self._total_timeout_s:
+        if not head_checked and (scope["method"] != "POST" or refuses_head(fields, limit, budget)):
             return False
-        outcome = Outcome(self.request_id_of(scope), ENDPOINTS[scope["path"]])
+        if (
+            len(data) > limit
+            or not budget.has_room(len(data))
+            or self._drain.closing
+            or self._total_timeout_s
+        ):
+            return False
+        body = RequestBody(budget)
+        outcome = Outcome(self.request_id_of.of(fields.request_id), ENDPOINTS[scope["path"]])
         try:
             entry, doc, drop, put = self._parse(data, outcome)
         except HTTPError:
@@ -190,7 +198,7 @@ class Relay:
         ):
             return False
         peer = entry.peers[0]
-        head = self._exchange.request_head(scope, peer, len(data), outcome.request_id)
+        head = self._exchange.request_head(scope, peer, len(data), outcome.request_id, fields.forward)
         # None: no idle connection is pooled, and the exchange opens one (a burst's first requests).
         conn = peer.pool.take_idle()
         ticket = Ticket()

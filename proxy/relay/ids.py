@@ -25,3 +25,7 @@ class RequestIds:
             if name == b"x-request-id" and valid_request_id(value):
                 return bytes(value)
         return b"%s%016x" % (self._prefix, next(self._counter))
+
+    def of(self, given: bytes | None) -> bytes:
+        """The id of a request whose first usable x-request-id is ``given`` (None: it has none)."""
+        return given if given is not None else b"%s%016x" % (self._prefix, next(self._counter))

@@ -16,17 +16,18 @@ and the relay drops its parsed document before the exchange.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from proxy.asgi import Message, Receive, Scope
 from proxy.errors import HTTPError, echo
 from proxy.upstream import ClientGone
 
-_ACCEPTED_CONTENT_TYPES = frozenset(
-    {
-        b"application/json",
-        # curl -d sends this unless told otherwise; the body is JSON all the same.
-        b"application/x-www-form-urlencoded",
-    }
-)
+if TYPE_CHECKING:
+    from proxy.relay.head import HeadFields
+
+# curl -d sends this unless told otherwise; the body is JSON all the same.
+FORM = b"application/x-www-form-urlencoded"
+_ACCEPTED_CONTENT_TYPES = frozenset({b"application/json", FORM})
 
 
 class BodyBudget:
@@ -136,7 +137,7 @@ def check_head(scope: Scope, limit: int, body: RequestBody) -> None:
                     raise too_large(limit)
         elif name == b"content-type":
             media = value.split(b";", 1)[0].strip().lower()
-            if media not in _ACCEPTED_CONTENT_TYPES and not media.endswith(b"+json"):
+            if unsupported_media(media):
                 given = echo(media.decode("latin-1"))
                 raise HTTPError(
                     415,
@@ -145,7 +146,7 @@ def check_head(scope: Scope, limit: int, body: RequestBody) -> None:
                 )
         elif name == b"origin":
             from_browser = True
-    if from_browser and media == b"application/x-www-form-urlencoded":
+    if from_browser and media == FORM:
         # A form type needs no CORS preflight: any web page could make a
         # visitor's browser run generations here. Browsers must send JSON.
         raise HTTPError(
@@ -157,6 +158,21 @@ def check_head(scope: Scope, limit: int, body: RequestBody) -> None:
         # It could not be held whole now: refused before any of it is read. Nothing is
         # reserved: a head alone must not hold the budget (its bytes are charged as they come).
         raise over_budget(body.limit_bytes)
+
+
+def unsupported_media(media: bytes) -> bool:
+    """Whether a body of this media type (lower-cased, no parameters) is refused (415)."""
+    return media not in _ACCEPTED_CONTENT_TYPES and not media.endswith(b"+json")
+
+
+def refuses_head(fields: HeadFields, limit: int, budget: BodyBudget) -> bool:
+    """Whether ``check_head`` refuses a POST with these fields, read from ``HeadFields``' walk."""
+    return (
+        fields.largest > limit
+        or fields.unsupported
+        or (fields.origins > 0 and fields.media == FORM)
+        or (fields.declared > 0 and not budget.has_room(fields.declared))
+    )
 
 
 async def _read_rest(message: Message, receive: Receive, limit: int, body: RequestBody) -> None:
