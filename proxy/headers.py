@@ -123,6 +123,21 @@ def _without(headers: Iterable[Header], drop: frozenset[bytes]) -> list[Header]:
     return [h for h in kept if h[0] not in extra]
 
 
+def response_lines(headers: Iterable[Header]) -> list[bytes]:
+    """``filter_response_headers`` as a head's lines: name, ``": "``, value, CRLF a field."""
+    lines: list[bytes] = []
+    for name, value in headers:
+        if name not in _DROP_RESPONSE:
+            lines += (name, b": ", value, b"\r\n")
+        elif name == b"connection" and value.lower() not in _PLAIN_CONNECTION:
+            # It names fields to drop besides (rare): the general rule.
+            lines = []
+            for name, value in filter_response_headers(headers):
+                lines += (name, b": ", value, b"\r\n")
+            return lines
+    return lines
+
+
 def add_sse_headers(headers: list[Header]) -> list[Header]:
     """Mark an SSE response as not to be cached or buffered, replacing upstream's say."""
     kept = [(n, v) for n, v in headers if n not in (b"cache-control", b"x-accel-buffering")]

@@ -448,20 +448,40 @@ class LeanProtocol(asyncio.Protocol):
             self._chunked = False
         else:
             assert not more, "a response that is not a stream is written whole"
-            data = head + body if head is not None else body
-            due = self._due
-            if not due:
-                # The pass's first write: made now, the pass's end marked for any after it.
-                due.append(outbox.WRITTEN)
-                self.loop.call_soon(self._flush_due)
-                transport.write(data)
-            elif self._out is None:
-                self._out = data
-                due.append(self)
-            else:
-                self._out += data  # an answer this pass already left: this one goes after it
+            self._write_whole(head + body if head is not None else body)
         self._answered()
         return None
+
+    def respond(self, status: int, lines: list[bytes], body: bytes) -> None:
+        """A whole response in one write: its head from ``lines`` (name, ``": "``, value, CRLF a
+        field, as ``start`` lays them out), then ``body``; the request is over."""
+        if self.transport.is_closing():
+            self._busy = False
+            raise ClientGone("the client's connection closed", nothing_sent=True)
+        content = [STATUS_LINE[status]]
+        for name, value in self.server_state.default_headers:
+            content += (name, b": ", value, b"\r\n")
+        content += lines
+        check_header_bytes(content)
+        if not self._keep_alive:
+            content.append(b"connection: close\r\n")
+        content += (b"\r\n", body)
+        self._head = None
+        self._write_whole(b"".join(content))
+        self._answered()
+
+    def _write_whole(self, data: bytes) -> None:
+        due = self._due
+        if not due:
+            # The pass's first write: made now, the pass's end marked for any after it.
+            due.append(outbox.WRITTEN)
+            self.loop.call_soon(self._flush_due)
+            self.transport.write(data)
+        elif self._out is None:
+            self._out = data
+            due.append(self)
+        else:
+            self._out += data  # an answer this pass already left: this one goes after it
 
     def send_out(self) -> None:
         """Write the answer ``write`` left in the outbox (unless sent or dropped since), and

@@ -106,6 +106,8 @@ class ResponseWriter(Protocol):
 
     def write(self, body: bytes, more: bool) -> Awaitable[None] | None: ...
 
+    def respond(self, status: int, lines: list[bytes], body: bytes) -> None: ...
+
 
 class FastClient(Protocol):
     """What a protocol gives the app's fast path for one request: ``Client`` here, or the lean
@@ -134,6 +136,8 @@ class StreamWriter(Protocol):
     def flush(self) -> None: ...
 
     def write(self, body: bytes, more: bool) -> Awaitable[None] | None: ...
+
+    def respond(self, status: int, lines: list[bytes], body: bytes) -> None: ...
 
     @property
     def write_paused(self) -> bool: ...
@@ -832,6 +836,12 @@ class ClientWriter:
             content.append(b"transfer-encoding: chunked\r\n")
         content.append(b"\r\n")
         self._head = b"".join(content)
+
+    def respond(self, status: int, lines: list[bytes], body: bytes) -> None:
+        """A whole response: ``start`` with the fields of ``lines`` (name, ``": "``, value, CRLF
+        a field), then ``body`` as its last ``write``."""
+        self.start(status, list(zip(lines[0::4], lines[2::4], strict=True)))
+        self.write(body, False)
 
     def flush(self) -> Awaitable[None] | None:
         """Send a held head on its own (the body's first bytes are not there yet)."""

@@ -42,7 +42,7 @@ from time import perf_counter
 from typing import TYPE_CHECKING, cast
 
 from proxy.asgi import Receive, Scope, Send
-from proxy.headers import add_sse_headers, filter_response_headers, is_event_stream_type
+from proxy.headers import add_sse_headers, filter_response_headers, is_event_stream_type, response_lines
 from proxy.protocol import FastClient, StreamClient
 from proxy.relay.body import usage_tail
 from proxy.relay.outcome import Outcome
@@ -50,7 +50,7 @@ from proxy.relay.request import RequestBody
 from proxy.relay.routes import Peer
 from proxy.relay.sse import EventStream
 from proxy.relay.ticket import Ticket
-from proxy.relay.timing import timing_header
+from proxy.relay.timing import TIMING, timing_header
 from proxy.upstream import ClientGone, Connection, UpstreamError
 
 if TYPE_CHECKING:
@@ -302,17 +302,28 @@ class FastExchange:
         self.body.drop()
         outcome.head_s = head_at - started
         outcome.status = status
-        headers = filter_response_headers(conn.headers)
-        headers.append((b"x-request-id", outcome.request_id))
-        outcome.own_s = sent_at - started + perf_counter() - head_at
-        headers.append(timing_header(outcome.own_s, head_at - sent_at))
-        headers.append((b"content-length", conn.content_length))  # type: ignore[arg-type]
+        lines = response_lines(conn.headers)
+        outcome.own_s = own_s = sent_at - started + perf_counter() - head_at
+        # The layout ``respond`` takes: name, ": ", value, CRLF a field.
+        # A 2xx answered here has a Content-Length (``_on_upstream``).
+        lines += (  # type: ignore[arg-type]
+            b"x-request-id",
+            b": ",
+            outcome.request_id,
+            b"\r\n",
+            b"server-timing",
+            b": ",
+            TIMING % (own_s * 1000, (head_at - sent_at) * 1000),
+            b"\r\n",
+            b"content-length",
+            b": ",
+            conn.content_length,
+            b"\r\n",
+        )
         data = conn.take_body()
-        out = self.client.writer()
         try:
-            out.start(status, headers)
             outcome.tail = usage_tail(b"", data)
-            out.write(data, False)
+            self.client.writer().respond(status, lines, data)
             outcome.bytes_out += len(data)
         except ClientGone as exc:
             outcome.client_gone = True

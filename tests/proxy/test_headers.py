@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import httptools
 import pytest
 
@@ -15,6 +17,7 @@ from proxy.headers import (
     is_event_stream,
     request_drop,
     request_head,
+    response_lines,
     valid_request_id,
 )
 
@@ -315,3 +318,32 @@ def test_sse_headers_replace_upstream_cache_control() -> None:
         (b"cache-control", b"no-cache"),
         (b"x-accel-buffering", b"no"),
     ]
+
+
+def test_response_lines_are_the_filtered_fields_as_a_heads_lines() -> None:
+    names = [
+        b"content-type",
+        b"content-length",
+        b"connection",
+        b"keep-alive",
+        b"date",
+        b"server",
+        b"x-request-id",
+        b"x-kept",
+        b"x-named",
+        b"set-cookie",
+        b"access-control-allow-origin",
+    ]
+    values = [b"keep-alive", b"close", b"Keep-Alive", b"x-named", b"close, x-kept", b"v", b""]
+    rng = random.Random(3)
+    named = 0
+    for _ in range(3000):
+        headers = [(rng.choice(names), rng.choice(values)) for _ in range(rng.randint(0, 7))]
+        expected = [
+            piece
+            for name, value in filter_response_headers(headers)
+            for piece in (name, b": ", value, b"\r\n")
+        ]
+        assert response_lines(headers) == expected, headers
+        named += any(n == b"connection" and v.lower() not in (b"keep-alive", b"close") for n, v in headers)
+    assert named > 300  # the Connection field that names others, met often
