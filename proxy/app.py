@@ -71,6 +71,10 @@ class GatewayState:
             await self._idle.wait()
 
 
+# The scope's key for the head's walk that ``serves_head`` made, for ``fast_after_head``.
+_FIELDS = "blazar.head_fields"
+
+
 class Gateway:
     """Top-level ASGI app: a choice of which app serves the request."""
 
@@ -107,15 +111,10 @@ class Gateway:
         callback (``proxy/relay/fast.py``); False, having changed nothing, when the request is
         to be served as any other (an ASGI task): the checks ``__call__`` makes first, then the
         relay's."""
-        relay = self.relay
-        if self._with_cors or self.state.draining or relay.declines(data, client):
+        if self.relay.declines(data, client):
             return False
-        fields = HeadFields(scope["headers"], relay.request_drop)
-        if fields.hosts > 1:
-            refusal = self.browser.refusal(scope)
-        else:
-            refusal = self.browser.refusal_of(fields.host, fields.origin, fields.origins > 1, fields.site)
-        if refusal is not None or (self._with_keys and not self.keys.allows(scope)):
+        fields = self._fast_head(scope)
+        if fields is None:
             return False
         return self._try_fast(scope, data, client, fields, False)
 
@@ -127,7 +126,10 @@ class Gateway:
         relay = self.relay
         if self.state.draining or relay.declines(data, client):
             return False
-        return self._try_fast(scope, data, client, HeadFields(scope["headers"], relay.request_drop), True)
+        fields = scope.get(_FIELDS)
+        if fields is None:
+            fields = HeadFields(scope["headers"], relay.request_drop)
+        return self._try_fast(scope, data, client, fields, True)
 
     def _try_fast(
         self,
@@ -150,13 +152,27 @@ class Gateway:
     def serves_head(self, scope: Scope) -> bool:
         """Whether ``fast`` may take a request as far as its head tells, its body still coming:
         False where ``__call__`` would refuse it at its head (a browser check, the key, the relay's
-        checks), so that the protocol gives it to the full protocol, which refuses it at once."""
-        return self._fast_head(scope) and self.relay.serves_head(scope)
-
-    def _fast_head(self, scope: Scope) -> bool:
-        if self._with_cors or self.state.draining or self.browser.refusal(scope) is not None:
+        checks), so that the protocol gives it to the full protocol, which refuses it at once.
+        The head's walk is kept in the scope for ``fast_after_head``."""
+        fields = self._fast_head(scope)
+        if fields is None or not self.relay.serves_head(scope, fields):
             return False
-        return not self._with_keys or self.keys.allows(scope)
+        scope[_FIELDS] = fields
+        return True
+
+    def _fast_head(self, scope: Scope) -> HeadFields | None:
+        """The head's fields, walked once (``HeadFields``), where ``__call__``'s checks of the head
+        (CORS, the drain, the browser checks, the key) let it on; else None."""
+        if self._with_cors or self.state.draining:
+            return None
+        fields = HeadFields(scope["headers"], self.relay.request_drop)
+        if fields.hosts > 1:
+            refusal = self.browser.refusal(scope)
+        else:
+            refusal = self.browser.refusal_of(fields.host, fields.origin, fields.origins > 1, fields.site)
+        if refusal is not None or (self._with_keys and not self.keys.allows(scope)):
+            return None
+        return fields
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":

@@ -26,7 +26,7 @@ from proxy.relay.fast import FastExchange
 from proxy.relay.head import HeadFields
 from proxy.relay.ids import RequestIds
 from proxy.relay.outcome import Outcome
-from proxy.relay.request import BodyBudget, RequestBody, check_head, read_request, refuses_head
+from proxy.relay.request import BodyBudget, RequestBody, read_request, refuses_head
 from proxy.relay.routes import ModelLoad, Peer, RouteEntry, Routes
 from proxy.relay.settings import RelaySettings
 from proxy.relay.ticket import Ticket
@@ -147,15 +147,17 @@ class Relay:
         relays no stream to, told from its bytes before any parse (the task path parses it once)."""
         return not client.streams and _asks_for_stream(data)
 
-    def serves_head(self, scope: Scope) -> bool:
+    def serves_head(self, scope: Scope, fields: HeadFields) -> bool:
         """Whether ``try_fast`` may take the request as far as its head tells (its body still
-        coming): False where ``__call__`` refuses it at its head (405, 413, 415, or a declared
-        length the budget has no room for) or the fast path never takes it."""
-        try:
-            check_head(scope, self._max_body_bytes, RequestBody(self._body_budget))
-        except HTTPError:
-            return False
-        return not (self._drain.closing or self._total_timeout_s)
+        coming; ``fields``: its head's walk): False where ``__call__`` refuses it at its head
+        (405, 413, 415, or a declared length the budget has no room for) or the fast path never
+        takes it."""
+        return not (
+            scope["method"] != "POST"
+            or refuses_head(fields, self._max_body_bytes, self._body_budget)
+            or self._drain.closing
+            or self._total_timeout_s
+        )
 
     def try_fast(
         self,

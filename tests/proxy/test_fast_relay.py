@@ -17,8 +17,9 @@ import orjson
 import pytest
 
 from engines.spec import Guards
+from proxy import app as app_module
 from proxy.app import Gateway, build_app
-from proxy.relay import handler
+from proxy.relay import HeadFields, handler
 from proxy.relay.outcome import Outcome
 from proxy.routing import Route, RoutingTable, UpstreamAddress
 from proxy.startup.settings import Settings
@@ -268,33 +269,40 @@ async def test_a_head_whose_body_comes_later_and_an_upstream_error_are_handed_ov
 async def test_a_body_written_after_its_head_is_served_from_callbacks_its_head_checked_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """As the SDKs write a request (head, then body): the browser checks and the relay's check of
-    the head run once, as the head comes, not again with the body."""
+    """As the SDKs write a request (head, then body): the head's fields are walked once, and the
+    browser checks and the relay's check of the head run once, as the head comes, not again with
+    the body."""
     checks: list[str] = []
-    check_head = handler.check_head  # type: ignore[attr-defined]
+    refuses_head = handler.refuses_head  # type: ignore[attr-defined]
 
-    def counted_check_head(*args: Any) -> None:
+    def counted_refuses_head(*args: Any) -> bool:
         checks.append("head")
-        check_head(*args)
+        return refuses_head(*args)
 
-    monkeypatch.setattr(handler, "check_head", counted_check_head)
+    class CountedFields(HeadFields):
+        def __init__(self, *args: Any) -> None:
+            checks.append("walk")
+            super().__init__(*args)
+
+    monkeypatch.setattr(handler, "refuses_head", counted_refuses_head)
+    monkeypatch.setattr(app_module, "HeadFields", CountedFields)
     async with gateway() as (port, app, taken):
-        refusal = app.browser.refusal
+        refusal_of = app.browser.refusal_of
 
-        def counted_refusal(scope: Any) -> Any:
+        def counted_refusal(*args: Any) -> Any:
             checks.append("browser")
-            return refusal(scope)
+            return refusal_of(*args)
 
-        app.browser.refusal = counted_refusal  # type: ignore[method-assign]
+        app.browser.refusal_of = counted_refusal  # type: ignore[method-assign,assignment]
         body = b'{"model":"m1","messages":[]}'
         reader, writer = await head_alone(port, body)
-        assert checks == ["browser", "head"]
+        assert checks == ["walk", "browser", "head"]
         writer.write(body)
         head = await reader.readuntil(b"\r\n\r\n")
         answer = await reader.readexactly(len(REPLY))
         writer.close()
     assert head.startswith(b"HTTP/1.1 200 OK\r\n") and answer == REPLY
-    assert taken == [True] and checks == ["browser", "head"]
+    assert taken == [True] and checks == ["walk", "browser", "head"]
 
 
 async def test_a_body_that_comes_after_a_drain_began_is_answered_503() -> None:
