@@ -154,6 +154,21 @@ class AccessLog:
         Only its fields are kept here (and the clock read): the line is formatted with the
         rest of its batch, when the batch is written (``flush``).
         """
+        self.add(scope, request_id, model, status, bytes_out, duration_s, ttfb_s, overhead_s, upstreams)
+
+    def add(
+        self,
+        scope: Scope,
+        request_id: bytes,
+        model: str,
+        status: int,
+        bytes_out: int,
+        duration_s: float,
+        ttfb_s: float | None,
+        overhead_s: float | None,
+        upstreams: list[str] | None,
+    ) -> None:
+        """``write`` with its fields in order, as the relay gives them (a call without keywords)."""
         if not log.isEnabledFor(logging.INFO):
             return
         lines, loop = self._lines, self._loop

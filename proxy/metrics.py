@@ -17,8 +17,8 @@ on the loop every stream stalled that long.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import re
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -71,7 +71,7 @@ class Buckets:
         self.sum = 0.0
 
     def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.counts[bisect_left(self.bounds, value)] += 1
         self.sum += value
 
     def copy(self) -> Buckets:
@@ -105,6 +105,28 @@ class ModelMetrics:
     def count(self, route: str, status: int) -> None:
         key = (route, status)
         self.requests[key] = self.requests.get(key, 0) + 1
+
+    def relayed(
+        self, route: str, status: int, e2e_s: float, own_s: float | None = None, ttft_s: float = 0.0
+    ) -> None:
+        """A relayed request: ``count``, and its end-to-end time observed; with ``own_s``, the
+        gateway's own time and the time to the first token (``ttft_s``) too.
+
+        Each observation is ``Buckets.observe`` written out: one call for a request's figures.
+        """
+        key = (route, status)
+        requests = self.requests
+        requests[key] = requests.get(key, 0) + 1
+        buckets = self.e2e
+        buckets.counts[bisect_left(buckets.bounds, e2e_s)] += 1
+        buckets.sum += e2e_s
+        if own_s is not None:
+            buckets = self.overhead
+            buckets.counts[bisect_left(buckets.bounds, own_s)] += 1
+            buckets.sum += own_s
+            buckets = self.ttft
+            buckets.counts[bisect_left(buckets.bounds, ttft_s)] += 1
+            buckets.sum += ttft_s
 
     def upstream_error(self, kind: str) -> None:
         self.upstream_errors[kind] = self.upstream_errors.get(kind, 0) + 1

@@ -23,80 +23,53 @@ from proxy.upstream import Connection, UpstreamError
 class Outcome:
     """How one request went, from its arrival to its end."""
 
-    __slots__ = (
-        "arrived",
-        "built",
-        "bytes_out",
-        "client_gone",
-        "conn",
-        "duration_s",
-        "endpoint",
-        "error",
-        "first_s",
-        "gone_early",
-        "head_s",
-        "model",
-        "own_s",
-        "peer",
-        "refusal",
-        "request_id",
-        "sends",
-        "sent_at",
-        "sse_started",
-        "stalled",
-        "started",
-        "stats",
-        "status",
-        "stream",
-        "tail",
-        "translator",
-        "upstreams",
-    )
+    # What a request has not set reads as these: only the few set for every request are set
+    # by ``__init__`` (the rest are set on the record as the request goes).
+
+    # Another API's request sent as a chat completion: its translation (else None).
+    translator: Translator | None = None
+    # When the request was written upstream.
+    sent_at = 0.0
+    # Set once the model is known to be served here.
+    model = ""
+    stats: ModelMetrics | None = None
+    # The client asked for a stream.
+    stream = False
+    # A non-stream reply being built from the stream the engine was asked for.
+    built: ReplyAssembler | None = None
+    # The gateway's own answer before any exchange (400, 404, 429, 503...).
+    refusal: HTTPError | None = None
+    # The client left before the exchange began (in its upload or a queue).
+    gone_early = False
+    status = 0
+    bytes_out = 0
+    sends = 0
+    sse_started = False
+    own_s: float | None = None
+    head_s = 0.0
+    # A stream's time to its first event with data (its first token), once it came; else 0.
+    first_s = 0.0
+    error: str | None = None
+    client_gone = False
+    stalled = False
+    # A request that moved between servers of a set: each one tried, in order (else None).
+    upstreams: list[str] | None = None
+    # The replica it was sent to, and its connection while the exchange runs (to cancel it).
+    peer: Peer | None = None
+    conn: Connection | None = None
+    # The last bytes of the response (its usage, read for the status page); set at its end.
+    tail = b""
+    # Set once recorded: the request is over.
+    duration_s: float | None = None
 
     def __init__(self, request_id: bytes, endpoint: Endpoint) -> None:
         self.request_id = request_id
         # The API endpoint it came in on: its error envelope, how its stream ends.
         self.endpoint = endpoint
-        # Another API's request sent as a chat completion: its translation (else None).
-        self.translator: Translator | None = None
-        # The gateway's clock: restarted when the body is in (the client's
-        # upload is not the gateway's time) and after a wait for the model or a slot.
-        self.started = perf_counter()
-        # When the body was in: the start of the request's end-to-end time.
-        self.arrived = self.started
-        # When the request was written upstream.
-        self.sent_at = 0.0
-        # Set once the model is known to be served here.
-        self.model = ""
-        self.stats: ModelMetrics | None = None
-        # The client asked for a stream.
-        self.stream = False
-        # A non-stream reply being built from the stream the engine was asked for.
-        self.built: ReplyAssembler | None = None
-        # The gateway's own answer before any exchange (400, 404, 429, 503...).
-        self.refusal: HTTPError | None = None
-        # The client left before the exchange began (in its upload or a queue).
-        self.gone_early = False
-        self.status = 0
-        self.bytes_out = 0
-        self.sends = 0
-        self.sse_started = False
-        self.own_s: float | None = None
-        self.head_s = 0.0
-        # A stream's time to its first event with data (its first token), once it came; else 0.
-        self.first_s = 0.0
-        self.error: str | None = None
-        self.client_gone = False
-        self.stalled = False
-        # A request that moved between servers of a set: each one tried, in order (else None).
-        self.upstreams: list[str] | None = None
-        # The replica it was sent to, and its connection while the exchange runs (to cancel it).
-        self.peer: Peer | None = None
-        self.conn: Connection | None = None
-        # The last bytes of the response (its usage, read for the status page); set at its end.
-        self.tail = b""
-        # Set once recorded: the request is over.
-        self.duration_s: float | None = None
+        # ``started``, the gateway's clock: restarted when the body is in (the client's upload
+        # is not the gateway's time) and after a wait for the model or a slot. ``arrived``: when
+        # the body was in, the start of the request's end-to-end time.
+        self.started = self.arrived = perf_counter()
 
     @property
     def replica(self) -> str | None:
@@ -128,35 +101,55 @@ class Outcome:
             self.status, self.bytes_out, self.client_gone = 499, 0, True
         now = perf_counter()
         stats = self.stats
-        if self.refusal is not None:
+        refusal = self.refusal
+        status = self.status
+        own_s = self.own_s
+        if refusal is not None:
             duration_s = now - self.started
             if stats is not None:
-                stats.count(ROUTE_LABELS[scope["path"]], self.status)
+                stats.count(ROUTE_LABELS[scope["path"]], status)
             elif metrics is not None:
-                metrics.unrouted.count(ROUTE_LABELS[scope["path"]], self.status)
-            if self.refusal.code == "model_not_found":
+                metrics.unrouted.count(ROUTE_LABELS[scope["path"]], status)
+            if refusal.code == "model_not_found":
                 # A name no route serves: the client's own text, made safe for the line, and cut
                 # (the status page's activity keeps it).
                 self.model = access.asked_model(self.model) if access is not None else cut_model(self.model)
         else:
-            if not self.status:
-                self.status = 499  # the client left before the response began
+            if not status:
+                self.status = status = 499  # the client left before the response began
             duration_s = now - self.arrived
             if stats is not None:
-                self._count(stats, metrics, ROUTE_LABELS[scope["path"]], duration_s)
+                route = ROUTE_LABELS[scope["path"]]
+                if own_s is not None and status < 400:
+                    stats.relayed(route, status, duration_s, own_s, self.first_s or self.head_s)
+                else:
+                    # A relayed upstream error has its figures in the access log, not in the
+                    # histograms of the gateway's own time and the time to the first token.
+                    stats.relayed(route, status, duration_s)
+                error = self.error
+                if error is not None:
+                    if error == "overloaded" and metrics is not None:
+                        metrics.overloaded += 1  # the gateway's own, not the upstream's
+                    else:
+                        stats.upstream_error(error)
+                if self.client_gone and metrics is not None:
+                    metrics.client_disconnects += 1
         self.duration_s = duration_s
-        self._let_go()
+        # Keep only the record, as ``_let_go`` does.
+        self.translator = self.built = None
+        if refusal is not None:
+            refusal.__traceback__ = None
         if access is not None:
-            access.write(
+            access.add(
                 scope,
-                request_id=self.request_id,
-                model=self.model,
-                status=self.status,
-                bytes_out=self.bytes_out,
-                duration_s=duration_s,
-                ttfb_s=self.head_s if self.own_s is not None else None,
-                overhead_s=self.own_s,
-                upstreams=self.upstreams,
+                self.request_id,
+                self.model,
+                status,
+                self.bytes_out,
+                duration_s,
+                self.head_s if own_s is not None else None,
+                own_s,
+                self.upstreams,
             )
 
     def _let_go(self) -> None:
@@ -167,19 +160,3 @@ class Outcome:
         self.built = None
         if self.refusal is not None:
             self.refusal.__traceback__ = None
-
-    def _count(self, stats: ModelMetrics, metrics: Metrics | None, route: str, duration_s: float) -> None:
-        """A relayed request's figures: a few pre-bound metric updates."""
-        stats.count(route, self.status)
-        stats.e2e.observe(duration_s)
-        if self.own_s is not None and self.status < 400:
-            # A relayed upstream error has its figures in the access log, not in these histograms.
-            stats.overhead.observe(self.own_s)
-            stats.ttft.observe(self.first_s or self.head_s)
-        if self.error is not None:
-            if self.error == "overloaded" and metrics is not None:
-                metrics.overloaded += 1  # the gateway's own, not the upstream's
-            else:
-                stats.upstream_error(self.error)
-        if self.client_gone and metrics is not None:
-            metrics.client_disconnects += 1
