@@ -32,8 +32,9 @@ class ProxyTrust:
 
     def client(self, scope: Scope) -> str:
         """The client's address, trusting X-Forwarded-For only from configured proxies."""
-        peer = _peer(scope)
-        if not self.is_trusted(peer):
+        client = scope.get("client")
+        peer = str(client[0]) if client else "-"  # ``_peer``, written out
+        if not self._trusted or not self.is_trusted(peer):
             return peer
         for hop in reversed(_claimed(scope)):
             # Right to left: the first hop that is not one of our proxies is the client.
