@@ -31,12 +31,10 @@ from proxy.upstream import ClientGone
 class Ticket:
     """What one request holds: its model's gate (in use), a slot of its admission, a peer's count."""
 
-    __slots__ = ("gate", "peer", "slot")
-
-    def __init__(self) -> None:
-        self.gate: Gate | None = None
-        self.slot: Admission | None = None
-        self.peer: Peer | None = None
+    # Each one None until taken: on the class, so that a new ticket costs no ``__init__``.
+    gate: Gate | None = None
+    slot: Admission | None = None
+    peer: Peer | None = None
 
     def take(self, entry: RouteEntry, doc: Any) -> Peer | None:
         """Take the gate, a slot and a peer where none needs a wait (the fast path); None if one does.
@@ -50,10 +48,19 @@ class Ticket:
             # In use from here, queued or not: never unloaded under this request.
             gate.enter()
             self.gate = gate
-        if not entry.admission.try_enter():
+        admission = entry.admission
+        if not admission.try_enter():
             return None
-        self.slot = entry.admission
-        return self._pick(entry, doc)
+        self.slot = admission
+        peers = entry.peers
+        if len(peers) != 1:
+            return self._pick(entry, doc)
+        # One peer: that one (``_pick``'s first case, written out).
+        peer = peers[0]
+        peer.in_flight += 1
+        peer.served += 1
+        self.peer = peer
+        return peer
 
     async def admit(
         self,
