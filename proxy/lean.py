@@ -132,6 +132,8 @@ class LeanProtocol(asyncio.Protocol):
         self.client: tuple[str, int] | None = None
         self.server: tuple[str, int | None] | None = None
         self.scheme = "http"
+        # The fields of each request's scope that are the connection's (``_scope_of``).
+        self._scope_base: dict[str, Any] = {}
         # The request being parsed.
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
@@ -190,6 +192,19 @@ class LeanProtocol(asyncio.Protocol):
         self.server = get_local_addr(transport)
         self.client = get_remote_addr(transport)
         self.scheme = "https" if is_ssl(transport) else "http"
+        self._scope_base = {
+            "type": "http",
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": self.scheme,
+            "path": "",
+            "raw_path": b"",
+            "query_string": b"",
+            "root_path": "",
+            "headers": [],
+            "client": self.client,
+            "server": self.server,
+        }
         self._first_deadline = self.loop.time() + self.header_timeout_s
         self._head_timer = self.loop.call_at(self._first_deadline, self._silent)
 
@@ -306,20 +321,13 @@ class LeanProtocol(asyncio.Protocol):
             self._switch(data)
 
     def _scope_of(self, path: str) -> dict[str, Any]:
-        """The request's scope, for the app: what the fast path reads of it."""
-        return {
-            "type": "http",
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": self.scheme,
-            "path": path,
-            "raw_path": self._url,
-            "query_string": b"",
-            "root_path": "",
-            "headers": self._headers,
-            "client": self.client,
-            "server": self.server,
-        }
+        """The request's scope, for the app: what the fast path reads of it (the connection's
+        fields copied, a C copy of one table, and the request's own set)."""
+        scope = self._scope_base.copy()
+        scope["path"] = path
+        scope["raw_path"] = self._url
+        scope["headers"] = self._headers
+        return scope
 
     def eof_received(self) -> None:
         # The transport closes (connection_lost), after what was written before: a held answer too.
