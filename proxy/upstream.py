@@ -134,6 +134,9 @@ def _keep_alive_limit(value: bytes) -> float | None:
 _NOTED = frozenset(
     {b"content-type", b"content-length", b"transfer-encoding", b"keep-alive", b"content-encoding"}
 )
+# Those of them a head from an engine seldom has: a head with one (or with a name twice) is read
+# field by field.
+_RARE = _NOTED - {b"content-type", b"content-length"}
 
 
 def _ambiguous(codings: list[bytes], lengths: set[bytes]) -> bool:
@@ -201,10 +204,6 @@ class Connection(asyncio.Protocol):
         # Bytes received before the head was whole.
         self._head_bytes = 0
         self._stray = False
-        self._framed = False
-        # Transfer-Encoding and Content-Length as the upstream sent them, to check its framing.
-        self._codings: list[bytes] = []
-        self._lengths: set[bytes] = set()
         self._complete = False
         self._informational = False
         self._error: BaseException | None = None
@@ -290,9 +289,9 @@ class Connection(asyncio.Protocol):
             self._kept = len(self._chunks)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        # Kept as they come; read once the head is whole (one loop, not a call's work per header).
+        # Kept as they come, the name lower-cased; read once the head is whole.
         if not self._stray:
-            self._raw_headers.append((name, value))
+            self._raw_headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
         raw = self._raw_headers
@@ -309,54 +308,75 @@ class Connection(asyncio.Protocol):
             self._fail(BadResponse(f"upstream's response head is larger than {MAX_HEAD_BYTES} bytes"))
             self.close()
             return
-        headers = self.headers
-        # One membership test a header; the five the connection notes are rare.
-        for name, value in raw:
-            name = name.lower()
+        self.headers = raw
+        fields = dict(raw)
+        if len(fields) == len(raw) and _RARE.isdisjoint(fields):
+            # The common head: no name twice, and none of the fields read the long way.
+            self.content_type = fields.get(b"content-type")
+            length = self.content_length = fields.get(b"content-length")
+            framed = length is not None
+        else:
+            read = self._read_fields(raw)
+            if read is None:
+                return
+            framed = read
+        self.status = status
+        self.close_delimited = not framed and status not in (204, 304)
+        self._head_done = True
+        # (_wake, in a parser callback: the listener is told once the read is parsed.)
+        if self.listener is not None:
+            self._woken = True
+        else:
+            self._wake()
+
+    def _read_fields(self, headers: list[tuple[bytes, bytes]]) -> bool | None:
+        """Note the fields of a head that has a name twice or one of the rarer fields: whether its
+        body is framed (by Content-Length or Transfer-Encoding), or None when it is refused."""
+        framed = False
+        # Transfer-Encoding and Content-Length as the upstream sent them, to check its framing.
+        codings: list[bytes] = []
+        lengths: set[bytes] = set()
+        for name, value in headers:
             if name in _NOTED:
                 if name == b"content-type":
                     if self.content_type is None:
                         self.content_type = value
                 elif name == b"content-length":
-                    self._framed = True
-                    self._lengths.add(value.strip())
+                    framed = True
+                    lengths.add(value.strip())
                     if self.content_length is None:
                         self.content_length = value
                 elif name == b"transfer-encoding":
-                    self._framed = True
-                    self._codings.extend(c.strip().lower() for c in value.split(b","))
+                    framed = True
+                    codings.extend(c.strip().lower() for c in value.split(b","))
                 elif name == b"content-encoding":
                     if value.strip().lower() not in (b"", b"identity"):
                         self.content_encoding = value
                 else:
                     self.idle_limit_s = _keep_alive_limit(value)
-            headers.append((name, value))
-        if self._framed and _ambiguous(self._codings, self._lengths):
+        if framed and _ambiguous(codings, lengths):
             # As nginx and HAProxy: a body whose end two readers could see in two places.
             self._fail(
                 BadResponse(
                     "upstream sent ambiguous framing (Transfer-Encoding "
-                    f"{b', '.join(self._codings).decode('latin-1')!r}, "
-                    f"Content-Length {sorted(v.decode('latin-1') for v in self._lengths)})"
+                    f"{b', '.join(codings).decode('latin-1')!r}, "
+                    f"Content-Length {sorted(v.decode('latin-1') for v in lengths)})"
                 )
             )
             self.close()
-            return
-        if self._codings and self._codings != [b"chunked"]:
+            return None
+        if codings and codings != [b"chunked"]:
             # As nginx: llhttp would read "gzip, chunked" as chunked and hand on the coded bytes.
             self._fail(
                 BadResponse(
                     "upstream sent Transfer-Encoding "
-                    f"{b', '.join(self._codings).decode('latin-1')!r}, which the gateway does not decode "
+                    f"{b', '.join(codings).decode('latin-1')!r}, which the gateway does not decode "
                     "(only chunked)"
                 )
             )
             self.close()
-            return
-        self.status = status
-        self.close_delimited = not self._framed and status not in (204, 304)
-        self._head_done = True
-        self._wake()
+            return None
+        return framed
 
     def on_message_complete(self) -> None:
         if self._stray:
@@ -366,8 +386,13 @@ class Connection(asyncio.Protocol):
             return
         self._complete = True
         self.keep_alive = self._parser.should_keep_alive()
-        self._cancel_read_timer()
-        self._wake()
+        if self._read_timer is not None:
+            self._cancel_read_timer()
+        # (_wake, in a parser callback: the listener is told once the read is parsed.)
+        if self.listener is not None:
+            self._woken = True
+        else:
+            self._wake()
 
     # -- used by the relay --------------------------------------------------
 

@@ -558,3 +558,46 @@ async def test_requests_after_the_pass_s_first_write_are_written_at_its_end_unle
     await asyncio.sleep(0)
     assert sent._transport.written == REQUEST + b"{}"  # type: ignore[union-attr]
     assert dropped._transport.written == b""  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("head", "noted"),
+    [
+        (
+            b"Content-Type: a/b\r\nContent-Length: 2\r\nX-One: 1",
+            (b"a/b", b"2", None, False, None),
+        ),
+        (b"X-One: 1", (None, None, None, True, None)),
+        (
+            b"content-type: a/b\r\nset-cookie: a=1\r\nContent-Type: c/d\r\nSet-Cookie: b=2\r\n"
+            b"content-length: 2",
+            (b"a/b", b"2", None, False, None),
+        ),
+        (
+            b"Content-Encoding: gzip\r\nContent-Encoding: identity\r\nTransfer-Encoding: chunked",
+            (None, None, b"gzip", False, None),
+        ),
+        (b"content-encoding:  Identity \r\ncontent-length: 2", (None, b"2", None, False, None)),
+        (
+            b"Keep-Alive: timeout=5, max=10\r\nKeep-Alive: timeout=9\r\ncontent-length: 2",
+            (None, b"2", None, False, 8.0),
+        ),
+    ],
+    ids=["common", "unframed", "names-twice", "codings", "identity", "keep-alive-twice"],
+)
+async def test_the_fields_a_head_notes(head: bytes, noted: tuple[object, ...]) -> None:
+    """The first Content-Type and Content-Length as sent, the last content coding other than
+    identity, whether the close ends the body, and the last Keep-Alive's timeout less a second;
+    every header kept, in order, its name lower-cased."""
+    conn = Connection()
+    conn.connection_made(_KeptTransport())  # type: ignore[arg-type]
+    conn.send(REQUEST, b"{}")
+    chunked = b"chunked" in head
+    body = b"2\r\nok\r\n0\r\n\r\n" if chunked else b"ok"
+    conn.data_received(b"HTTP/1.1 200 OK\r\n" + head + b"\r\n\r\n" + body)
+    assert conn.error is None and conn.status == 200
+    lines = (line.partition(b":") for line in head.split(b"\r\n"))
+    assert conn.headers == [(name.lower(), value.lstrip()) for name, _, value in lines]
+    fields = (conn.content_type, conn.content_length, conn.content_encoding)
+    assert (*fields, conn.close_delimited, conn.idle_limit_s) == noted
+    assert conn.take_body() == b"ok"
