@@ -203,18 +203,21 @@ class Connection(asyncio.Protocol):
         self._head_done = False
         # Bytes received before the head was whole.
         self._head_bytes = 0
-        self._stray = False
         self._complete = False
+        self._received_any = False
+        self._paused = False
+        self._listening = False
+        if self.state is ConnState.IDLE:
+            # Pooled idle: its last response (if any) ended cleanly, and these are as set below.
+            return
+        self._stray = False
         self._informational = False
         self._error: BaseException | None = None
-        self._received_any = False
         self._chunks.clear()
         # Bytes received since the relay last read (framing included): the pause's measure.
         self._unread = 0
         # With a stray message under way: how many chunks are this response's.
         self._kept = 0
-        self._paused = False
-        self._listening = False
         self._last_data_at = 0.0
         self._wait_since = 0.0
         self._read_timeout_s = 0.0

@@ -601,3 +601,17 @@ async def test_the_fields_a_head_notes(head: bytes, noted: tuple[object, ...]) -
     fields = (conn.content_type, conn.content_length, conn.content_encoding)
     assert (*fields, conn.close_delimited, conn.idle_limit_s) == noted
     assert conn.take_body() == b"ok"
+
+
+async def test_a_connection_sent_on_again_without_being_pooled_starts_from_nothing() -> None:
+    """A request sent on a connection that was not pooled idle (its last response may have ended
+    any way: here with a stray message after it) reads its response from nothing."""
+    conn = Connection()
+    conn.connection_made(_KeptTransport())  # type: ignore[arg-type]
+    conn.send(REQUEST, b"{}")
+    conn.data_received(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nokHTTP/1.1 204 No Content\r\n\r\n")
+    assert conn.take_body() == b"ok" and not conn.reusable
+    conn.send(REQUEST, b"{}")
+    assert conn.status == 0 and conn.headers == [] and not conn.whole
+    conn.data_received(b"HTTP/1.1 201 Created\r\ncontent-length: 3\r\n\r\nyes")
+    assert conn.status == 201 and conn.whole and conn.take_body() == b"yes" and conn.reusable
