@@ -203,7 +203,8 @@ class Connection(asyncio.Protocol):
         self._head_done = False
         # Bytes received before the head was whole.
         self._head_bytes = 0
-        self._complete = False
+        # Whether the whole response has arrived (its body may not have been read).
+        self.whole = False
         self._received_any = False
         self._paused = False
         self._listening = False
@@ -212,10 +213,11 @@ class Connection(asyncio.Protocol):
             return
         self._stray = False
         self._informational = False
-        self._error: BaseException | None = None
+        # What ended the exchange, if anything did (a timeout, a close, a malformed response).
+        self.error: BaseException | None = None
         self._chunks.clear()
-        # Bytes received since the relay last read (framing included): the pause's measure.
-        self._unread = 0
+        # The bytes received and not yet read (the body's framing included): the pause's measure.
+        self.buffered = 0
         # With a stray message under way: how many chunks are this response's.
         self._kept = 0
         self._last_data_at = 0.0
@@ -256,8 +258,8 @@ class Connection(asyncio.Protocol):
             if self._stray:
                 # Bytes of a message after the end of this response are not its body.
                 del chunks[self._kept :]
-            self._unread += len(data)
-            if self._unread > _HIGH_WATER_BYTES and not self._paused and self._transport:
+            self.buffered += len(data)
+            if self.buffered > _HIGH_WATER_BYTES and not self._paused and self._transport:
                 self._paused = True
                 self._transport.pause_reading()
             if self._waiter is not None:
@@ -285,7 +287,7 @@ class Connection(asyncio.Protocol):
     # -- httptools callbacks ------------------------------------------------
 
     def on_message_begin(self) -> None:
-        if self._complete:
+        if self.whole:
             # Bytes after the end of the response: the next message began.
             # The connection is out of step with its requests; never reuse it.
             self._stray = True
@@ -387,7 +389,7 @@ class Connection(asyncio.Protocol):
         if self._informational:
             self._informational = False
             return
-        self._complete = True
+        self.whole = True
         self.keep_alive = self._parser.should_keep_alive()
         if self._read_timer is not None:
             self._cancel_read_timer()
@@ -430,29 +432,29 @@ class Connection(asyncio.Protocol):
 
     async def read_head(self, timeout_s: float) -> None:
         """Wait for the response head (status and headers), or raise."""
-        if not self._head_done and self._error is None:
+        if not self._head_done and self.error is None:
             timer = self.timers.later(timeout_s, self._head_timed_out, timeout_s)
             try:
-                while not self._head_done and self._error is None:
+                while not self._head_done and self.error is None:
                     await self._wait()
             finally:
                 self.timers.cancel(timeout_s, timer)
         if not self._head_done:
-            assert self._error is not None
-            raise self._error
+            assert self.error is not None
+            raise self.error
 
     async def wait_head(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for the response head: True when it came, False if not yet.
 
         Unlike read_head, running out of time leaves the exchange alone.
         """
-        if not self._head_done and self._error is None:
+        if not self._head_done and self.error is None:
             # A coarse timer that wakes the wait (asyncio.timeout costs a
             # dozen calls, and this wait is made for every stream).
             self._wait_over = False
             timer = self.timers.later(timeout_s, self._end_head_wait)
             try:
-                while not self._head_done and self._error is None:
+                while not self._head_done and self.error is None:
                     if self._wait_over:
                         return False
                     await self._wait()
@@ -460,8 +462,8 @@ class Connection(asyncio.Protocol):
                 self.timers.cancel(timeout_s, timer)
         if self._head_done:
             return True
-        assert self._error is not None
-        raise self._error
+        assert self.error is not None
+        raise self.error
 
     async def read(self, timeout_s: float) -> bytes:
         """The body bytes that have arrived; ``b""`` once the body is complete.
@@ -473,15 +475,15 @@ class Connection(asyncio.Protocol):
             if chunks:
                 data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
                 chunks.clear()
-                self._unread = 0
+                self.buffered = 0
                 if self._paused and self._transport is not None:
                     self._paused = False
                     self._transport.resume_reading()
                 return data
-            if self._complete:
+            if self.whole:
                 return b""
-            if self._error is not None:
-                raise self._error
+            if self.error is not None:
+                raise self.error
             # One timer per response, re-armed only when it fires: arming and
             # cancelling one per wait would cost every relayed event.
             self._wait_since = self._loop.time()
@@ -514,34 +516,19 @@ class Connection(asyncio.Protocol):
     @property
     def ready(self) -> bool:
         """Whether ``read`` would return (or raise) without waiting."""
-        return bool(self._chunks) or self._complete or self._error is not None
+        return bool(self._chunks) or self.whole or self.error is not None
 
     @property
     def complete(self) -> bool:
         """Whether the whole body has arrived and been read."""
-        return self._complete and not self._chunks
-
-    @property
-    def error(self) -> BaseException | None:
-        """What ended the exchange, if anything did (a timeout, a close, a malformed response)."""
-        return self._error
-
-    @property
-    def whole(self) -> bool:
-        """Whether the whole response has arrived (its body may not have been read)."""
-        return self._complete
-
-    @property
-    def buffered(self) -> int:
-        """The bytes received and not yet read (the body's framing included)."""
-        return self._unread
+        return self.whole and not self._chunks
 
     def take_body(self) -> bytes:
         """The body bytes that have arrived, at once (``read`` without a wait)."""
         chunks = self._chunks
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         chunks.clear()
-        self._unread = 0
+        self.buffered = 0
         if self._paused and self._transport is not None:
             self._paused = False
             self._transport.resume_reading()
@@ -550,7 +537,7 @@ class Connection(asyncio.Protocol):
     @property
     def reusable(self) -> bool:
         return (
-            self._complete
+            self.whole
             and self.keep_alive
             and not self._stray
             and not self._chunks
@@ -594,7 +581,7 @@ class Connection(asyncio.Protocol):
         self._listening = True
         self._read_timeout_s = timeout_s
         self._wait_since = self._loop.time()
-        if self._read_timer is None and not self._complete and self._error is None:
+        if self._read_timer is None and not self.whole and self.error is None:
             # (A response whole already arms nothing: its end cancelled the deadline before this.)
             self._read_timer = self._loop.call_at(self._wait_since + timeout_s, self._check_read_deadline)
 
@@ -627,13 +614,13 @@ class Connection(asyncio.Protocol):
         self._wake()
 
     def _head_timed_out(self, timeout_s: float) -> None:
-        if not self._head_done and self._error is None:
+        if not self._head_done and self.error is None:
             self._fail(HeadTimeout(f"upstream sent no response within {timeout_s:g} s"))
             self.close()
 
     def _check_read_deadline(self) -> None:
         self._read_timer = None
-        if self._error is not None or self._complete or self.state is not ConnState.ACTIVE:
+        if self.error is not None or self.whole or self.state is not ConnState.ACTIVE:
             return
         now = self._loop.time()
         timeout_s = self._read_timeout_s
@@ -656,13 +643,13 @@ class Connection(asyncio.Protocol):
             self._read_timer = None
 
     def _on_close(self, exc: Exception | None) -> None:
-        if self.state is not ConnState.ACTIVE or self._complete or self._error is not None:
+        if self.state is not ConnState.ACTIVE or self.whole or self.error is not None:
             self.state = ConnState.CLOSED
             return
         if self._head_done:
             if self.close_delimited and exc is None:
                 # HTTP/1.0 and friends: the close is the end of the body.
-                self._complete = True
+                self.whole = True
                 self.keep_alive = False
             else:
                 self._fail(BodyBroken("upstream closed the connection before the response was complete"))
@@ -680,8 +667,8 @@ class Connection(asyncio.Protocol):
         self._wake()
 
     def _fail(self, error: BaseException) -> None:
-        if self._error is None:
-            self._error = error
+        if self.error is None:
+            self.error = error
         self._wake()
 
     def _wake(self) -> None:
