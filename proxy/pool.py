@@ -61,9 +61,20 @@ class Pool:
         idle = self._idle
         if idle:
             now = idle[-1].loop.time()
+            pool_limit_s = self.idle_timeout_s
             while idle:
                 conn = idle.pop()
-                if now - conn.idle_since < _limit_s(conn, self.idle_timeout_s) and _open(conn):
+                # _limit_s and _open, written out: this runs for every request.
+                limit_s = conn.idle_limit_s
+                if limit_s is None or limit_s > pool_limit_s:
+                    limit_s = pool_limit_s
+                transport = conn._transport
+                if (
+                    now - conn.idle_since < limit_s
+                    and conn.state is ConnState.IDLE
+                    and transport is not None
+                    and not transport.is_closing()
+                ):
                     return conn
                 conn.close()
         return None
@@ -127,12 +138,20 @@ class Pool:
 
     def release(self, conn: Connection) -> None:
         """Take back a connection whose request has ended."""
-        if conn.reusable and len(self._idle) < self.max_idle and not self._closed:
-            self._park(conn)
+        idle = self._idle
+        if conn.reusable and len(idle) < self.max_idle and not self._closed:
+            # _park, written out: this runs for every request.
+            conn.state = ConnState.IDLE
+            conn.idle_since = conn.loop.time()
+            idle.append(conn)
+            if self._sweep is None:
+                self._sweep = conn.loop.call_at(
+                    conn.idle_since + _limit_s(conn, self.idle_timeout_s), self._close_expired
+                )
             return
         ended_cleanly = conn.complete and not conn.keep_alive
         conn.close()
-        if ended_cleanly and not self._idle and self._spare is None and not self._closed:
+        if ended_cleanly and not idle and self._spare is None and not self._closed:
             # An upstream that closes after every response (HTTP/1.0, like
             # mlx_lm.server): open the next request's connection now, off
             # its critical path, instead of when it arrives.
