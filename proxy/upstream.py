@@ -150,6 +150,13 @@ def _ambiguous(codings: list[bytes], lengths: set[bytes]) -> bool:
     return len(lengths) > 1
 
 
+class _Dropped(list[tuple[bytes, bytes]]):
+    """The header list of a stray message: nothing appended to it is kept."""
+
+    def append(self, item: tuple[bytes, bytes]) -> None:
+        pass
+
+
 class Connection(asyncio.Protocol):
     """One upstream connection, carrying one request at a time."""
 
@@ -177,7 +184,6 @@ class Connection(asyncio.Protocol):
         # A listener that takes the body as it comes (``listen_body``): its read deadline runs
         # while this is set (cleared while its client is not taking bytes, ``hold``).
         self._listening = False
-        self._feeding = False
         self._woken = False
         self._wait_over = False
         self._read_timer: asyncio.TimerHandle | None = None
@@ -245,15 +251,15 @@ class Connection(asyncio.Protocol):
         chunks = self._chunks
         if self._stray:
             self._kept = len(chunks)
-        self._feeding = True
+        # The parser's callbacks tell a listener by setting ``_woken``: it is told once the read is
+        # parsed, below.
         try:
             self._parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
-            self._feeding = self._woken = False
+            self._woken = False
             self._fail(BadResponse(f"upstream sent a malformed HTTP response ({exc!r})"))
             self.close()
             return
-        self._feeding = False
         if chunks:
             if self._stray:
                 # Bytes of a message after the end of this response are not its body.
@@ -292,17 +298,18 @@ class Connection(asyncio.Protocol):
             # The connection is out of step with its requests; never reuse it.
             self._stray = True
             self._kept = len(self._chunks)
+            self._raw_headers = _Dropped()
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        # Kept as they come, the name lower-cased; read once the head is whole.
-        if not self._stray:
-            self._raw_headers.append((name.lower(), value))
+        # Kept as they come, the name lower-cased; read once the head is whole. (A stray message's
+        # are dropped: its list is a _Dropped.)
+        self._raw_headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
-        raw = self._raw_headers
-        self._raw_headers = []
         if self._stray:
             return
+        raw = self._raw_headers
+        self._raw_headers = []
         status = self._parser.get_status_code()
         if status < 200:
             # 1xx: an interim response; the real one follows.
@@ -310,8 +317,7 @@ class Connection(asyncio.Protocol):
             return
         # Counted only when the bytes read so far (the head, maybe some body) pass the limit.
         if self._head_bytes > MAX_HEAD_BYTES and sum(len(n) + len(v) + 4 for n, v in raw) > MAX_HEAD_BYTES:
-            self._fail(BadResponse(f"upstream's response head is larger than {MAX_HEAD_BYTES} bytes"))
-            self.close()
+            self._refuse(BadResponse(f"upstream's response head is larger than {MAX_HEAD_BYTES} bytes"))
             return
         self.headers = raw
         fields = dict(raw)
@@ -328,9 +334,8 @@ class Connection(asyncio.Protocol):
         self.status = status
         self.close_delimited = not framed and status not in (204, 304)
         self._head_done = True
-        # (_wake, in a parser callback: the listener is told once the read is parsed.)
         if self.listener is not None:
-            self._woken = True
+            self._woken = True  # told once the read is parsed (data_received)
         else:
             self._wake()
 
@@ -361,25 +366,23 @@ class Connection(asyncio.Protocol):
                     self.idle_limit_s = _keep_alive_limit(value)
         if framed and _ambiguous(codings, lengths):
             # As nginx and HAProxy: a body whose end two readers could see in two places.
-            self._fail(
+            self._refuse(
                 BadResponse(
                     "upstream sent ambiguous framing (Transfer-Encoding "
                     f"{b', '.join(codings).decode('latin-1')!r}, "
                     f"Content-Length {sorted(v.decode('latin-1') for v in lengths)})"
                 )
             )
-            self.close()
             return None
         if codings and codings != [b"chunked"]:
             # As nginx: llhttp would read "gzip, chunked" as chunked and hand on the coded bytes.
-            self._fail(
+            self._refuse(
                 BadResponse(
                     "upstream sent Transfer-Encoding "
                     f"{b', '.join(codings).decode('latin-1')!r}, which the gateway does not decode "
                     "(only chunked)"
                 )
             )
-            self.close()
             return None
         return framed
 
@@ -393,9 +396,8 @@ class Connection(asyncio.Protocol):
         self.keep_alive = self._parser.should_keep_alive()
         if self._read_timer is not None:
             self._cancel_read_timer()
-        # (_wake, in a parser callback: the listener is told once the read is parsed.)
         if self.listener is not None:
-            self._woken = True
+            self._woken = True  # told once the read is parsed (data_received)
         else:
             self._wake()
 
@@ -671,12 +673,19 @@ class Connection(asyncio.Protocol):
             self.error = error
         self._wake()
 
+    def _refuse(self, error: UpstreamError) -> None:
+        """``abort``, from a parser callback: the listener is told once the read is parsed."""
+        if self.error is None:
+            self.error = error
+        if self.listener is not None:
+            self._woken = True
+        else:
+            self._wake()
+        self.close()
+
     def _wake(self) -> None:
         if self.listener is not None:
-            if self._feeding:
-                self._woken = True  # told once the read is parsed (data_received)
-            else:
-                self.listener()
+            self.listener()
             return
         waiter = self._waiter
         if waiter is not None:

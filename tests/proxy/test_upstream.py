@@ -609,8 +609,11 @@ async def test_a_connection_sent_on_again_without_being_pooled_starts_from_nothi
     conn = Connection()
     conn.connection_made(_KeptTransport())  # type: ignore[arg-type]
     conn.send(REQUEST, b"{}")
-    conn.data_received(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nokHTTP/1.1 204 No Content\r\n\r\n")
+    stray = b"HTTP/1.1 204 No Content\r\nx-stray: 1\r\n\r\n"
+    conn.data_received(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok" + stray)
     assert conn.take_body() == b"ok" and not conn.reusable
+    # The stray message's head is neither this response's nor kept.
+    assert conn.headers == [(b"content-length", b"2")] and not conn._raw_headers
     conn.send(REQUEST, b"{}")
     assert conn.status == 0 and conn.headers == [] and not conn.whole
     conn.data_received(b"HTTP/1.1 201 Created\r\ncontent-length: 3\r\n\r\nyes")
