@@ -134,9 +134,10 @@ def _keep_alive_limit(value: bytes) -> float | None:
 _NOTED = frozenset(
     {b"content-type", b"content-length", b"transfer-encoding", b"keep-alive", b"content-encoding"}
 )
-# Those of them a head from an engine seldom has: a head with one (or with a name twice) is read
-# field by field.
-_RARE = _NOTED - {b"content-type", b"content-length"}
+# A head with a name twice, or with one of these, is read field by field (``_read_fields``); but
+# for a head of a stream (``Transfer-Encoding: chunked``), one of the second set.
+_LONG = frozenset({b"transfer-encoding", b"keep-alive", b"content-encoding"})
+_LONG_CHUNKED = frozenset({b"content-length", b"keep-alive", b"content-encoding"})
 
 
 def _ambiguous(codings: list[bytes], lengths: set[bytes]) -> bool:
@@ -321,11 +322,19 @@ class Connection(asyncio.Protocol):
             return
         self.headers = raw
         fields = dict(raw)
-        if len(fields) == len(raw) and _RARE.isdisjoint(fields):
+        if len(fields) == len(raw) and _LONG.isdisjoint(fields):
             # The common head: no name twice, and none of the fields read the long way.
             self.content_type = fields.get(b"content-type")
             length = self.content_length = fields.get(b"content-length")
             framed = length is not None
+        elif (
+            len(fields) == len(raw)
+            and fields.get(b"transfer-encoding") == b"chunked"
+            and _LONG_CHUNKED.isdisjoint(fields)
+        ):
+            # The common head of a stream: chunked, and no other field read the long way.
+            self.content_type = fields.get(b"content-type")
+            framed = True
         else:
             read = self._read_fields(raw)
             if read is None:

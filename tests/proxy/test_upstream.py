@@ -579,11 +579,25 @@ async def test_requests_after_the_pass_s_first_write_are_written_at_its_end_unle
         ),
         (b"content-encoding:  Identity \r\ncontent-length: 2", (None, b"2", None, False, None)),
         (
+            b"Content-Type: text/event-stream\r\nTransfer-Encoding: chunked",
+            (b"text/event-stream", None, None, False, None),
+        ),
+        (b"transfer-encoding: Chunked \r\nX-One: 1", (None, None, None, False, None)),
+        (
             b"Keep-Alive: timeout=5, max=10\r\nKeep-Alive: timeout=9\r\ncontent-length: 2",
             (None, b"2", None, False, 8.0),
         ),
     ],
-    ids=["common", "unframed", "names-twice", "codings", "identity", "keep-alive-twice"],
+    ids=[
+        "common",
+        "unframed",
+        "names-twice",
+        "codings",
+        "identity",
+        "stream",
+        "chunked-as-sent",
+        "keep-alive-twice",
+    ],
 )
 async def test_the_fields_a_head_notes(head: bytes, noted: tuple[object, ...]) -> None:
     """The first Content-Type and Content-Length as sent, the last content coding other than
@@ -592,7 +606,7 @@ async def test_the_fields_a_head_notes(head: bytes, noted: tuple[object, ...]) -
     conn = Connection()
     conn.connection_made(_KeptTransport())  # type: ignore[arg-type]
     conn.send(REQUEST, b"{}")
-    chunked = b"chunked" in head
+    chunked = b"chunked" in head.lower()
     body = b"2\r\nok\r\n0\r\n\r\n" if chunked else b"ok"
     conn.data_received(b"HTTP/1.1 200 OK\r\n" + head + b"\r\n\r\n" + body)
     assert conn.error is None and conn.status == 200
