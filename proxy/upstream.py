@@ -216,7 +216,8 @@ class Connection(asyncio.Protocol):
         self._paused = False
         self._listening = False
         if self.state is ConnState.IDLE:
-            # Pooled idle: its last response (if any) ended cleanly, and these are as set below.
+            # A connection pooled idle ended its last response (if it had one) cleanly: the rest
+            # is as set below already.
             return
         self._stray = False
         self._informational = False
