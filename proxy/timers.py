@@ -18,7 +18,6 @@ runs what is due and re-arms itself while anything is waiting.
 from __future__ import annotations
 
 import asyncio
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -95,12 +94,16 @@ class CoarseTimers:
             self._arm(min(next(iter(q.values()))[0] for q in self._queues.values()))
 
 
-_BY_LOOP: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, CoarseTimers] = weakref.WeakKeyDictionary()
+# Each loop's timers. They hold their loop (its clock, its handle), so a weak key would never
+# die: a closed loop's entry is dropped when the next loop's timers are made.
+_BY_LOOP: dict[asyncio.AbstractEventLoop, CoarseTimers] = {}
 
 
 def for_loop(loop: asyncio.AbstractEventLoop) -> CoarseTimers:
     """The coarse timers of ``loop`` (made on first use)."""
     timers = _BY_LOOP.get(loop)
     if timers is None:
+        for closed in [known for known in _BY_LOOP if known.is_closed()]:
+            del _BY_LOOP[closed]
         timers = _BY_LOOP[loop] = CoarseTimers(loop)
     return timers

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
+import weakref
+from typing import Any
 
 import pytest
 
@@ -95,3 +98,25 @@ async def test_a_callback_may_cancel_a_timer_due_in_the_same_tick_and_set_anothe
 async def test_one_set_of_timers_per_loop() -> None:
     loop = asyncio.get_running_loop()
     assert for_loop(loop) is for_loop(loop)
+
+
+@pytest.mark.parametrize("make", [asyncio.new_event_loop, "uvloop"])
+def test_a_closed_loops_timers_do_not_keep_it_alive(make: Any) -> None:
+    """The timers hold their loop (its clock, its handle): once it is closed, the next loop's
+    timers let it go, as tests make a loop each."""
+    if make == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        make = uvloop.new_event_loop
+    first = make()
+    timers = for_loop(first)
+    timers.later(60.0, lambda: None)  # its handle armed on the loop
+    gone = weakref.ref(first)
+    first.close()
+    del first, timers
+    second = make()
+    try:
+        for_loop(second)
+        gc.collect()
+        assert gone() is None
+    finally:
+        second.close()
