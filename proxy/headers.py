@@ -123,14 +123,18 @@ def _without(headers: Iterable[Header], drop: frozenset[bytes]) -> list[Header]:
     return [h for h in kept if h[0] not in extra]
 
 
-def response_lines(headers: Iterable[Header]) -> list[bytes]:
+def response_lines(headers: list[Header]) -> list[bytes]:
     """``filter_response_headers`` as a head's lines: name, ``": "``, value, CRLF a field."""
     lines: list[bytes] = []
+    connection = False
     for name, value in headers:
         if name not in _DROP_RESPONSE:
             lines += (name, b": ", value, b"\r\n")
-        elif name == b"connection" and value.lower() not in _PLAIN_CONNECTION:
-            # It names fields to drop besides (rare): the general rule.
+        elif name == b"connection":
+            if not connection and value.lower() in _PLAIN_CONNECTION:
+                connection = True
+                continue
+            # It names fields to drop besides, or is not the only one (rare): the general rule.
             lines = []
             for name, value in filter_response_headers(headers):
                 lines += (name, b": ", value, b"\r\n")

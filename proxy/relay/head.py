@@ -8,7 +8,8 @@ reads them all from one walk, ``HeadFields``, and decides with the same
 rules: each is a function of the values noted here, shared with its
 walk (``BrowserChecks.refusal_of``, ``refuses_head``, ``RequestIds.of``).
 A head the walk cannot speak for (two Host fields, a Connection field
-naming others) is read by the task path's walks instead.
+naming others, two Connection fields) is read by the task path's walks
+instead.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class HeadFields:
         host = origin = site = request_id = None
         hosts = origins = 0
         media = b""
-        unsupported = False
+        unsupported = connection = False
         declared = largest = -1
         forward: list[bytes] | None = []
         for name, value in headers:
@@ -64,8 +65,11 @@ class HeadFields:
                 elif name == b"x-request-id":
                     if request_id is None and valid_request_id(value):
                         request_id = bytes(value)
-                elif name == b"connection" and value.lower() not in _PLAIN_CONNECTION:
-                    forward = None
+                elif name == b"connection":
+                    # One naming nothing but itself; else the task path's rule (it may drop fields).
+                    if connection or value.lower() not in _PLAIN_CONNECTION:
+                        forward = None
+                    connection = True
                 continue
             if name == b"origin":
                 origins += 1

@@ -333,6 +333,7 @@ def test_response_lines_are_the_filtered_fields_as_a_heads_lines() -> None:
         b"x-named",
         b"set-cookie",
         b"access-control-allow-origin",
+        b"close",
     ]
     values = [b"keep-alive", b"close", b"Keep-Alive", b"x-named", b"close, x-kept", b"v", b""]
     rng = random.Random(3)
