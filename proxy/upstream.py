@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import enum
 from collections.abc import Callable
+from time import perf_counter
 from typing import Any, cast
 
 import httptools
@@ -64,6 +65,12 @@ class HeadTimeout(UpstreamError):
 
 class EmptyReply(UpstreamError):
     code = "upstream_empty_reply"
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(message)
+        # When the close was seen (``perf_counter``): a relay that reads it later (a task, after a
+        # hand-over) still knows how soon after its send the upstream closed.
+        self.at = perf_counter()
 
 
 class BadResponse(UpstreamError):

@@ -411,7 +411,7 @@ _STALE_CLOSE_S = 0.05
 
 
 def _closed_when_reused(conn: Connection, exc: UpstreamError, sent_at: float) -> bool:
-    """Whether ``exc`` is a pooled connection's close, at once, with no byte of answer (``_exchange``)."""
-    return (
-        isinstance(exc, EmptyReply) and conn.requests_sent > 1 and perf_counter() - sent_at < _STALE_CLOSE_S
-    )
+    """Whether ``exc`` is a pooled connection's close, at once, with no byte of answer (``_exchange``):
+    timed when the connection saw it, not when the relay reads it (after a hand-over from the
+    callbacks, a busy loop may take longer than ``_STALE_CLOSE_S`` to get there)."""
+    return isinstance(exc, EmptyReply) and conn.requests_sent > 1 and exc.at - sent_at < _STALE_CLOSE_S

@@ -19,10 +19,11 @@ import pytest
 from engines.spec import Guards
 from proxy import app as app_module
 from proxy.app import Gateway, build_app
-from proxy.relay import HeadFields, handler
+from proxy.relay import HeadFields, exchange, handler
 from proxy.relay.outcome import Outcome
 from proxy.routing import Route, RoutingTable, UpstreamAddress
 from proxy.startup.settings import Settings
+from proxy.upstream import EmptyReply
 from tests.helpers import in_process_server, wait_until_async
 
 pytestmark = pytest.mark.anyio
@@ -703,3 +704,21 @@ async def test_a_stream_that_fails_in_the_gateway_after_its_head_is_closed_and_r
         writer.close()
     assert taken == [True] and Upstream.lost == 1 and app.state.in_flight == 0
     assert record.duration_s is not None and app.relay.body_budget.held_bytes == 0
+
+
+def test_a_pooled_connections_close_at_once_is_timed_when_seen_not_when_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request sent on a pooled connection that the upstream had closed (an engine killed, a
+    keep-alive ended) is sent again on a new one, when the close came at once: timed when the
+    connection saw it. A fast path's hand-over reaches the task path's check later, by as much as
+    a loop busy starting a new engine takes; the close is no less immediate for that."""
+    conn = type("Reused", (), {"requests_sent": 2})()
+    closed = EmptyReply("upstream closed the connection without sending a response")
+    sent_at = closed.at - 0.001
+    monkeypatch.setattr(exchange, "perf_counter", lambda: closed.at + 1.0)  # read a second later
+    assert exchange._closed_when_reused(conn, closed, sent_at)
+    late = EmptyReply("closed after working on it")
+    assert not exchange._closed_when_reused(conn, late, late.at - 1.0)
+    fresh = type("Fresh", (), {"requests_sent": 1})()
+    assert not exchange._closed_when_reused(fresh, closed, sent_at)
