@@ -135,10 +135,7 @@ class Outcome:
                 if self.client_gone and metrics is not None:
                     metrics.client_disconnects += 1
         self.duration_s = duration_s
-        # Keep only the record, as ``_let_go`` does.
-        self.translator = self.built = None
-        if refusal is not None:
-            refusal.__traceback__ = None
+        self._let_go()
         if access is not None:
             access.add(
                 scope,
