@@ -144,6 +144,11 @@ class Child:
         """Read by the relay for each request: relay, or answer 503."""
         return self.state is ChildState.READY
 
+    def exited(self) -> bool:
+        """Read by the relay after an empty reply: whether this child's process has exited or is
+        exiting (its listening socket closes during the exit, before the exit is seen here)."""
+        return self.state is not ChildState.READY or probes.process_exiting(self.pid)
+
     def status(self) -> ChildStatus:
         return ChildStatus(
             name=self.config.name,

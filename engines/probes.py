@@ -157,6 +157,35 @@ def process_cpu_s(pid: int | None) -> float | None:
         return None
 
 
+# The kernel's flag of a task in its exit (``PF_EXITING``, include/linux/sched.h): set before its
+# files (its listening socket) are closed.
+_PF_EXITING = 0x4
+# Where processes can be read (Linux); elsewhere ``process_exiting`` cannot tell.
+_PROC = Path("/proc/self/stat").exists()
+
+
+def process_exiting(pid: int | None) -> bool:
+    """Whether process ``pid`` has exited or is exiting: no such process, a zombie, or one whose
+    exit has begun (the kernel closes its sockets during it). False where that cannot be read
+    (no ``/proc``): the caller then knows only what its own watch of the process says."""
+    if pid is None:
+        return True
+    if not _PROC:
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    # After the command's closing parenthesis: state is field 3, flags field 9.
+    fields = stat.rsplit(b")", 1)[-1].split()
+    try:
+        return fields[0] in (b"Z", b"X", b"x") or bool(int(fields[6]) & _PF_EXITING)
+    except (IndexError, ValueError):
+        return False
+
+
 def _probe_body(config: ChildConfig) -> dict[str, Any]:
     """A 1-token generation request, as the child's spec says to prove it works."""
     body: dict[str, Any] = {"model": config.served_model, "max_tokens": config.ready_max_tokens}

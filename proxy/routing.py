@@ -60,6 +60,10 @@ class ReplicaGate(Protocol):
         """The child's name, as the status page shows it."""
         ...
 
+    def exited(self) -> bool:
+        """Whether the child's process has exited or is exiting (read after an empty reply)."""
+        ...
+
 
 class Gate(Protocol):
     """A model served by engine children: whether it can take requests, and its usage.

@@ -51,6 +51,14 @@ class ConnectFailed(UpstreamError):
     code = "upstream_unavailable"
 
 
+class EngineExited(UpstreamError):
+    """An engine child exited as the request reached it (an empty reply from a process that has
+    exited): it is started again, and the request is answered as a refused connect is."""
+
+    status = 503
+    code = "upstream_unavailable"
+
+
 class Overloaded(UpstreamError):
     """The gateway itself ran out of file descriptors: its own overload, not the upstream's fault."""
 

@@ -47,6 +47,7 @@ from proxy.upstream import (
     Connection,
     Draining,
     EmptyReply,
+    EngineExited,
     UpstreamError,
 )
 
@@ -181,6 +182,7 @@ class Exchange:
                     resend = True
                 else:
                     body.drop()
+                    exc = _exited(peer, exc)
                     if health is not None and exc.status >= 500 and not isinstance(exc, Cancelled):
                         # Suspect only: the request's own content may be the cause (its probe decides).
                         health.answered(exc.status, peer.targets[scope["path"]])
@@ -415,3 +417,16 @@ def _closed_when_reused(conn: Connection, exc: UpstreamError, sent_at: float) ->
     timed when the connection saw it, not when the relay reads it (after a hand-over from the
     callbacks, a busy loop may take longer than ``_STALE_CLOSE_S`` to get there)."""
     return isinstance(exc, EmptyReply) and conn.requests_sent > 1 and exc.at - sent_at < _STALE_CLOSE_S
+
+
+def _exited(peer: Peer, exc: UpstreamError) -> UpstreamError:
+    """``exc``, or, for an empty reply from an engine child that has exited (a connection its
+    kernel had queued is reset unread as it exits), the restart's answer: 503 with Retry-After,
+    as a connect refused a moment later is answered. A child still running answered it (502)."""
+    gate = peer.gate
+    if gate is None or not isinstance(exc, EmptyReply) or not gate.exited():
+        return exc
+    return EngineExited(
+        f"the engine's child {gate.name} exited as the request reached it (its connection closed "
+        "unanswered); it is being started again: retry"
+    )

@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -552,6 +553,31 @@ def test_a_killed_child_is_started_again(engine_python: Path, logs_dir: Path) ->
         pids = re.findall(r"pid (\d+), port \d+, ready in", gateway.log())
         assert len(pids) == 2 and int(pids[1]) != gateway.child_pid, gateway.log()
         assert pid_alive(int(pids[1])) and not pid_alive(gateway.child_pid)
+    finally:
+        gateway.stop()
+
+
+@pytest.mark.fault("engines", "a child that crashes, hangs or turns unhealthy")
+def test_a_request_queued_for_a_child_that_is_killed_is_answered_503(
+    engine_python: Path, logs_dir: Path
+) -> None:
+    """llama-server stopped (SIGSTOP: it reads nothing), a request sent meanwhile waits on its socket;
+    SIGKILL then resets that connection unread. The client gets 503 with Retry-After, as one a moment
+    later does while the child restarts: not llama-server's 502, for it never answered."""
+    gateway = start_gateway(logs_dir, "--engine", ENGINE, "--model", "builtin:smollm2")
+    try:
+        os.kill(gateway.child_pid, signal.SIGSTOP)
+        with httpx.Client(trust_env=False, timeout=60) as http, ThreadPoolExecutor(1) as waiting:
+            sent = waiting.submit(http.post, f"{gateway.url}/v1/chat/completions", json=chat("Say hello.", 4))
+            time.sleep(0.5)  # the request is on the stopped child's socket
+            os.kill(gateway.child_pid, signal.SIGKILL)
+            response = sent.result(timeout=60)
+        assert response.status_code == 503, response.text
+        assert response.headers["retry-after"]
+        error = response.json()["error"]
+        assert (
+            error["code"] == "upstream_unavailable" and "exited as the request reached it" in error["message"]
+        )
     finally:
         gateway.stop()
 

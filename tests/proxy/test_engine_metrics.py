@@ -62,6 +62,9 @@ class ChildGate:
         self.starts = 1
         self.name = "child-0"
 
+    def exited(self) -> bool:
+        return not self.ready
+
 
 class ModelGate:
     """A model's gate, as much of ``routing.Gate`` as the admin route reads."""

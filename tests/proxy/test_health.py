@@ -155,6 +155,9 @@ class ChildGate:
         self.starts = 1
         self.name = "child-0"
 
+    def exited(self) -> bool:
+        return not self.ready
+
 
 def test_an_ejected_child_rejoins_once_its_manager_has_a_new_process_ready() -> None:
     """No HTTP for a child: its health follows its manager's state; the same process stays out, a new
