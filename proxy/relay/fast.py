@@ -67,29 +67,28 @@ MAX_BODY_BYTES = 64 * 1024
 class FastExchange:
     """One request's exchange with its upstream, driven by the upstream connection's callback."""
 
-    __slots__ = (
-        "_beat_timer",
-        "_connecting",
-        "_events",
-        "_head_timeout_s",
-        "_over",
-        "_released",
-        "_stall_timer",
-        "_timer",
-        "_watch_timer",
-        "body",
-        "client",
-        "conn",
-        "connect_failure",
-        "head",
-        "leave",
-        "outcome",
-        "peer",
-        "relay",
-        "scope",
-        "sent",
-        "ticket",
-    )
+    # What changes as the exchange goes, at its start: on the class, so that a new exchange sets
+    # only what it is given.
+    # ``conn`` is set when the request is sent on it (``start``).
+    conn: Connection
+    sent = False
+    head = b""
+    _connecting: asyncio.Future[Connection] | None = None
+    # Why the connection this exchange opened could not be (the task path answers so).
+    connect_failure: UpstreamError | None = None
+    # The head's deadline, as ``Connection.read_head`` keeps it on the other path, and the watch's start.
+    _timer: int | None = None
+    _watch_timer: int | None = None
+    # A stream's head not come by the first heartbeat's time: the task path sends them.
+    _beat_timer: int | None = None
+    # A stream relayed from the callbacks (``_start_stream``): its events' state, and the
+    # deadline of a client that takes no bytes.
+    _events: EventStream | None = None
+    _stall_timer: asyncio.TimerHandle | None = None
+    # No longer the callbacks': answered, or handed to a task.
+    _over = False
+    # What the request held is given back.
+    _released = False
 
     def __init__(
         self,
@@ -110,28 +109,9 @@ class FastExchange:
         self.ticket = ticket
         self.body = body
         self.peer = peer
-        # ``conn`` is set when the request is sent on it (``start``).
-        self.sent = False
-        self._connecting: asyncio.Future[Connection] | None = None
-        # Why the connection this exchange opened could not be (the task path answers so).
-        self.connect_failure: UpstreamError | None = None
         # Told once the request has ended (the gateway's count of requests in flight).
         self.leave = leave
-        self.head = b""
-        # The head's deadline, as ``Connection.read_head`` keeps it on the other path.
         self._head_timeout_s = head_timeout_s
-        self._timer: int | None = None
-        self._watch_timer: int | None = None
-        # A stream's head not come by the first heartbeat's time: the task path sends them.
-        self._beat_timer: int | None = None
-        # A stream relayed from the callbacks (``_start_stream``): its events' state, and the
-        # deadline of a client that takes no bytes.
-        self._events: EventStream | None = None
-        self._stall_timer: asyncio.TimerHandle | None = None
-        # No longer the callbacks': answered, or handed to a task.
-        self._over = False
-        # What the request held is given back.
-        self._released = False
 
     def connect(self, head: bytes) -> None:
         """Open a connection (none idle was pooled), then send the request on it (``start``)."""
