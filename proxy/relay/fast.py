@@ -224,7 +224,36 @@ class FastExchange:
     def on_upstream(self) -> None:
         """The upstream's head, its end or an error came (or the connection closed)."""
         try:
-            self._on_upstream()
+            if self._events is not None:
+                self._relay()
+                return
+            conn = self.conn
+            if self.outcome.stream:
+                if conn.error is None and conn.status:
+                    if self.client.streams and _relayed_here(conn):
+                        self._start_stream(conn)
+                    else:
+                        self.hand_over()  # an error's answer, or a head the task path refuses
+                elif conn.error is not None:
+                    self.hand_over()
+                return
+            if conn.error is None and not conn.whole:
+                if conn.status:
+                    self.hand_over()  # a head whose body is still coming: relayed as it comes
+                return
+            status = conn.status
+            if (
+                conn.error is not None
+                or not 200 <= status < 300
+                or status == 204
+                or conn.content_length is None
+                or is_event_stream_type(conn.content_type)
+                or conn.buffered > MAX_BODY_BYTES
+            ):
+                self.hand_over()
+                return
+            self._end_callbacks()
+            self._answer(conn, status)
         except Exception:
             self._failed()
 
@@ -242,38 +271,6 @@ class FastExchange:
             finally:
                 self._stream_over(self.outcome.error)
 
-    def _on_upstream(self) -> None:
-        if self._events is not None:
-            self._relay()
-            return
-        conn = self.conn
-        if self.outcome.stream:
-            if conn.error is None and conn.status:
-                if self.client.streams and _relayed_here(conn):
-                    self._start_stream(conn)
-                else:
-                    self.hand_over()  # an error's answer, or a head the task path refuses
-            elif conn.error is not None:
-                self.hand_over()
-            return
-        if conn.error is None and not conn.whole:
-            if conn.status:
-                self.hand_over()  # a head whose body is still coming: relayed as it comes
-            return
-        status = conn.status
-        if (
-            conn.error is not None
-            or not 200 <= status < 300
-            or status == 204
-            or conn.content_length is None
-            or is_event_stream_type(conn.content_type)
-            or conn.buffered > MAX_BODY_BYTES
-        ):
-            self.hand_over()
-            return
-        self._end_callbacks()
-        self._answer(conn, status)
-
     def _answer(self, conn: Connection, status: int) -> None:
         """Write the whole response to the client, as ``Exchange._respond`` and ``relay_body`` would."""
         outcome = self.outcome
@@ -285,7 +282,7 @@ class FastExchange:
         lines = response_lines(conn.headers)
         outcome.own_s = own_s = sent_at - started + perf_counter() - head_at
         # The layout ``respond`` takes: name, ": ", value, CRLF a field.
-        # A 2xx answered here has a Content-Length (``_on_upstream``).
+        # A 2xx answered here has a Content-Length (``on_upstream``).
         lines += (  # type: ignore[arg-type]
             b"x-request-id",
             b": ",
