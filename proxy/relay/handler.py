@@ -211,9 +211,7 @@ class Relay:
             return False
         del doc
         # Taken from here: nothing below fails (the budget had room, nothing ran since).
-        if data:
-            body.charge(len(data))
-        body.data = data
+        body.hold(data)
         self._arrived(outcome)
         exchange = FastExchange(self, scope, client, outcome, ticket, body, peer, leave, self._head_timeout_s)
         if conn is None:

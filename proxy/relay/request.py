@@ -79,6 +79,14 @@ class RequestBody:
             raise over_budget(budget.limit_bytes)
         self.charged_bytes += size
 
+    def hold(self, data: bytes | bytearray) -> None:
+        """Hold ``data``, charged to the budget without a check: the caller has just seen that it
+        fits (``BodyBudget.has_room``), and nothing has run since (the fast path's body, whole)."""
+        self.data = data
+        size = len(data)
+        self._budget.held_bytes += size
+        self.charged_bytes += size
+
     def replace(self, data: bytes) -> None:
         """The body re-serialised (an alias, a stream asked for): held instead of the client's."""
         self.data = data
@@ -92,7 +100,7 @@ class RequestBody:
         """No longer held: give its bytes back to the budget (again: nothing)."""
         self.data = b""
         if self.charged_bytes:
-            self._budget.give_back(self.charged_bytes)
+            self._budget.held_bytes -= self.charged_bytes  # ``give_back``, written out
             self.charged_bytes = 0
 
 

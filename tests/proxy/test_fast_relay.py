@@ -49,8 +49,8 @@ def chunk(data: bytes) -> bytes:
 
 
 class Upstream(asyncio.Protocol):
-    """Answers each request by its body's ``mode``: whole at once, head then body later (0.05 s,
-    or 0.4 s: ``later-slow``), or a 500;
+    """Answers each request by its body's ``mode``: whole at once, whole after 0.2 s (``slow``),
+    head then body later (0.05 s, or 0.4 s: ``later-slow``), or a 500;
     or an event stream: whole (``events``), its end later (``events-later``), without its end
     (``cut``), broken by a close (``break``), silent after its first event (``silent``), endless
     (``endless``, ``endless-large``), or after a slow head (``slow-head``)."""
@@ -125,7 +125,9 @@ class Upstream(asyncio.Protocol):
         response_head = (
             b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(REPLY)
         )
-        if mode in ("later", "later-slow"):
+        if mode == "slow":
+            asyncio.get_running_loop().call_later(0.2, self.transport.write, response_head + REPLY)
+        elif mode in ("later", "later-slow"):
             self.transport.write(response_head)
             asyncio.get_running_loop().call_later(
                 0.05 if mode == "later" else 0.5, self.transport.write, REPLY
@@ -218,6 +220,20 @@ async def test_a_plain_request_is_served_from_callbacks_and_answered_whole() -> 
     assert head.startswith(b"HTTP/1.1 200 OK\r\n")
     assert b"x-request-id: " in head and b"server-timing: " in head
     assert body == REPLY
+
+
+async def test_a_body_served_from_callbacks_holds_the_budget_until_its_answer() -> None:
+    """The body's bytes are charged to the budget while the upstream has not answered, and given
+    back once it has (as the task path holds a body)."""
+    body = b'{"model":"m1","mode":"slow"}'
+    async with gateway() as (port, app, taken):
+        budget = app.relay.body_budget
+        answered = asyncio.ensure_future(posts(port, body))
+        await wait_until_async(lambda: Upstream.requests == 1 or None, "the request sent upstream")
+        assert budget.held_bytes == len(body)
+        [(head, reply)] = await answered
+    assert taken == [True] and head.startswith(b"HTTP/1.1 200 ") and reply == REPLY
+    assert budget.held_bytes == 0
 
 
 async def test_a_stream_and_an_unknown_model_go_the_task_s_way() -> None:
