@@ -95,37 +95,27 @@ class Outcome:
             if metrics is not None:
                 metrics.client_disconnects += 1
             return
-        if not self.client_gone and not self.sse_started and "blazar.gone" in (scope.get("extensions") or ()):
+        if "blazar.gone" in (scope.get("extensions") or ()) and not self.client_gone and not self.sse_started:
             # Answered through ASGI send (a refusal, an error, a built reply: one write
             # each) after the server lost the client's connection, which drops it silently.
+            # (The scope first: a fast-path scope has no extensions, and the test ends there.)
             self.status, self.bytes_out, self.client_gone = 499, 0, True
-        now = perf_counter()
-        stats = self.stats
-        refusal = self.refusal
         status = self.status
         own_s = self.own_s
-        if refusal is not None:
-            duration_s = now - self.started
-            if stats is not None:
-                stats.count(ROUTE_LABELS[scope["path"]], status)
-            elif metrics is not None:
-                metrics.unrouted.count(ROUTE_LABELS[scope["path"]], status)
-            if refusal.code == "model_not_found":
-                # A name no route serves: the client's own text, made safe for the line, and cut
-                # (the status page's activity keeps it).
-                self.model = access.asked_model(self.model) if access is not None else cut_model(self.model)
-        else:
+        stats = self.stats
+        if self.refusal is None:
             if not status:
                 self.status = status = 499  # the client left before the response began
-            duration_s = now - self.arrived
+            duration_s = perf_counter() - self.arrived
             if stats is not None:
-                route = ROUTE_LABELS[scope["path"]]
                 if own_s is not None and status < 400:
-                    stats.relayed(route, status, duration_s, own_s, self.first_s or self.head_s)
+                    stats.relayed(
+                        ROUTE_LABELS[scope["path"]], status, duration_s, own_s, self.first_s or self.head_s
+                    )
                 else:
                     # A relayed upstream error has its figures in the access log, not in the
                     # histograms of the gateway's own time and the time to the first token.
-                    stats.relayed(route, status, duration_s)
+                    stats.relayed(ROUTE_LABELS[scope["path"]], status, duration_s)
                 error = self.error
                 if error is not None:
                     if error == "overloaded" and metrics is not None:
@@ -134,6 +124,16 @@ class Outcome:
                         stats.upstream_error(error)
                 if self.client_gone and metrics is not None:
                     metrics.client_disconnects += 1
+        else:
+            duration_s = perf_counter() - self.started
+            if stats is not None:
+                stats.count(ROUTE_LABELS[scope["path"]], status)
+            elif metrics is not None:
+                metrics.unrouted.count(ROUTE_LABELS[scope["path"]], status)
+            if self.refusal.code == "model_not_found":
+                # A name no route serves: the client's own text, made safe for the line, and cut
+                # (the status page's activity keeps it).
+                self.model = access.asked_model(self.model) if access is not None else cut_model(self.model)
         self.duration_s = duration_s
         self._let_go()
         if access is not None:
