@@ -177,7 +177,7 @@ def test_record_follows_the_rules_for_every_kind_of_outcome(
     monkeypatch.setattr(outcome_module, "perf_counter", lambda: NOW)
     rng = random.Random(20260)
     seen: set[tuple[Any, ...]] = set()
-    for _ in range(3000):
+    for _ in range(1000):
         fields = draw(rng)
         results = []
         for record in (reference_record, Outcome.record):
