@@ -63,6 +63,8 @@ FLUSH_AFTER_S = 0.05
 # added p99 at C=1; 32 lines take ~0.1 ms.
 MAX_LINES = 32
 
+_INFO = logging.INFO
+
 # The running loop or None: asyncio's own accessor, which does not raise. It
 # costs a getpid() system call (its fork check), so it is called once a batch.
 _running_loop = asyncio._get_running_loop
@@ -128,8 +130,9 @@ class AccessLog:
         self._lines: list[_Fields] = []
         # The clock's own reading (``time.time_ns``): a C call on the request's path.
         self._now_ns = self.clock.now_ns
-        # The loop whose timer will write the waiting lines, and that timer.
-        self._loop: asyncio.AbstractEventLoop | None = None
+        # Whether the loop whose timer will write the waiting lines still runs (its ``is_running``,
+        # set by ``_schedule``, which writes them at once where no loop runs), and that timer.
+        self._loop_runs: Callable[[], bool] = _no_loop
         self._timer: asyncio.TimerHandle | None = None
         # Formatted by each handler at each flush: one that gives back the bare
         # message gets the batch in one write (made once: a record costs ~5 µs).
@@ -169,9 +172,9 @@ class AccessLog:
         upstreams: list[str] | None,
     ) -> None:
         """``write`` with its fields in order, as the relay gives them (a call without keywords)."""
-        if not log.isEnabledFor(logging.INFO):
+        if not log.isEnabledFor(_INFO):
             return
-        lines, loop = self._lines, self._loop
+        lines = self._lines
         # Strings and numbers only: no container of the request's (its scope, its headers)
         # outlives the request in the buffer, for the collector to visit.
         lines.append(
@@ -190,13 +193,54 @@ class AccessLog:
                 upstreams,
             )
         )
-        if len(lines) == 1:
+        waiting = len(lines)
+        if waiting == 1:
             self._schedule()
-        elif len(lines) >= MAX_LINES or loop is None or not loop.is_running():
+        elif waiting >= MAX_LINES or not self._loop_runs():
             # Full; or the loop whose timer would write these has stopped (a test's).
             self.flush()
 
-    def _format(self, fields: _Fields) -> str:
+    def _format(self, batch: list[_Fields]) -> list[str]:
+        """A batch's lines, as text: one loop, no call a line but the clock's."""
+        if self.json:
+            return list(map(self._json, batch))
+        time_of = self.clock.format
+        out: list[str] = []
+        append = out.append
+        for (
+            now_ns,
+            client,
+            method,
+            path,
+            request_id,
+            model,
+            status,
+            bytes_out,
+            duration_s,
+            ttfb_s,
+            overhead_s,
+            upstreams,
+        ) in batch:
+            line = _TEXT % (
+                client,
+                time_of(now_ns),
+                method,
+                path,
+                status,
+                bytes_out,
+                duration_s * 1000,
+                "%.3f" % (ttfb_s * 1000) if ttfb_s is not None else "-",
+                "%.3f" % (overhead_s * 1000) if overhead_s is not None else "-",
+                model or "-",
+                request_id.decode("latin-1"),
+            )
+            if upstreams is not None:
+                line += " upstream=" + ",".join(upstreams)
+            append(line)
+        return out
+
+    def _json(self, fields: _Fields) -> str:
+        """One line, in JSON."""
         (
             now_ns,
             client,
@@ -211,39 +255,22 @@ class AccessLog:
             overhead_s,
             upstreams,
         ) = fields
-        if self.json:
-            record = {
-                "time": self.clock.format(now_ns),
-                "client": client,
-                "method": method,
-                "path": path,
-                "request_id": request_id.decode("latin-1"),
-                "model": model,
-                "status": status,
-                "bytes": bytes_out,
-                "duration_ms": round(duration_s * 1000, 3),
-                "ttfb_ms": round(ttfb_s * 1000, 3) if ttfb_s is not None else None,
-                "overhead_ms": round(overhead_s * 1000, 3) if overhead_s is not None else None,
-            }
-            if upstreams is not None:
-                record["upstream"] = upstreams
-            return orjson.dumps(record).decode()
-        line = _TEXT % (
-            client,
-            self.clock.format(now_ns),
-            method,
-            path,
-            status,
-            bytes_out,
-            duration_s * 1000,
-            "%.3f" % (ttfb_s * 1000) if ttfb_s is not None else "-",
-            "%.3f" % (overhead_s * 1000) if overhead_s is not None else "-",
-            model or "-",
-            request_id.decode("latin-1"),
-        )
+        record = {
+            "time": self.clock.format(now_ns),
+            "client": client,
+            "method": method,
+            "path": path,
+            "request_id": request_id.decode("latin-1"),
+            "model": model,
+            "status": status,
+            "bytes": bytes_out,
+            "duration_ms": round(duration_s * 1000, 3),
+            "ttfb_ms": round(ttfb_s * 1000, 3) if ttfb_s is not None else None,
+            "overhead_ms": round(overhead_s * 1000, 3) if overhead_s is not None else None,
+        }
         if upstreams is not None:
-            line += " upstream=" + ",".join(upstreams)
-        return line
+            record["upstream"] = upstreams
+        return orjson.dumps(record).decode()
 
     def asked_model(self, name: str) -> str:
         """A model name the client gave that no route serves, as this log's lines can carry it."""
@@ -253,10 +280,11 @@ class AccessLog:
     def _schedule(self) -> None:
         """Arm the timer that writes the batch this line begins: once per batch, not per line."""
         loop = _running_loop()
-        self._loop = loop
         if loop is None:
+            self._loop_runs = _no_loop
             self.flush()  # no loop to write later from: write now
         else:
+            self._loop_runs = loop.is_running
             self._timer = loop.call_later(FLUSH_AFTER_S, self.flush)
 
     def flush(self) -> None:
@@ -266,7 +294,7 @@ class AccessLog:
             self._timer = None
         waiting, self._lines = self._lines, []
         if waiting:
-            _emit(list(map(self._format, waiting)), self._probe)
+            _emit(self._format(waiting), self._probe)
 
     def pending(self) -> int:
         """How many lines wait to be written."""
@@ -284,6 +312,11 @@ def _text_safe(char: str) -> str:
         return char
     code = ord(char)
     return f"\\x{code:02X}" if code < 0x100 else f"\\u{code:04X}"
+
+
+def _no_loop() -> bool:
+    """No loop runs to write the waiting lines later."""
+    return False
 
 
 def _flush_at_exit(ref: weakref.ReferenceType[AccessLog]) -> None:
