@@ -53,7 +53,7 @@ class ConnectFailed(UpstreamError):
 
 class EngineExited(UpstreamError):
     """An engine child exited as the request reached it (an empty reply from a process that has
-    exited): it is started again, and the request is answered as a refused connect is."""
+    exited): answered as a refused connect is, to retry."""
 
     status = 503
     code = "upstream_unavailable"

@@ -421,12 +421,13 @@ def _closed_when_reused(conn: Connection, exc: UpstreamError, sent_at: float) ->
 
 def _exited(peer: Peer, exc: UpstreamError) -> UpstreamError:
     """``exc``, or, for an empty reply from an engine child that has exited (a connection its
-    kernel had queued is reset unread as it exits), the restart's answer: 503 with Retry-After,
-    as a connect refused a moment later is answered. A child still running answered it (502)."""
+    kernel had queued is reset unread as it exits), 503 with Retry-After, as a connect refused a
+    moment later is answered (a crashed child is started again; one stopped on purpose is not,
+    and a retry gets that model's answer). A child still running answered it (502)."""
     gate = peer.gate
     if gate is None or not isinstance(exc, EmptyReply) or not gate.exited():
         return exc
     return EngineExited(
         f"the engine's child {gate.name} exited as the request reached it (its connection closed "
-        "unanswered); it is being started again: retry"
+        "unanswered); retry"
     )
