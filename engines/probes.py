@@ -174,8 +174,8 @@ def process_exiting(pid: int | None) -> bool:
         return False
     try:
         stat = Path(f"/proc/{pid}/stat").read_bytes()
-    except FileNotFoundError:
-        return True
+    except (FileNotFoundError, ProcessLookupError):
+        return True  # reaped (between the open and the read: ESRCH)
     except OSError:
         return False
     # After the command's closing parenthesis: state is field 3, flags field 9.

@@ -53,10 +53,11 @@ class ConnectFailed(UpstreamError):
 
 class EngineExited(UpstreamError):
     """An engine child exited as the request reached it (an empty reply from a process that has
-    exited): answered as a refused connect is, to retry."""
+    exited): killed or stopped as it came (the request unread), or crashed on it. Unavailable,
+    as a refused connect is; its own code, so that a request that kills its engine shows."""
 
     status = 503
-    code = "upstream_unavailable"
+    code = "engine_exited"
 
 
 class Overloaded(UpstreamError):

@@ -420,14 +420,15 @@ def _closed_when_reused(conn: Connection, exc: UpstreamError, sent_at: float) ->
 
 
 def _exited(peer: Peer, exc: UpstreamError) -> UpstreamError:
-    """``exc``, or, for an empty reply from an engine child that has exited (a connection its
-    kernel had queued is reset unread as it exits), 503 with Retry-After, as a connect refused a
-    moment later is answered (a crashed child is started again; one stopped on purpose is not,
-    and a retry gets that model's answer). A child still running answered it (502)."""
+    """``exc``, or, for an empty reply from an engine child that has exited, 503 ``engine_exited``
+    with Retry-After: the child is gone, as it is for a connect refused a moment later. Killed or
+    stopped as the request came (its kernel resets the connections it had queued, unread), or
+    crashed on this request: nothing here tells which, and the code lets the metrics count it.
+    A child still running answered it (502)."""
     gate = peer.gate
     if gate is None or not isinstance(exc, EmptyReply) or not gate.exited():
         return exc
     return EngineExited(
         f"the engine's child {gate.name} exited as the request reached it (its connection closed "
-        "unanswered); retry"
+        "unanswered): it was stopped or killed as the request came, or crashed on it"
     )

@@ -562,8 +562,8 @@ def test_a_request_queued_for_a_child_that_is_killed_is_answered_503(
     engine_python: Path, logs_dir: Path
 ) -> None:
     """llama-server stopped (SIGSTOP: it reads nothing), a request sent meanwhile waits on its socket;
-    SIGKILL then resets that connection unread. The client gets 503 with Retry-After, as one a moment
-    later does while the child restarts: not llama-server's 502, for it never answered."""
+    SIGKILL then resets that connection unread. The client gets 503 engine_exited with Retry-After (the
+    child is gone, as for a connect refused a moment later), counted under that kind: not a 502."""
     gateway = start_gateway(logs_dir, "--engine", ENGINE, "--model", "builtin:smollm2")
     try:
         os.kill(gateway.child_pid, signal.SIGSTOP)
@@ -572,12 +572,14 @@ def test_a_request_queued_for_a_child_that_is_killed_is_answered_503(
             time.sleep(0.5)  # the request is on the stopped child's socket
             os.kill(gateway.child_pid, signal.SIGKILL)
             response = sent.result(timeout=60)
+            metrics = http.get(f"{gateway.url}/metrics").text
         assert response.status_code == 503, response.text
         assert response.headers["retry-after"]
         error = response.json()["error"]
-        assert (
-            error["code"] == "upstream_unavailable" and "exited as the request reached it" in error["message"]
-        )
+        assert error["code"] == "engine_exited" and "exited as the request reached it" in error["message"]
+        assert f'blazar_upstream_errors_total{{kind="engine_exited",model="{SERVED}"}} 1.0' in metrics, [
+            line for line in metrics.splitlines() if "upstream_errors" in line
+        ]
     finally:
         gateway.stop()
 

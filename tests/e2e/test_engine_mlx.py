@@ -241,7 +241,11 @@ def test_crashed_child_comes_back_and_requests_meanwhile_get_503(
                     break
                 assert response.status_code == 503, response.text
                 assert response.headers["retry-after"]
-                assert response.json()["error"]["code"] in ("model_loading", "upstream_unavailable")
+                assert response.json()["error"]["code"] in (
+                    "model_loading",
+                    "upstream_unavailable",
+                    "engine_exited",
+                )
                 seen_503 = True
                 time.sleep(0.05)
             assert response.status_code == 200

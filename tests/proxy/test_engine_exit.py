@@ -4,9 +4,9 @@ A child killed (or crashing) closes its listening socket as it exits: a
 connection the kernel had accepted into its backlog, with the request in
 it, is reset unread. The gateway sees an empty reply on a fresh
 connection, which from a live engine is its answer (502, never sent
-twice). From a child that has exited it is the restart's window, and the
-request is answered as one a moment later is (its connection refused): 503
-``upstream_unavailable`` with Retry-After.
+twice). From a child that has exited, the request is answered 503
+``engine_exited`` with Retry-After (the child is gone, as for a connect
+refused a moment later).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ async def test_a_request_reset_in_an_exiting_child_s_backlog_is_answered_503_to_
     assert head.startswith(b"HTTP/1.1 503 "), head
     assert b"\r\nretry-after: " in head.lower(), head
     error = answer["error"]
-    assert isinstance(error, dict) and error["code"] == "upstream_unavailable", answer
+    assert isinstance(error, dict) and error["code"] == "engine_exited", answer
     assert "child-0 exited" in error["message"], answer
 
 
