@@ -117,6 +117,11 @@ def test_the_server_hooks_the_gateway_overrides_keep_their_shape() -> None:
     assert parameters(uvicorn.Server.startup) == ["sockets"]
     assert parameters(uvicorn.Server.handle_exit) == ["sig", "frame"]
     assert parameters(uvicorn.Server.__init__) == ["config"]
+    # on_tick(counter) writes the Date header where counter % 10 == 0 (GatewayServer.on_tick
+    # passes 0 to have it written, 1 not to), and the main loop calls it every tick.
+    assert parameters(uvicorn.Server.on_tick) == ["counter"]
+    assert "counter % 10 == 0" in inspect.getsource(uvicorn.Server.on_tick)
+    assert "self.on_tick(counter)" in inspect.getsource(uvicorn.Server.main_loop)
     server = uvicorn.Server(uvicorn.Config(_app))
     for name in ("should_exit", "force_exit", "started"):
         assert hasattr(server, name), name

@@ -23,6 +23,7 @@ import gc
 import logging
 import signal
 import socket
+import time
 from collections.abc import Callable
 from types import FrameType
 
@@ -64,6 +65,8 @@ class GatewayServer(uvicorn.Server):
         self._signals = 0
         self._drain_task: asyncio.Future[None] | None = None
         self._stop_task: asyncio.Future[None] | None = None
+        # The second the Date header was last written for.
+        self._date_second = -1
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -85,6 +88,16 @@ class GatewayServer(uvicorn.Server):
         if self.on_listening is not None and not self.should_exit:
             bound = [sock.getsockname()[:2] for server in self.servers for sock in server.sockets]
             self.on_listening(bound)
+
+    async def on_tick(self, counter: int) -> bool:
+        # uvicorn writes the Date header every tenth tick (0.1 s apart), from the clock of that
+        # tick: a response's Date lagged the time it was sent by up to two seconds. Here it is
+        # written at the first tick of each new second, so it lags by at most a tick.
+        second = int(time.time())
+        if second == self._date_second:
+            return await super().on_tick(1)  # not a tenth tick: the header is left as it is
+        self._date_second = second
+        return await super().on_tick(0)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # A signal handler only records and queues; the loop does the work.
