@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import io
-import logging
-from collections.abc import Iterator
-
-import pytest
 
 from proxy.accesslog import AccessLog, Clock
 from proxy.asgi import Scope
@@ -17,22 +13,6 @@ from proxy.relay.outcome import Outcome
 
 SCOPE: Scope = {"method": "POST", "path": "/v1/chat/completions", "client": ("10.0.0.7", 1), "headers": []}
 ROUTE = "chat/completions"
-
-
-@pytest.fixture
-def lines() -> Iterator[io.StringIO]:
-    access = logging.getLogger("blazar.access")
-    stream = io.StringIO()
-    handler = logging.StreamHandler(stream)
-    old = access.handlers[:], access.level, access.propagate
-    access.handlers[:] = [handler]
-    access.setLevel(logging.INFO)
-    access.propagate = False
-    try:
-        yield stream
-    finally:
-        access.handlers[:], access.propagate = old[0], old[2]
-        access.setLevel(old[1])
 
 
 def relayed(metrics: Metrics, status: int, own_s: float | None = 0.002) -> Outcome:

@@ -8,9 +8,7 @@ outcome, the same metrics (the whole exposition, byte for byte) and the same acc
 from __future__ import annotations
 
 import io
-import logging
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -86,22 +84,6 @@ def reference_record(
             overhead_s=outcome.own_s,
             upstreams=outcome.upstreams,
         )
-
-
-@pytest.fixture
-def lines() -> Iterator[io.StringIO]:
-    access = logging.getLogger("blazar.access")
-    stream = io.StringIO()
-    handler = logging.StreamHandler(stream)
-    old = access.handlers[:], access.level, access.propagate
-    access.handlers[:] = [handler]
-    access.setLevel(logging.INFO)
-    access.propagate = False
-    try:
-        yield stream
-    finally:
-        access.handlers[:], access.propagate = old[0], old[2]
-        access.setLevel(old[1])
 
 
 def draw(rng: random.Random) -> dict[str, Any]:
