@@ -1,7 +1,7 @@
 """Errors: the one type the gateway raises, and each API's envelope that renders it.
 
 ``HTTPError`` is every error a client is told of: the gateway's refusals and
-the upstream's failures (``proxy.upstream.UpstreamError`` is one). An
+the upstream's failures (``proxy.upstream_errors.UpstreamError`` is one). An
 ``Envelope`` writes it in the shape of the API the request came in on:
 OpenAI clients read ``{"error": {"message", "type", "param", "code"}}`` and
 nothing else (openai-python shows ``error.message`` and picks the exception

@@ -53,7 +53,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
@@ -70,7 +70,7 @@ from proxy.protocol import (
     check_header_bytes,
     protocol_class,
 )
-from proxy.upstream import ClientGone
+from proxy.upstream_errors import ClientGone
 
 logger = logging.getLogger("blazar.server")
 
@@ -93,11 +93,12 @@ def _nothing() -> None:
 class LeanProtocol(asyncio.Protocol):
     """An HTTP/1.1 server connection for the relay's common case; the full protocol for the rest."""
 
-    # The full protocol, with the same limits (``server_protocol`` sets them).
-    full: type[GatewayProtocol] = GatewayProtocol
-    header_timeout_s: float = 10.0
-    max_header_bytes: int = 64 * 1024
-    body_timeout_s: float = 60.0
+    # The full protocol, with the same limits (``server_protocol`` sets them: class attributes,
+    # which a subclass's own replace).
+    full: ClassVar[type[GatewayProtocol]] = GatewayProtocol
+    header_timeout_s: ClassVar[float] = 10.0
+    max_header_bytes: ClassVar[int] = 64 * 1024
+    body_timeout_s: ClassVar[float] = 60.0
 
     def __init__(
         self,

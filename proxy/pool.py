@@ -18,7 +18,8 @@ import ipaddress
 import socket
 
 from proxy.routing import UpstreamAddress
-from proxy.upstream import ConnectFailed, Connection, ConnState, Overloaded
+from proxy.upstream import Connection, ConnState
+from proxy.upstream_errors import ConnectFailed, Overloaded
 
 
 class Pool:

@@ -63,7 +63,7 @@ from uvicorn.protocols.http.httptools_impl import (
 
 from proxy.errors import echo, error_body
 from proxy.timers import for_loop
-from proxy.upstream import ClientGone
+from proxy.upstream_errors import ClientGone
 
 # A body's bytes as one HTTP chunk, after what goes before it (a held head,
 # or nothing); as the last one, with the end of the body.

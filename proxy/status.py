@@ -40,7 +40,8 @@ from proxy.endpoints import Endpoint
 from proxy.errors import HTTPError, echo
 from proxy.metrics import Metrics
 from proxy.routing import RoutingTable
-from proxy.upstream import Cancelled, Connection
+from proxy.upstream import Connection
+from proxy.upstream_errors import Cancelled
 
 log = logging.getLogger("blazar.status")
 

@@ -20,111 +20,26 @@ from __future__ import annotations
 import asyncio
 import enum
 from collections.abc import Callable
-from time import perf_counter
 from typing import Any, cast
 
 import httptools
 
 from proxy import outbox
-from proxy.errors import HTTPError
 from proxy.timers import for_loop
+from proxy.upstream_errors import (
+    BadResponse,
+    BodyBroken,
+    ClientGone,
+    EmptyReply,
+    HeadTimeout,
+    ReadTimeout,
+    UpstreamError,
+)
 
 # Reading from the upstream pauses above this many unrelayed bytes.
 _HIGH_WATER_BYTES = 256 * 1024
 # An upstream's response head larger than this is refused (as request heads are).
 MAX_HEAD_BYTES = 64 * 1024
-
-
-class UpstreamError(HTTPError):
-    """The upstream failed; the class's ``status`` and ``code`` say how the client is told."""
-
-    status = 502
-    code = "upstream_error"
-
-    def __init__(self, message: str = "") -> None:
-        cls = type(self)
-        super().__init__(cls.status, message, code=cls.code)
-
-
-class ConnectFailed(UpstreamError):
-    status = 503
-    code = "upstream_unavailable"
-
-
-class EngineExited(UpstreamError):
-    """An engine child exited as the request reached it (an empty reply from a process that has
-    exited): killed or stopped as it came (the request unread), or crashed on it. Unavailable,
-    as a refused connect is; its own code, so that a request that kills its engine shows."""
-
-    status = 503
-    code = "engine_exited"
-
-
-class Overloaded(UpstreamError):
-    """The gateway itself ran out of file descriptors: its own overload, not the upstream's fault."""
-
-    status = 503
-    code = "overloaded"
-
-
-class HeadTimeout(UpstreamError):
-    status = 504
-    code = "upstream_timeout"
-
-
-class EmptyReply(UpstreamError):
-    code = "upstream_empty_reply"
-
-    def __init__(self, message: str = "") -> None:
-        super().__init__(message)
-        # When the close was seen (``perf_counter``): a relay that reads it later (a task, after a
-        # hand-over) still knows how soon after its send the upstream closed.
-        self.at = perf_counter()
-
-
-class BadResponse(UpstreamError):
-    code = "upstream_bad_response"
-
-
-class BodyBroken(UpstreamError):
-    code = "upstream_truncated"
-
-
-class ReadTimeout(UpstreamError):
-    status = 504
-    code = "upstream_timeout"
-
-
-class TotalTimeout(UpstreamError):
-    status = 504
-    code = "total_timeout"
-
-
-class Draining(UpstreamError):
-    """The gateway is shutting down and its drain time is over."""
-
-    status = 503
-    code = "draining"
-
-
-class Cancelled(UpstreamError):
-    """An operator ended the request (the status page, or ``POST /admin/requests/ID/cancel``):
-    no fault of the upstream's."""
-
-    status = 503
-    code = "request_cancelled"
-
-
-class ClientGone(Exception):
-    """The client went away; the upstream connection was closed for it.
-
-    ``nothing_sent``: raised by a writer that had handed the client no byte
-    of the response (not even its head), so the client got nothing.
-    """
-
-    def __init__(self, message: str = "the client has gone", *, nothing_sent: bool = False) -> None:
-        super().__init__(message)
-        self.nothing_sent = nothing_sent
 
 
 class ConnState(enum.Enum):
@@ -165,13 +80,6 @@ def _ambiguous(codings: list[bytes], lengths: set[bytes]) -> bool:
     if codings:
         return bool(lengths) or codings.count(b"chunked") > 1
     return len(lengths) > 1
-
-
-class _Dropped(list[tuple[bytes, bytes]]):
-    """The header list of a stray message: nothing appended to it is kept."""
-
-    def append(self, item: tuple[bytes, bytes]) -> None:
-        pass
 
 
 class Connection(asyncio.Protocol):
@@ -278,6 +186,8 @@ class Connection(asyncio.Protocol):
             self._fail(BadResponse(f"upstream sent a malformed HTTP response ({exc!r})"))
             self.close()
             return
+        if self._stray:
+            self._raw_headers.clear()  # a stray message's fields: none kept past the read
         if chunks:
             if self._stray:
                 # Bytes of a message after the end of this response are not its body.
@@ -316,11 +226,10 @@ class Connection(asyncio.Protocol):
             # The connection is out of step with its requests; never reuse it.
             self._stray = True
             self._kept = len(self._chunks)
-            self._raw_headers = _Dropped()
+            self._raw_headers = []  # not this response's: emptied after each read (``data_received``)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        # Kept as they come, the name lower-cased; read once the head is whole. (A stray message's
-        # are dropped: its list is a _Dropped.)
+        # Kept as they come, the name lower-cased; read once the head is whole.
         self._raw_headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
@@ -460,10 +369,10 @@ class Connection(asyncio.Protocol):
 
     async def read_head(self, timeout_s: float) -> None:
         """Wait for the response head (status and headers), or raise."""
-        if not self._head_done and self.error is None:
+        if self._head_awaited():
             timer = self.timers.later(timeout_s, self._head_timed_out, timeout_s)
             try:
-                while not self._head_done and self.error is None:
+                while self._head_awaited():
                     await self._wait()
             finally:
                 self.timers.cancel(timeout_s, timer)
@@ -476,13 +385,13 @@ class Connection(asyncio.Protocol):
 
         Unlike read_head, running out of time leaves the exchange alone.
         """
-        if not self._head_done and self.error is None:
+        if self._head_awaited():
             # A coarse timer that wakes the wait (asyncio.timeout costs a
             # dozen calls, and this wait is made for every stream).
             self._wait_over = False
             timer = self.timers.later(timeout_s, self._end_head_wait)
             try:
-                while not self._head_done and self.error is None:
+                while self._head_awaited():
                     if self._wait_over:
                         return False
                     await self._wait()
@@ -492,6 +401,12 @@ class Connection(asyncio.Protocol):
             return True
         assert self.error is not None
         raise self.error
+
+    def _head_awaited(self) -> bool:
+        """Whether the head is still to come: neither here nor failed. Asked by a call, not
+        written out in a wait's loop: there a checker takes the state tested before the wait for
+        the state after it, and a compiled build (mypyc) trusts the checker."""
+        return not self._head_done and self.error is None
 
     async def read(self, timeout_s: float) -> bytes:
         """The body bytes that have arrived; ``b""`` once the body is complete.

@@ -7,7 +7,8 @@ import logging
 from proxy.relay.out import Writer
 from proxy.relay.outcome import Outcome
 from proxy.status import USAGE_BYTES
-from proxy.upstream import Connection, UpstreamError
+from proxy.upstream import Connection
+from proxy.upstream_errors import UpstreamError
 
 log = logging.getLogger("blazar.relay")
 

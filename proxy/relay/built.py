@@ -18,7 +18,8 @@ from proxy.relay.failures import send_upstream_error
 from proxy.relay.outcome import Outcome
 from proxy.relay.timing import server_timing, timing_header
 from proxy.status import USAGE_BYTES
-from proxy.upstream import ClientGone, Connection, UpstreamError
+from proxy.upstream import Connection
+from proxy.upstream_errors import ClientGone, UpstreamError
 
 # A built reply waits this long after [DONE] for its stream's end (it follows at once).
 _AFTER_DONE_S = 1.0

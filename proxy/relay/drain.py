@@ -15,7 +15,8 @@ from collections.abc import Iterable
 from proxy.errors import HTTPError
 from proxy.relay.failures import draining
 from proxy.relay.routes import RouteEntry
-from proxy.upstream import Connection, Draining
+from proxy.upstream import Connection
+from proxy.upstream_errors import Draining
 
 
 class Drain:

@@ -40,11 +40,11 @@ from proxy.relay.sse import relay_events
 from proxy.relay.timing import server_timing, timing_header
 from proxy.relay.translated import respond_translated
 from proxy.relay.watch import ClientWatch, arm_guards
-from proxy.upstream import (
+from proxy.upstream import Connection
+from proxy.upstream_errors import (
     Cancelled,
     ClientGone,
     ConnectFailed,
-    Connection,
     Draining,
     EmptyReply,
     EngineExited,

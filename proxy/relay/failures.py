@@ -14,7 +14,8 @@ import math
 from proxy.asgi import Send, send_error
 from proxy.errors import Envelope, HTTPError
 from proxy.relay.timing import server_timing
-from proxy.upstream import BodyBroken, Connection
+from proxy.upstream import Connection
+from proxy.upstream_errors import BodyBroken
 
 # Upstream error bodies are read whole to be normalised, up to this size.
 _ERROR_BODY_LIMIT_BYTES = 1024 * 1024

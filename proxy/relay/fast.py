@@ -51,7 +51,8 @@ from proxy.relay.routes import Peer
 from proxy.relay.sse import EventStream
 from proxy.relay.ticket import Ticket
 from proxy.relay.timing import TIMING, timing_header
-from proxy.upstream import ClientGone, Connection, UpstreamError
+from proxy.upstream import Connection
+from proxy.upstream_errors import ClientGone, UpstreamError
 
 if TYPE_CHECKING:
     from proxy.relay.handler import Relay

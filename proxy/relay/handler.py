@@ -32,7 +32,7 @@ from proxy.relay.settings import RelaySettings
 from proxy.relay.ticket import Ticket
 from proxy.routing import RoutingTable, UpstreamAddress
 from proxy.splice import splice
-from proxy.upstream import ClientGone, ConnectFailed
+from proxy.upstream_errors import ClientGone, ConnectFailed
 
 log = logging.getLogger("blazar.relay")
 

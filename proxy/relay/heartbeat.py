@@ -21,7 +21,8 @@ from proxy.relay.out import AsgiWriter
 from proxy.relay.outcome import Outcome
 from proxy.relay.sse import relay_events
 from proxy.relay.timing import server_timing
-from proxy.upstream import Connection, HeadTimeout, UpstreamError
+from proxy.upstream import Connection
+from proxy.upstream_errors import HeadTimeout, UpstreamError
 
 _HEARTBEAT = b": keepalive\n\n"
 

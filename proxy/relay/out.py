@@ -15,7 +15,7 @@ from collections.abc import Awaitable
 from typing import Protocol
 
 from proxy.asgi import Scope, Send
-from proxy.upstream import ClientGone
+from proxy.upstream_errors import ClientGone
 
 
 class Writer(Protocol):

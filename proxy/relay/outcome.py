@@ -17,7 +17,8 @@ from proxy.errors import HTTPError
 from proxy.metrics import Metrics, ModelMetrics
 from proxy.relay.routes import ROUTE_LABELS, Peer
 from proxy.translate import Translator
-from proxy.upstream import Connection, UpstreamError
+from proxy.upstream import Connection
+from proxy.upstream_errors import UpstreamError
 
 
 class Outcome:

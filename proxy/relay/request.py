@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from proxy.asgi import Message, Receive, Scope
 from proxy.errors import HTTPError, echo
-from proxy.upstream import ClientGone
+from proxy.upstream_errors import ClientGone
 
 if TYPE_CHECKING:
     from proxy.relay.head import HeadFields

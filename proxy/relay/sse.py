@@ -12,7 +12,8 @@ from time import perf_counter
 from proxy.relay.body import SLICE_BYTES, usage_tail, write_all_but_last_slice
 from proxy.relay.out import Writer
 from proxy.relay.outcome import Outcome
-from proxy.upstream import Connection, UpstreamError
+from proxy.upstream import Connection
+from proxy.upstream_errors import UpstreamError
 
 # Enough of a stream's end to hold "data: [DONE]" and its newlines.
 _TAIL_BYTES = 32

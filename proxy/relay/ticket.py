@@ -25,7 +25,7 @@ from proxy.relay.failures import loading, no_replica
 from proxy.relay.outcome import Outcome
 from proxy.relay.routes import Peer, RouteEntry, by_affinity, least_busy
 from proxy.routing import Gate
-from proxy.upstream import ClientGone
+from proxy.upstream_errors import ClientGone
 
 
 class Ticket:

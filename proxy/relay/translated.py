@@ -25,7 +25,8 @@ from proxy.relay.outcome import Outcome
 from proxy.relay.timing import timing_header
 from proxy.status import USAGE_BYTES
 from proxy.translate import Translator
-from proxy.upstream import Connection, ReadTimeout, UpstreamError
+from proxy.upstream import Connection
+from proxy.upstream_errors import ReadTimeout, UpstreamError
 
 # The most of one event held while waiting for its end: an upstream fault past it.
 _EVENT_LIMIT_BYTES = 4 * 1024 * 1024

@@ -15,7 +15,8 @@ from typing import Any
 
 from proxy.asgi import Message, Receive, Scope
 from proxy.relay.outcome import Outcome
-from proxy.upstream import Connection, TotalTimeout
+from proxy.upstream import Connection
+from proxy.upstream_errors import TotalTimeout
 
 log = logging.getLogger("blazar.relay")
 

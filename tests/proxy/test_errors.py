@@ -18,7 +18,7 @@ from proxy.errors import (
     normalize_error,
     sse_error_event,
 )
-from proxy.upstream import HeadTimeout
+from proxy.upstream_errors import HeadTimeout
 
 ENVELOPE_KEYS = {"message", "type", "param", "code"}
 

@@ -12,7 +12,7 @@ import pytest
 
 from proxy.protocol import ClientWriter
 from proxy.relay.out import AsgiWriter
-from proxy.upstream import ClientGone
+from proxy.upstream_errors import ClientGone
 from tests.proxy.test_client_writer import Scenario, body_of, serving
 
 pytestmark = pytest.mark.anyio

@@ -15,15 +15,8 @@ import pytest
 
 from proxy.pool import Pool
 from proxy.routing import UpstreamAddress
-from proxy.upstream import (
-    BadResponse,
-    BodyBroken,
-    ConnectFailed,
-    Connection,
-    ConnState,
-    EmptyReply,
-    HeadTimeout,
-)
+from proxy.upstream import Connection, ConnState
+from proxy.upstream_errors import BadResponse, BodyBroken, ConnectFailed, EmptyReply, HeadTimeout
 
 pytestmark = pytest.mark.anyio
 
