@@ -1,5 +1,5 @@
 """python -m perf receipt|engine-ladder|matrix|paired|inproc|assembly|translation|affinity|accesslog
-[--smoke]"""
+[--smoke]; python -m perf compiled --out DIR"""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         "what",
         choices=(
             "receipt", "engine-ladder", "matrix", "paired", "inproc", "assembly", "translation", "affinity",
-            "accesslog",
+            "accesslog", "compiled",
         ),
     )  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help="output folder [perf/results/<what>-<time>]")
@@ -119,6 +119,13 @@ def main(argv: list[str] | None = None) -> int:
         # Pinned by default, except the engine ladder: it measures as a user runs it.
         args.cpu = None if args.what == "engine-ladder" else 0
 
+    if args.what == "compiled":
+        from perf.compiled import build
+
+        if args.out is None:
+            parser.error("compiled: --out DIR (the copy's folder, emptied first)")
+        print(build(args.out.resolve()), end="")
+        return 0
     out = args.out or Path(__file__).parent / "results" / f"{args.what}-{time.strftime('%Y%m%d-%H%M%S')}"
     # Absolute: nginx reads its config relative to its prefix, which is under it.
     out = out.resolve()
