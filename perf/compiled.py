@@ -13,7 +13,7 @@ this checkout in one run:
     python -m perf inproc --baseline /tmp/compiled
 
 What a compiled build changes besides speed (each seen in the suite run on
-such a copy, and kept out of these modules):
+such a copy, and what the sources do about it):
 
 - a compiled class's methods and attributes are fixed: a test that replaces
   one on an instance fails (a test counts calls at the app, which stays
@@ -27,7 +27,9 @@ such a copy, and kept out of these modules):
   (``Connection._head_awaited`` asks by a call for that reason);
 - a Python class declared in a compiled module is told by a test that
   misses its subclasses (the upstream's errors live in
-  ``proxy/upstream_errors.py``, not compiled, for that reason).
+  ``proxy/upstream_errors.py``, not compiled, for that reason);
+- a list subclass's ``append`` is not called by compiled code (a stray
+  message's fields are emptied after each read instead).
 
 It needs mypy (``pip install 'mypy>=2.4,<2.5'``), a C compiler and the
 Python headers; the build takes about a minute on two cores.
