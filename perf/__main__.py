@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         from perf.compiled import build
 
         if args.out is None:
-            parser.error("compiled: --out DIR (the copy's folder, emptied first)")
+            parser.error("compiled: --out DIR (a new folder, or one an earlier run made: emptied first)")
         print(build(args.out.resolve()), end="")
         return 0
     out = args.out or Path(__file__).parent / "results" / f"{args.what}-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -63,10 +63,13 @@ _PATCHES = (("proxy/lean.py", "\n\n\nclass LeanProtocol(", "\n" + _MARK + "class
 # The copy has no pyproject.toml while it is built (setuptools, which mypyc builds with, would read
 # the project's metadata from it): mypy's settings come from this instead.
 _MYPY_INI = "[mypy]\nignore_missing_imports = True\n"
+# Written in each copy: a folder without it is not emptied.
+_MARKER = ".perf-compiled"
 
 
 def build(out: Path, modules: tuple[str, ...] = MODULES) -> str:
-    """Copy the checkout to ``out`` (emptied first) and compile ``modules`` there; the report."""
+    """Copy the checkout to ``out`` (a new folder, or one an earlier run made: emptied first) and
+    compile ``modules`` there; the report."""
     if importlib.util.find_spec("mypyc") is None:
         sys.exit("perf compiled: mypyc is not installed: pip install 'mypy>=2.4,<2.5'")
     files = subprocess.run(
@@ -76,6 +79,9 @@ def build(out: Path, modules: tuple[str, ...] = MODULES) -> str:
         text=True,
         check=True,
     ).stdout.split()
+    if out.exists() and any(out.iterdir()) and not (out / _MARKER).is_file():
+        # Emptied only where this made it: never a folder of the user's.
+        sys.exit(f"perf compiled: {out} is not empty and not a copy made here: give a new folder")
     if out.exists():
         shutil.rmtree(out)
     for name in files:
@@ -92,6 +98,7 @@ def build(out: Path, modules: tuple[str, ...] = MODULES) -> str:
             sys.exit(f"perf compiled: {name} no longer has {text.strip()!r} once; update _PATCHES")
         path.write_text(code.replace(text, replacement))
     (out / "mypy.ini").write_text(_MYPY_INI)
+    (out / _MARKER).write_text("a copy made by python -m perf compiled; emptied by its next run\n")
     script = Path(sys.executable).with_name("mypyc")
     command = [str(script) if script.exists() else "mypyc", *modules]
     done = subprocess.run(command, cwd=out, capture_output=True, text=True)

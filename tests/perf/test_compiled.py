@@ -18,6 +18,15 @@ def test_each_module_and_patch_is_there() -> None:
         assert (_ROOT / name).read_text().count(text) == 1, name
 
 
+def test_a_folder_it_did_not_make_is_left_alone(tmp_path: Path) -> None:
+    """``--out`` naming a folder with files in it that no earlier run made: refused, nothing removed."""
+    kept = tmp_path / "notes.txt"
+    kept.write_text("mine")
+    with pytest.raises(SystemExit, match="not a copy made here"):
+        build(tmp_path)
+    assert kept.read_text() == "mine"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_compiled_copy_serves_the_fast_path(tmp_path: Path) -> None:
