@@ -79,6 +79,8 @@ def build(out: Path, modules: tuple[str, ...] = MODULES) -> str:
         text=True,
         check=True,
     ).stdout.split()
+    if out.exists() and not out.is_dir():
+        sys.exit(f"perf compiled: {out} is a file: give a new folder")
     if out.exists() and any(out.iterdir()) and not (out / _MARKER).is_file():
         # Emptied only where this made it: never a folder of the user's.
         sys.exit(f"perf compiled: {out} is not empty and not a copy made here: give a new folder")

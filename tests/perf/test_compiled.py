@@ -24,6 +24,8 @@ def test_a_folder_it_did_not_make_is_left_alone(tmp_path: Path) -> None:
     kept.write_text("mine")
     with pytest.raises(SystemExit, match="not a copy made here"):
         build(tmp_path)
+    with pytest.raises(SystemExit, match="is a file"):
+        build(kept)
     assert kept.read_text() == "mine"
 
 
