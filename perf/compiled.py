@@ -78,7 +78,7 @@ def build(out: Path, modules: tuple[str, ...] = MODULES) -> str:
         capture_output=True,
         text=True,
         check=True,
-    ).stdout.split()
+    ).stdout.splitlines()
     if out.exists() and not out.is_dir():
         sys.exit(f"perf compiled: {out} is a file: give a new folder")
     if out.exists() and any(out.iterdir()) and not (out / _MARKER).is_file():
