@@ -31,9 +31,10 @@ from proxy.browser import AllowedHosts, BrowserChecks
 from proxy.cors import Cors
 from proxy.endpoints import envelope_of
 from proxy.errors import HTTPError, echo, error_body
+from proxy.exposition import merge_expositions
 from proxy.health import DEFAULT_INTERVAL_S
 from proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from proxy.metrics import Metrics, merge_expositions
+from proxy.metrics import Metrics
 from proxy.protocol import FastClient
 from proxy.readiness import NOT_CHECKED, Readiness
 from proxy.relay import (

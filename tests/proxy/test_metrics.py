@@ -1,8 +1,8 @@
-"""proxy.metrics.merge_expositions: engines' Prometheus texts as one, labelled by model and replica."""
+"""proxy.exposition.merge_expositions: engines' Prometheus texts as one, labelled by model and replica."""
 
 from __future__ import annotations
 
-from proxy.metrics import merge_expositions
+from proxy.exposition import merge_expositions
 
 # What llama-server's /metrics looks like (tools/server: counters and gauges, no labels).
 ENGINE_TEXT = """\
