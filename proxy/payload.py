@@ -28,6 +28,9 @@ _TOKEN_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens")
 # loads fails near 1000 (its empty reply); 128 is serde_json's default, and
 # far more than any request's tools schemas use.
 MAX_DEPTH = 128
+# A field's bound: an int stays one (and is written as one in an error), compiled or not (a
+# ``float`` annotation would make it a C double in compiled code: 2**53 written 9.0072e+15).
+Bound = int | float
 
 
 class RequestField(Protocol):
@@ -38,9 +41,9 @@ class RequestField(Protocol):
     @property
     def kind(self) -> str: ...
     @property
-    def low(self) -> float | None: ...
+    def low(self) -> Bound | None: ...
     @property
-    def high(self) -> float | None: ...
+    def high(self) -> Bound | None: ...
     @property
     def high_fact(self) -> tuple[str, int] | None: ...
     @property
@@ -288,11 +291,11 @@ def _token_bias(vocab_size: int | None) -> tuple[str, Callable[[Any], bool]]:
     )
 
 
-def _shown(number: float) -> str:
+def _shown(number: Bound) -> str:
     return str(number) if isinstance(number, int) else f"{number:g}"
 
 
-def _high(rule: RequestField, guards: RequestGuards) -> float | None:
+def _high(rule: RequestField, guards: RequestGuards) -> Bound | None:
     """The field's upper bound: its own, or the model's fact less its offset where lower (and known)."""
     if rule.high_fact is None:
         return rule.high
