@@ -1,5 +1,5 @@
 """python -m perf receipt|engine-ladder|matrix|paired|inproc|assembly|translation|affinity|accesslog
-[--smoke]; python -m perf compiled --out DIR"""
+[--smoke]; python -m perf compiled --out DIR [--modules A,B]"""
 
 from __future__ import annotations
 
@@ -114,6 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--concurrent", type=int, default=None, help="receipt: also aggregate tok/s at C=N [off]"
     )
+    parser.add_argument(
+        "--modules",
+        default=None,
+        help="compiled: comma-separated modules to compile, e.g. proxy/lean.py [those an install compiles]",
+    )
     args = parser.parse_args(argv)
     if args.cpu == _UNSET:
         # Pinned by default, except the engine ladder: it measures as a user runs it.
@@ -124,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.out is None:
             parser.error("compiled: --out DIR (a new folder, or one an earlier run made: emptied first)")
-        print(build(args.out.resolve()), end="")
+        modules = [m.strip() for m in args.modules.split(",") if m.strip()] if args.modules else None
+        print(build(args.out.resolve(), *([modules] if modules else [])), end="")
         return 0
     out = args.out or Path(__file__).parent / "results" / f"{args.what}-{time.strftime('%Y%m%d-%H%M%S')}"
     # Absolute: nginx reads its config relative to its prefix, which is under it.
@@ -232,7 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         if "blazar-base" in plan.surfaces and plan.baseline is None:
             parser.error("the surface blazar-base needs --baseline DIR")
         data = run_matrix(plan, out)
-        data["environment"] = report.environment()
+        data["environment"] = report.environment(
+            {"baseline_request_path": report.request_path(Path(plan.baseline))} if plan.baseline else None
+        )
         report.write_json(out / "matrix.json", data)
         (out / "matrix.md").write_text(report.matrix_markdown(data))
         plotted = report.matrix_plot(data, out / "matrix.png")

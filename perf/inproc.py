@@ -394,6 +394,14 @@ def run_inproc(
     ]
     if baseline is not None:
         lines.append(f"Baseline: `{baseline}`.")
+    # Here, not at the top: the worker runs this file with a baseline's ``perf`` on the path.
+    from perf.report import request_path
+
+    lines.append(
+        "Request path: "
+        + "; ".join(f"{name}: {request_path(root)}" for name, root in roots.items())
+        + " (a compiled module's work is C code: no opcodes of its own)."
+    )
     lines += ["", "| workload | figure | " + " | ".join(names) + (" | change |" if len(names) > 1 else "")]
     lines.append("|---|---|" + "---:|" * (len(names) + (len(names) > 1)))
     for workload in WORKLOADS:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +46,25 @@ def environment(extra: dict[str, Any] | None = None) -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "gpu": _run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]) or None,
         "kernel": platform.release(),
+        "request_path": request_path(ROOT),
         **(extra or {}),
     }
+
+
+def request_path(root: Path) -> str:
+    """How the checkout at ``root`` runs its request path: "compiled", or "interpreted: why"
+    (``proxy/compiled.py``), as ``python -m proxy`` run from there does."""
+    code = "import proxy; print(getattr(getattr(proxy, 'compiled', None), 'STATE', 'interpreted: no build'))"
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    return done.stdout.strip() or f"unknown ({done.stderr.strip()[-200:]})"
 
 
 def _run(argv: list[str], *, stderr: bool = False) -> str:
@@ -73,6 +91,9 @@ def matrix_markdown(data: dict[str, Any]) -> str:
         "",
         f"git {env['git_sha'][:12]}{' (dirty)' if env['git_dirty'] else ''}, {env['cpu']}, "
         f"{env['cpus']} CPUs, Python {env['python']}, {env['nginx']}, {env['wrk']}.",
+        f"blazar's request path: {env.get('request_path', 'not recorded')}"
+        + (f"; blazar-base's: {env['baseline_request_path']}" if env.get("baseline_request_path") else "")
+        + ".",
         f"All processes pinned to CPU {plan['cpu']}. {plan['duration_s']:g} s per run, "
         f"{plan['rounds']} rounds interleaved; figures are medians over rounds"
         + (

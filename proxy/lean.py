@@ -56,6 +56,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar, Protocol
 
 import httptools
+from mypy_extensions import mypyc_attr
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 from uvicorn.protocols.utils import get_local_addr, get_remote_addr, is_ssl
 
@@ -90,6 +91,9 @@ def _nothing() -> None:
     pass
 
 
+# ``server_protocol`` makes a subclass of it at run time: compiled (``proxy/compiled.py``), a class
+# must be marked for that.
+@mypyc_attr(allow_interpreted_subclasses=True)
 class LeanProtocol(asyncio.Protocol):
     """An HTTP/1.1 server connection for the relay's common case; the full protocol for the rest."""
 

@@ -133,6 +133,7 @@ _SLOW_MODULES = frozenset(
         "tests/engines/test_child.py",
         "tests/engines/test_gguf_model.py",
         "tests/test_fake_engine.py",
+        "tests/test_wheel_build.py",
     }
 )
 

@@ -26,7 +26,7 @@ from engines import install as installing
 from engines import spec as specs
 from engines.home import Home, blazar_home
 from engines.registry import Registry
-from proxy import __version__
+from proxy import __version__, compiled
 from proxy.accesslog import AccessLog
 from proxy.app import Gateway, build_app
 from proxy.auth import ApiKeys, read_key_file
@@ -342,6 +342,8 @@ def serve(
         keyed = settings.strip_credentials
         if not keyed:
             _warn_open(bound)
+        if compiled.STATE != "compiled":
+            _echo(f"note: the request path runs {compiled.STATE}; compiled, it takes about a fifth less CPU")
         task = asyncio.ensure_future(_announce_ready(bound, app.relay.table, registry, keyed=keyed))
         announcing.add(task)
         task.add_done_callback(announcing.discard)
