@@ -23,8 +23,10 @@ from typing import Any, TypeVar
 
 import httpx
 import orjson
+import pytest
 import uvicorn
 
+from proxy import compiled
 from proxy.lean import server_protocol
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,6 +34,20 @@ ROOT = Path(__file__).resolve().parents[1]
 ENGINE_READY = re.compile(r"pid (\d+), port (\d+), ready in")
 
 T = TypeVar("T")
+
+
+# -- the compiled build ----------------------------------------------------------
+
+
+def replaces_calls_into(*modules: str) -> pytest.MarkDecorator:
+    """For a test that counts or breaks calls into ``modules`` by replacing their functions or a
+    method of their objects: compiled, a module calls another compiled module's functions directly,
+    past a replacement, and a compiled class's methods cannot be replaced. Skipped where one of
+    them runs compiled; ``scripts/test``'s interpreted pass runs it."""
+    return pytest.mark.skipif(
+        bool(compiled.COMPILED & set(modules)),
+        reason=f"replaces calls into {', '.join(modules)}, compiled here: run with BLAZAR_INTERPRETED=1",
+    )
 
 
 # -- ports and waits -------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import typing
 
@@ -17,6 +18,7 @@ from proxy.startup.catalog import Catalog
 from proxy.startup.configfile import ModelConfig
 from proxy.startup.settings import Settings, flags
 from tests.engines.test_spec import shipped_table
+from tests.helpers import ROOT
 
 
 def names(cls: type) -> set[str]:
@@ -24,8 +26,18 @@ def names(cls: type) -> set[str]:
 
 
 def reads(protocol: type) -> set[str]:
-    """The read-only properties a protocol declares: what its reader reads."""
-    return {name for name, member in vars(protocol).items() if isinstance(member, property)}
+    """The read-only properties a protocol declares: what its reader reads. Read from its source: a
+    protocol class in a compiled module keeps none of its members at run time."""
+    source = ROOT / (protocol.__module__.replace(".", "/") + ".py")
+    for node in ast.walk(ast.parse(source.read_text())):
+        if isinstance(node, ast.ClassDef) and node.name == protocol.__name__:
+            return {
+                f.name
+                for f in node.body
+                if isinstance(f, ast.FunctionDef)
+                and any(isinstance(d, ast.Name) and d.id == "property" for d in f.decorator_list)
+            }
+    raise AssertionError(f"no class {protocol.__name__} in {source}")
 
 
 def test_every_guard_the_spec_defines_is_one_the_request_path_reads() -> None:

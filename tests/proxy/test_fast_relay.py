@@ -25,7 +25,7 @@ from proxy.relay.outcome import Outcome
 from proxy.routing import Route, RoutingTable, UpstreamAddress
 from proxy.startup.settings import Settings
 from proxy.upstream_errors import EmptyReply
-from tests.helpers import in_process_server, wait_until_async
+from tests.helpers import in_process_server, replaces_calls_into, wait_until_async
 
 pytestmark = pytest.mark.anyio
 
@@ -250,6 +250,7 @@ async def test_a_stream_and_an_unknown_model_go_the_task_s_way() -> None:
     [b'{"model":"m1","stream":true}', b'{"model":"m1","messages":[], "stream" :\n true}'],
 )
 @pytest.mark.parametrize("full", [False, True], ids=["lean protocol", "full protocol"])
+@replaces_calls_into("proxy/payload.py")
 async def test_a_stream_is_parsed_once(body: bytes, full: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """On the lean protocol the fast path takes it, and hands it over at the upstream's head (JSON
     here: the task path's 502 that says so); on the full protocol, whose client takes no stream
@@ -284,6 +285,7 @@ async def test_a_head_whose_body_comes_later_and_an_upstream_error_are_handed_ov
     assert plain_body == REPLY
 
 
+@replaces_calls_into("proxy/relay/request.py", "proxy/browser.py")
 async def test_a_body_written_after_its_head_is_served_from_callbacks_its_head_checked_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -353,6 +355,7 @@ async def test_a_request_served_from_callbacks_leaves_nothing_for_the_collector(
     assert not left & {"FastExchange", "Client", "Outcome", "ClientWriter", "RequestResponseCycle"}, left
 
 
+@replaces_calls_into("proxy/pool.py")
 async def test_a_connection_the_fast_path_cannot_open_is_answered_as_that_failure_once() -> None:
     """The task path answers it (503, in OpenAI's envelope) without a second attempt."""
     async with gateway(listening=False) as (port, app, taken):
@@ -692,6 +695,7 @@ async def test_a_stream_whole_in_one_read_leaves_no_deadline_on_its_pooled_conne
     assert head.startswith(b"HTTP/1.1 200 OK\r\n") and answer == REPLY
 
 
+@replaces_calls_into("proxy/relay/sse.py")
 async def test_a_stream_that_fails_in_the_gateway_after_its_head_is_closed_and_recorded(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
