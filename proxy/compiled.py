@@ -3,8 +3,8 @@
 An install (``pip install .``, or ``pip install -e .``) compiles ``MODULES`` to
 C extensions with mypyc (``hatch_build.py``): the relay's common case, from the
 request's read to its record, costs about 30 % less CPU compiled. The
-build writes ``_compiled.json`` beside this file: each compiled module and the
-SHA-256 of the source it was compiled from. Where there is no C compiler, the
+build writes ``_compiled.json`` beside this file: the modules compiled, and the
+SHA-256 of each source of the package it was compiled from. Where there is no C compiler, the
 install ships the same modules interpreted, and runs the same.
 
 A compiled module shadows its source: Python imports ``lean.*.so`` before
@@ -12,8 +12,9 @@ A compiled module shadows its source: Python imports ``lean.*.so`` before
 them is imported) ``use()`` checks the build against the sources and imports
 every compiled module from its source, as one, where
 
-- a source changed since the build (an editable install, edited): the build
-  is stale, and a stale build would run code that is no longer there;
+- a source of the package changed since the build (an editable install,
+  edited): the build is stale, and would run code that is no longer there
+  (compiled code may also hold another module's ``Final`` values);
 - extensions are there with no record of what they were built from;
 - ``BLAZAR_INTERPRETED`` is set (to anything but ``0``): a check of the
   interpreted modules, or a way round a compiled one's fault.
@@ -97,9 +98,16 @@ def digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def _sources(root: Path) -> list[str]:
+    return sorted(str(path.relative_to(root)) for path in (root / "proxy").rglob("*.py"))
+
+
 def manifest(root: Path, modules: Sequence[str]) -> str:
-    """The record of a build of ``modules`` from the sources under ``root``, as written."""
-    return json.dumps({name: digest(root / name) for name in modules}, indent=1) + "\n"
+    """The record of a build of ``modules`` from the sources under ``root``, as written: the modules,
+    and every source of the package (compiled code may hold what another module defined, such as
+    a ``Final`` constant's value, so a change to any of them makes the build stale)."""
+    sources = {name: digest(root / name) for name in _sources(root)}
+    return json.dumps({"compiled": list(modules), "sources": sources}, indent=1) + "\n"
 
 
 def _extension(source: Path) -> bool:
@@ -128,17 +136,19 @@ def _check(root: Path) -> tuple[str, list[str]]:
             return f"interpreted: {present[0]} has a compiled build with no record of its source", present
         return _NOT_COMPILED, []
     try:
-        built: dict[str, str] = json.loads(record.read_text())
-        changed = [name for name, sha in built.items() if digest(root / name) != sha]
-    except (OSError, ValueError, AttributeError) as e:
-        return f"interpreted: {record} cannot be read ({e})", [n for n in MODULES if _extension(root / n)]
-    modules = sorted(built)
+        built = json.loads(record.read_text())
+        modules: list[str] = [str(name) for name in built["compiled"]]
+        sources: dict[str, str] = built["sources"]
+        changed = [name for name, sha in sources.items() if digest(root / name) != sha]
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        return f"interpreted: {record} cannot be read ({e!r})", [n for n in MODULES if _extension(root / n)]
     absent = [name for name in modules if not _extension(root / name)]
     if absent:
         return f"interpreted: {absent[0]} has no compiled build beside it (reinstall to compile it)", modules
     if changed:
         return (
-            f"interpreted: {changed[0]} changed since it was compiled (`pip install -e .` compiles it again)",
+            f"interpreted: {changed[0]} changed since the request path was compiled "
+            "(`pip install -e .` compiles it again)",
             modules,
         )
     if os.environ.get("BLAZAR_INTERPRETED", "0") not in ("", "0"):
@@ -151,7 +161,7 @@ def use(root: Path = _ROOT) -> str:
     global STATE, COMPILED
     STATE, interpreted = _check(root)
     if STATE == "compiled":
-        COMPILED = frozenset(json.loads((root / "proxy" / MANIFEST).read_text()))
+        COMPILED = frozenset(json.loads((root / "proxy" / MANIFEST).read_text())["compiled"])
     if interpreted:
         sources = {name[:-3].replace("/", "."): root / name for name in interpreted}
         sys.meta_path.insert(0, _FromSource(sources))

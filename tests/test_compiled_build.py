@@ -19,10 +19,10 @@ SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]
 
 def _build(root: Path, *, extensions: bool = True, record: bool = True) -> None:
     """A tree as an install leaves it: each module's source, its extension beside it, the record."""
-    for name in MODULES:
+    for name in (*MODULES, "proxy/app.py"):
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(f"WHERE = {name!r}\n")
-        if extensions:
+        if extensions and name in MODULES:
             (root / name).with_suffix(SUFFIX).write_bytes(b"not an extension")
     if record:
         (root / "proxy" / MANIFEST).write_text(manifest(root, MODULES))
@@ -44,12 +44,14 @@ def test_no_build_is_the_sources(tmp_path: Path) -> None:
     assert state.startswith("interpreted: it was installed without a C compiler") and interpreted == []
 
 
-def test_a_source_edited_after_its_build_makes_every_module_interpreted(tmp_path: Path) -> None:
+@pytest.mark.parametrize("edited", ["proxy/relay/head.py", "proxy/app.py"], ids=["compiled", "not compiled"])
+def test_a_source_edited_after_its_build_makes_every_module_interpreted(tmp_path: Path, edited: str) -> None:
+    """Any source of the package: compiled code may hold another module's ``Final`` values."""
     _build(tmp_path)
-    with (tmp_path / "proxy/relay/head.py").open("a") as f:
+    with (tmp_path / edited).open("a") as f:
         f.write("# edited\n")
     state, interpreted = _check(tmp_path)
-    assert "proxy/relay/head.py changed since it was compiled" in state
+    assert f"{edited} changed since the request path was compiled" in state
     assert sorted(interpreted) == sorted(MODULES)
 
 
@@ -66,7 +68,16 @@ def test_a_record_whose_extension_is_gone_is_not_half_used(tmp_path: Path) -> No
     assert "proxy/upstream.py has no compiled build" in state and sorted(interpreted) == sorted(MODULES)
 
 
-@pytest.mark.parametrize("record", ["not json", "[1, 2]", '{"proxy/gone.py": "0"}'])
+@pytest.mark.parametrize(
+    "record",
+    [
+        "not json",
+        "[1, 2]",
+        '{"proxy/lean.py": "0"}',
+        '{"compiled": ["proxy/lean.py"], "sources": {"proxy/gone.py": "0"}}',
+        '{"compiled": 1, "sources": {}}',
+    ],
+)
 def test_a_record_that_cannot_be_read_is_not_trusted(tmp_path: Path, record: str) -> None:
     _build(tmp_path)
     (tmp_path / "proxy" / MANIFEST).write_text(record)
