@@ -110,6 +110,11 @@ def manifest(root: Path, modules: Sequence[str]) -> str:
     return json.dumps({"compiled": list(modules), "sources": sources}, indent=1) + "\n"
 
 
+def _same(source: Path, sha: str) -> bool:
+    """The source is there, as it was built (one removed since is a change too)."""
+    return source.is_file() and digest(source) == sha
+
+
 def _extension(source: Path) -> bool:
     return any(source.with_suffix(suffix).exists() for suffix in importlib.machinery.EXTENSION_SUFFIXES)
 
@@ -139,7 +144,7 @@ def _check(root: Path) -> tuple[str, list[str]]:
         built = json.loads(record.read_text())
         modules: list[str] = [str(name) for name in built["compiled"]]
         sources: dict[str, str] = built["sources"]
-        changed = [name for name, sha in sources.items() if digest(root / name) != sha]
+        changed = [name for name, sha in sources.items() if not _same(root / name, sha)]
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
         return f"interpreted: {record} cannot be read ({e!r})", [n for n in MODULES if _extension(root / n)]
     absent = [name for name in modules if not _extension(root / name)]
