@@ -85,8 +85,9 @@ setup(
 """
 
 _NOT_COMPILED = (
-    "interpreted: it was installed without a C compiler (or with BLAZAR_INTERPRETED set): "
-    "reinstall with gcc or clang and Python's headers to compile it"
+    "interpreted: no compiled build beside these sources (installed without a C compiler or with "
+    "BLAZAR_INTERPRETED set, or not installed): installing with gcc or clang and Python's headers "
+    "compiles it"
 )
 # What the start says: "compiled", or "interpreted: <why>".
 STATE = _NOT_COMPILED

@@ -41,7 +41,7 @@ def test_a_build_of_these_sources_is_used(tmp_path: Path) -> None:
 def test_no_build_is_the_sources(tmp_path: Path) -> None:
     _build(tmp_path, extensions=False, record=False)
     state, interpreted = _check(tmp_path)
-    assert state.startswith("interpreted: it was installed without a C compiler") and interpreted == []
+    assert state.startswith("interpreted: no compiled build beside these sources") and interpreted == []
 
 
 @pytest.mark.parametrize("edited", ["proxy/relay/head.py", "proxy/app.py"], ids=["compiled", "not compiled"])
