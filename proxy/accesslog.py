@@ -48,6 +48,7 @@ import weakref
 from collections.abc import Callable, Iterable
 
 import orjson
+from mypy_extensions import mypyc_attr
 
 from proxy.asgi import Scope
 from proxy.errors import ECHO_LIMIT
@@ -117,6 +118,9 @@ class Clock:
 _MILLIS = tuple(f".{ms:03d}Z" for ms in range(1000))
 
 
+# Compiled, a Python class still (its methods compiled): a native class could not be weakly
+# referenced, as the flush at exit does.
+@mypyc_attr(native_class=False)
 class AccessLog:
     def __init__(
         self, fmt: str = "text", trusted_proxies: Iterable[str] = (), clock: Clock | None = None
@@ -337,22 +341,27 @@ def _handlers() -> list[logging.Handler]:
 
 def _emit(lines: list[str], probe: logging.LogRecord) -> None:
     for handler in _handlers():
-        if handler.level > logging.INFO:
-            continue
-        if isinstance(handler, logging.StreamHandler) and handler.stream is not None and not handler.filters:
-            handler.acquire()
-            try:
-                if handler.format(probe) == "\x00":
-                    # Writes the bare message: the whole batch in one write, as the handler would have.
-                    handler.stream.write(handler.terminator.join(lines) + handler.terminator)
-                    handler.flush()
-                    continue
-            except Exception:
-                # As logging's own emit does: a log that cannot be written must not
-                # fail the request whose line filled the batch.
-                handler.handleError(probe)
-                continue
-            finally:
-                handler.release()
-        for line in lines:
-            handler.handle(log.makeRecord(log.name, logging.INFO, __file__, 0, line, (), None))
+        if handler.level <= logging.INFO and not _write_batch(handler, lines, probe):
+            for line in lines:
+                handler.handle(log.makeRecord(log.name, logging.INFO, __file__, 0, line, (), None))
+
+
+def _write_batch(handler: logging.Handler, lines: list[str], probe: logging.LogRecord) -> bool:
+    """Whether ``handler`` took the batch in one write (a stream handler that writes the bare
+    message; or it failed, and said so): False leaves it a record per line."""
+    if not isinstance(handler, logging.StreamHandler) or handler.stream is None or handler.filters:
+        return False
+    handler.acquire()
+    try:
+        if handler.format(probe) != "\x00":
+            return False
+        # Writes the bare message: the whole batch in one write, as the handler would have.
+        handler.stream.write(handler.terminator.join(lines) + handler.terminator)
+        handler.flush()
+    except Exception:
+        # As logging's own emit does: a log that cannot be written must not
+        # fail the request whose line filled the batch.
+        handler.handleError(probe)
+    finally:
+        handler.release()
+    return True

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
 from time import perf_counter
 
 import httpx
@@ -30,16 +29,15 @@ from proxy.auth import PUBLIC_PATHS, ApiKeys
 from proxy.browser import AllowedHosts, BrowserChecks
 from proxy.cors import Cors
 from proxy.endpoints import envelope_of
+from proxy.entry import FastEntry, GatewayState
 from proxy.errors import HTTPError, echo, error_body
 from proxy.exposition import merge_expositions
 from proxy.health import DEFAULT_INTERVAL_S
 from proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from proxy.metrics import Metrics
-from proxy.protocol import FastClient
 from proxy.readiness import NOT_CHECKED, Readiness
 from proxy.relay import (
     ENDPOINTS,
-    HeadFields,
     ModelLoad,
     Relay,
     RelaySettings,
@@ -50,30 +48,6 @@ from proxy.relay import (
 from proxy.routing import Route as RouteConfig
 from proxy.routing import RoutingTable
 from proxy.status import ModelView, Status
-
-
-@dataclass
-class GatewayState:
-    """What the gateway as a whole is doing; written by the server's drain, read per request."""
-
-    draining: bool = False
-    in_flight: int = 0
-    _idle: asyncio.Event | None = field(default=None, repr=False)
-
-    def leave(self) -> None:
-        self.in_flight -= 1
-        if not self.in_flight and self._idle is not None:
-            self._idle.set()
-
-    async def wait_idle(self) -> None:
-        """Return once no relayed request is in flight."""
-        while self.in_flight:
-            self._idle = asyncio.Event()
-            await self._idle.wait()
-
-
-# The scope's key for the head's walk that ``serves_head`` made, for ``fast_after_head``.
-_FIELDS = "blazar.head_fields"
 
 
 class Gateway:
@@ -99,6 +73,12 @@ class Gateway:
         # Asked once: each is a Python __bool__ the request would otherwise call.
         self._with_keys = bool(self.keys)
         self._with_cors = bool(self.cors)
+        # What the protocol offers a request before any task: compiled, the checks ``__call__``
+        # makes of a head, then the relay's fast path (``proxy/entry.py``).
+        entry = FastEntry(relay, self.state, self.browser, self.keys, self._with_cors)
+        self.fast = entry.fast
+        self.fast_after_head = entry.fast_after_head
+        self.serves_head = entry.serves_head
         # The paths whose POSTs the protocol offers to ``fast`` before any task (the OpenAI
         # endpoints; another API's requests may need translating).
         self.fast_paths = frozenset(path for path, endpoint in ENDPOINTS.items() if endpoint.api is None)
@@ -106,74 +86,6 @@ class Gateway:
         self.body_budget = relay.body_budget
         # How long the protocol lets a client take none of the bytes left for it between requests.
         self.send_stall_s = relay.send_stall_s
-
-    def fast(self, scope: Scope, data: bytes | bytearray, client: FastClient) -> bool:
-        """Serve a POST to one of ``fast_paths`` whose body ``data`` came whole from the protocol's
-        callback (``proxy/relay/fast.py``); False, having changed nothing, when the request is
-        to be served as any other (an ASGI task): the checks ``__call__`` makes first, then the
-        relay's."""
-        if self.relay.declines(data, client):
-            return False
-        fields = self._fast_head(scope)
-        if fields is None:
-            return False
-        return self._try_fast(scope, data, client, fields, False)
-
-    def fast_after_head(self, scope: Scope, data: bytes | bytearray, client: FastClient) -> bool:
-        """``fast`` for a request whose head ``serves_head`` passed as it came, before its body (the
-        SDKs write them apart): its head is not checked again, as ``__call__`` checks a head once.
-        A drain begun since is: such a request then goes to the full protocol, which answers it 503
-        (nothing counts its upload as in flight, so the drain may not wait for it)."""
-        relay = self.relay
-        if self.state.draining or relay.declines(data, client):
-            return False
-        fields = scope.get(_FIELDS)
-        if fields is None:
-            fields = HeadFields(scope["headers"], relay.request_drop)
-        return self._try_fast(scope, data, client, fields, True)
-
-    def _try_fast(
-        self,
-        scope: Scope,
-        data: bytes | bytearray,
-        client: FastClient,
-        fields: HeadFields,
-        head_checked: bool,
-    ) -> bool:
-        state = self.state
-        state.in_flight += 1
-        taken = False
-        try:
-            taken = self.relay.try_fast(scope, data, client, state.leave, fields, head_checked)
-        finally:
-            if not taken:
-                state.in_flight -= 1
-        return taken
-
-    def serves_head(self, scope: Scope) -> bool:
-        """Whether ``fast`` may take a request as far as its head tells, its body still coming:
-        False where ``__call__`` would refuse it at its head (a browser check, the key, the relay's
-        checks), so that the protocol gives it to the full protocol, which refuses it at once.
-        The head's walk is kept in the scope for ``fast_after_head``."""
-        fields = self._fast_head(scope)
-        if fields is None or not self.relay.serves_head(scope, fields):
-            return False
-        scope[_FIELDS] = fields
-        return True
-
-    def _fast_head(self, scope: Scope) -> HeadFields | None:
-        """The head's fields, walked once (``HeadFields``), where ``__call__``'s checks of the head
-        (CORS, the drain, the browser checks, the key) let it on; else None."""
-        if self._with_cors or self.state.draining:
-            return None
-        fields = HeadFields(scope["headers"], self.relay.request_drop)
-        if fields.hosts > 1:
-            refusal = self.browser.refusal(scope)
-        else:
-            refusal = self.browser.refusal_of(fields.host, fields.origin, fields.origins > 1, fields.site)
-        if refusal is not None or (self._with_keys and not self.keys.allows(scope)):
-            return None
-        return fields
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":

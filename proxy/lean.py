@@ -61,16 +61,16 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 from uvicorn.protocols.utils import get_local_addr, get_remote_addr, is_ssl
 
 from proxy import outbox
+from proxy.headers import check_header_bytes
 from proxy.protocol import (
     CHUNK,
     LAST_CHUNK,
     App,
     FastClient,
     GatewayProtocol,
-    UnsentWatch,
-    check_header_bytes,
     protocol_class,
 )
+from proxy.unsent import UnsentWatch
 from proxy.upstream_errors import ClientGone
 
 logger = logging.getLogger("blazar.server")

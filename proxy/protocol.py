@@ -54,27 +54,21 @@ from typing import Any, Protocol
 import httptools
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import (
-    HEADER_RE,
-    HEADER_VALUE_RE,
     STATUS_LINE,
     HttpToolsProtocol,
     RequestResponseCycle,
 )
 
 from proxy.errors import echo, error_body
+from proxy.headers import check_header_bytes
 from proxy.timers import for_loop
+from proxy.unsent import UnsentWatch
 from proxy.upstream_errors import ClientGone
 
 # A body's bytes as one HTTP chunk, after what goes before it (a held head,
 # or nothing); as the last one, with the end of the body.
 CHUNK = b"%b%x\r\n%b\r\n"
 LAST_CHUNK = b"%b%x\r\n%b\r\n0\r\n\r\n"
-# The bytes uvicorn allows in a header's name and in its value: its own
-# patterns (one byte each) asked of every byte. Deleting them from a head's
-# names and values leaves nothing unless a byte is refused; ``translate``
-# costs a few instructions a byte where the pattern's search costs ~35.
-_NAME_BYTES = bytes(b for b in range(256) if not HEADER_RE.match(bytes((b,))))
-_VALUE_BYTES = bytes(b for b in range(256) if not HEADER_VALUE_RE.match(bytes((b,))))
 # The response fields whose values change how uvicorn frames or ends the response.
 _FRAMING = frozenset({b"content-length", b"transfer-encoding", b"connection"})
 
@@ -218,74 +212,6 @@ class _BoundedFlow(FlowControl):
     def resume_reading(self) -> None:
         if len(self._pipeline) < MAX_PIPELINED:
             super().resume_reading()
-
-
-class UnsentWatch:
-    """Cuts a client connection that takes none of the bytes left for it for ``stall_s``, once
-    its response is written (``--send-stall``, which the relay keeps while it writes one).
-
-    The last write of a response leaves its tail in the transport's buffer when the client is
-    not reading. Nothing then waits on it: the connection waits for the next request, and its
-    close (keep-alive's end, ``connection: close``, a shutdown) waits for those bytes to go, for
-    ever if the client never takes them. Checked every ``stall_s`` while bytes are left: fewer
-    than at the last check is progress; none taken is a stalled client, whose connection is
-    aborted. While a response is under way (``busy``) the relay's own watch decides.
-    """
-
-    __slots__ = ("_busy", "_handle", "_loop", "_size", "_stall_s", "_transport")
-
-    def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        transport: asyncio.Transport,
-        stall_s: float,
-        busy: Callable[[], bool],
-    ) -> None:
-        self._loop = loop
-        self._transport = transport
-        self._stall_s = stall_s
-        self._busy = busy
-        self._handle: asyncio.TimerHandle | None = None
-        self._size = 0
-
-    def arm(self) -> None:
-        """A response is written: watch what it left, if anything, from now (what an earlier one
-        left may have been taken since: its count is no measure of progress now)."""
-        if not self._stall_s:
-            return
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
-        size = self._transport.get_write_buffer_size()
-        if size:
-            self._size = size
-            self._handle = self._loop.call_later(self._stall_s, self._check)
-
-    def cancel(self) -> None:
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
-
-    def _check(self) -> None:
-        self._handle = None
-        transport = self._transport
-        size = transport.get_write_buffer_size()
-        if not size:
-            return  # all taken
-        if size < self._size or (self._busy() and not transport.is_closing()):
-            # Taken in part; or a response under way, whose relay watches it: looked at again
-            # (a response that ends in a close of its own, a refusal, is never "over").
-            self._size = size
-            self._handle = self._loop.call_later(self._stall_s, self._check)
-            return
-        peer = self._transport.get_extra_info("peername")
-        logger.warning(
-            "client %s took none of the %d bytes left for it for %g s: its connection is cut",
-            f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "?",
-            size,
-            self._stall_s,
-        )
-        self._transport.abort()
 
 
 class _Refused(Exception):
@@ -894,16 +820,6 @@ class ClientWriter:
             cycle.on_response()
             return None
         return cycle.flow.drain() if cycle.flow.write_paused else None
-
-
-def check_header_bytes(content: list[bytes]) -> None:
-    """uvicorn's checks of a response head's names and values, made once over the whole head
-    (``content``: the status line, then name, ``": "``, value, ``"\\r\\n"`` a header) rather than
-    twice a header, and as a table: what is left when the allowed bytes are deleted."""
-    if b"".join(content[1::4]).translate(None, _NAME_BYTES) or b"".join(content[3::4]).translate(
-        None, _VALUE_BYTES
-    ):
-        raise RuntimeError("Invalid HTTP header name or value.")
 
 
 def _coding_refusal(codings: bytes, version: str) -> tuple[int, str, str] | None:

@@ -19,12 +19,18 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 # How late a timer may fire.
 TICK_S = 0.02
 
 _Entry = tuple[float, Callable[..., object], tuple[Any, ...]]
+
+
+class _Handle(Protocol):
+    """The loop's timer handle (uvloop's is not an ``asyncio.TimerHandle``)."""
+
+    def cancel(self) -> None: ...
 
 
 class CoarseTimers:
@@ -37,7 +43,7 @@ class CoarseTimers:
         # One queue per delay: key -> (deadline, callback, args), in deadline order.
         self._queues: dict[float, dict[int, _Entry]] = {}
         self._key = 0
-        self._handle: asyncio.TimerHandle | None = None
+        self._handle: _Handle | None = None
         self._armed_at = 0.0
 
     def later(self, delay_s: float, callback: Callable[..., object], *args: Any) -> int:
@@ -61,6 +67,9 @@ class CoarseTimers:
     def pending(self) -> int:
         """How many timers wait."""
         return sum(len(queue) for queue in self._queues.values())
+
+    def _armed(self) -> bool:
+        return self._handle is not None
 
     def _arm(self, deadline: float) -> None:
         if self._handle is not None:
@@ -90,7 +99,9 @@ class CoarseTimers:
                 )
         for delay_s in [d for d, q in self._queues.items() if not q]:
             del self._queues[delay_s]  # a delay no longer in use
-        if self._queues and self._handle is None:
+        # ``_armed()``, not ``self._handle``: a callback above may have armed it since (a test of the
+        # attribute here would be taken, compiled, for the None it was set to at the start).
+        if self._queues and not self._armed():
             self._arm(min(next(iter(q.values()))[0] for q in self._queues.values()))
 
 

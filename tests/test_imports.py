@@ -3,7 +3,7 @@
 - ``engines`` imports nothing of ``proxy``;
 - in ``proxy``, only the composition root (``proxy.startup``, and
   ``proxy.__main__`` that starts it) imports ``engines``;
-- the request path (``proxy.relay``, ``proxy.app``) imports no
+- the request path (``proxy.relay``, ``proxy.app``, ``proxy.entry``) imports no
   composition-root module;
 - the leaves (every other module of ``proxy``) import neither the request
   path nor the composition root;
@@ -74,7 +74,7 @@ def kind(module: str) -> str:
         return "engines"
     if module.startswith("proxy.startup") or module == "proxy.__main__":
         return "startup"
-    if module.startswith("proxy.relay") or module == "proxy.app":
+    if module.startswith("proxy.relay") or module in ("proxy.app", "proxy.entry"):
         return "request path"
     return "leaf"
 

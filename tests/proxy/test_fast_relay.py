@@ -8,8 +8,9 @@ and that a request served from callbacks leaves nothing for the collector.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import Any, cast
 
@@ -17,13 +18,14 @@ import orjson
 import pytest
 
 from engines.spec import Guards
-from proxy import app as app_module
+from proxy import entry
 from proxy.app import Gateway, build_app
 from proxy.payload import parse_request
 from proxy.relay import HeadFields, exchange, handler
 from proxy.relay.outcome import Outcome
 from proxy.routing import Route, RoutingTable, UpstreamAddress
 from proxy.startup.settings import Settings
+from proxy.upstream import Connection
 from proxy.upstream_errors import EmptyReply
 from tests.helpers import in_process_server, replaces_calls_into, wait_until_async
 
@@ -141,8 +143,9 @@ class Upstream(asyncio.Protocol):
 async def gateway(
     listening: bool = True, settings: Settings | None = None
 ) -> AsyncIterator[tuple[int, Gateway, list[bool]]]:
-    """A gateway over one upstream (``listening``: else a port nothing listens on); each
-    ``Relay.try_fast`` answer is appended to the list."""
+    """A gateway over one upstream (``listening``: else a port nothing listens on); each answer of
+    the app's ``fast`` and ``fast_after_head`` (what the lean protocol offers a request to) is
+    appended to the list."""
     loop = asyncio.get_running_loop()
     Upstream.connections = Upstream.requests = Upstream.lost = 0
     upstream = await loop.create_server(Upstream, "127.0.0.1", 0)
@@ -153,19 +156,44 @@ async def gateway(
     route = Route(model="m1", upstream=UpstreamAddress("127.0.0.1", upstream_port), guards=Guards())
     app = build_app(RoutingTable([route]), settings or Settings())
     taken: list[bool] = []
-    try_fast = app._try_fast
 
-    def counted(*args: Any) -> bool:
-        taken.append(try_fast(*args))
-        return taken[-1]
+    def counting(offer: Callable[..., bool]) -> Callable[..., bool]:
+        def counted(*args: Any) -> bool:
+            taken.append(offer(*args))
+            return taken[-1]
 
-    # The app's own call of ``Relay.try_fast`` (the relay's class may be compiled: its methods fixed).
-    app._try_fast = counted  # type: ignore[method-assign,assignment]
+        return counted
+
+    # Read by each connection's protocol as it is made (compiled, the entry's methods are fixed).
+    app.fast = counting(app.fast)
+    app.fast_after_head = counting(app.fast_after_head)
     try:
         async with in_process_server(app) as port:
             yield port, app, taken
     finally:
         upstream.close()
+
+
+@contextlib.contextmanager
+def connecting_through(
+    pool: Any, wrap: Callable[[Callable[[], Awaitable[Any]]], Awaitable[Any]]
+) -> Iterator[None]:
+    """Each connection ``pool`` opens goes through ``wrap(open)``, ``open`` making it: at the running
+    loop's ``create_connection`` (the pool's own code, compiled or not, runs as it is)."""
+    loop = asyncio.get_running_loop()
+    create = loop.create_connection
+    ip, port = pool.address.host, pool.address.port
+
+    def create_connection(factory: Any, host: Any = None, to: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if (host, to) != (ip, port):
+            return create(factory, host, to, *args, **kwargs)
+        return wrap(lambda: create(factory, host, to, *args, **kwargs))
+
+    loop.create_connection = create_connection  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        del loop.create_connection
 
 
 async def posts(port: int, *bodies: bytes, full: bool = False) -> list[tuple[bytes, bytes]]:
@@ -264,7 +292,7 @@ async def test_a_stream_is_parsed_once(body: bytes, full: bool, monkeypatch: pyt
     monkeypatch.setattr(handler, "parse_request", counted)
     async with gateway() as (port, _, taken):
         [(head, answer)] = await posts(port, body, full=full)
-    assert taken == ([] if full else [True]) and parsed == [body]
+    assert taken == [not full] and parsed == [body]
     assert head.startswith(b"HTTP/1.1 502 ") and b"not an event stream" in answer
 
 
@@ -285,7 +313,7 @@ async def test_a_head_whose_body_comes_later_and_an_upstream_error_are_handed_ov
     assert plain_body == REPLY
 
 
-@replaces_calls_into("proxy/relay/request.py", "proxy/browser.py")
+@replaces_calls_into("proxy/relay/request.py", "proxy/browser.py", "proxy/entry.py")
 async def test_a_body_written_after_its_head_is_served_from_callbacks_its_head_checked_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -304,7 +332,7 @@ async def test_a_body_written_after_its_head_is_served_from_callbacks_its_head_c
         return HeadFields(*args)
 
     monkeypatch.setattr(handler, "refuses_head", counted_refuses_head)
-    monkeypatch.setattr(app_module, "HeadFields", counted_fields)
+    monkeypatch.setattr(entry, "HeadFields", counted_fields)
     async with gateway() as (port, app, taken):
         refusal_of = app.browser.refusal_of
 
@@ -336,7 +364,7 @@ async def test_a_body_that_comes_after_a_drain_began_is_answered_503() -> None:
         head = await reader.readuntil(b"\r\n\r\n")
         writer.close()
         app.state.draining = False
-    assert head.startswith(b"HTTP/1.1 503 ") and taken == [] and Upstream.requests == 0
+    assert head.startswith(b"HTTP/1.1 503 ") and taken == [False] and Upstream.requests == 0
 
 
 async def test_a_request_served_from_callbacks_leaves_nothing_for_the_collector() -> None:
@@ -355,20 +383,18 @@ async def test_a_request_served_from_callbacks_leaves_nothing_for_the_collector(
     assert not left & {"FastExchange", "Client", "Outcome", "ClientWriter", "RequestResponseCycle"}, left
 
 
-@replaces_calls_into("proxy/pool.py")
 async def test_a_connection_the_fast_path_cannot_open_is_answered_as_that_failure_once() -> None:
     """The task path answers it (503, in OpenAI's envelope) without a second attempt."""
     async with gateway(listening=False) as (port, app, taken):
         pool = app.relay.pools[next(iter(app.relay.pools))]
-        connect = pool.connect
         attempts: list[int] = []
 
-        async def counted() -> Any:
+        async def counted(open_: Callable[[], Awaitable[Any]]) -> Any:
             attempts.append(1)
-            return await connect()
+            return await open_()
 
-        pool.connect = counted  # type: ignore[method-assign]
-        [(head, body)] = await posts(port, b'{"model":"m1"}')
+        with connecting_through(pool, counted):
+            [(head, body)] = await posts(port, b'{"model":"m1"}')
     assert taken == [True] and len(attempts) == 1
     assert head.startswith(b"HTTP/1.1 503 ")
     error = orjson.loads(body)["error"]
@@ -385,36 +411,34 @@ async def test_a_client_that_leaves_while_the_connection_opens_holds_nothing(bod
     the task path (a stream on the full protocol)."""
     async with gateway() as (port, app, taken):
         pool = app.relay.pools[next(iter(app.relay.pools))]
-        connect = pool.connect
 
-        async def slow() -> Any:
+        async def slow(open_: Callable[[], Awaitable[Any]]) -> Any:
             await asyncio.sleep(0.2)
-            return await connect()
+            return await open_()
 
-        pool.connect = slow  # type: ignore[method-assign]
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        if not fast:
-            await on_full_protocol(reader, writer)
-        writer.write(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
-        )
-        await writer.drain()
-        await asyncio.sleep(0.05)
-        writer.close()
-        for _ in range(100):
-            await asyncio.sleep(0.02)
-            if not app.state.in_flight:
-                break
-        assert taken == ([True] if fast else [])
-        assert app.state.in_flight == 0 and app.relay.body_budget.held_bytes == 0
-        # Nothing reached the upstream once the connection had opened, and the request is recorded
-        # as one whose client left before its response began (499).
-        await asyncio.sleep(0.3)
-        assert Upstream.requests == 0
-        assert [record.status for record in app.status.activity] == [499]
+        with connecting_through(pool, slow):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            if not fast:
+                await on_full_protocol(reader, writer)
+            writer.write(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
+            )
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            writer.close()
+            for _ in range(100):
+                await asyncio.sleep(0.02)
+                if not app.state.in_flight:
+                    break
+            assert taken == [fast]
+            assert app.state.in_flight == 0 and app.relay.body_budget.held_bytes == 0
+            # Nothing reached the upstream once the connection had opened, and the request is recorded
+            # as one whose client left before its response began (499).
+            await asyncio.sleep(0.3)
+            assert Upstream.requests == 0
+            assert [record.status for record in app.status.activity] == [499]
         # The gateway still serves (its slot and the pool's connections are whole).
-        pool.connect = connect  # type: ignore[method-assign]
         [(head, answer)] = await posts(port, b'{"model":"m1"}')
     assert head.startswith(b"HTTP/1.1 200 OK\r\n") and answer == REPLY
 
@@ -423,20 +447,19 @@ async def test_a_drain_that_ends_while_the_connection_opens_sends_nothing() -> N
     """As on the task path: the drain's end is checked once the connection is open (503)."""
     async with gateway() as (port, app, taken):
         pool = app.relay.pools[next(iter(app.relay.pools))]
-        connect = pool.connect
         opening, go_on = asyncio.Event(), asyncio.Event()
 
-        async def held() -> Any:
+        async def held(open_: Callable[[], Awaitable[Any]]) -> Any:
             opening.set()
             await go_on.wait()
-            return await connect()
+            return await open_()
 
-        pool.connect = held  # type: ignore[method-assign]
-        answers = asyncio.ensure_future(posts(port, b'{"model":"m1"}'))
-        await asyncio.wait_for(opening.wait(), 5)
-        app.relay.abort_all("the drain's time is over")
-        go_on.set()
-        [(head, body)] = await asyncio.wait_for(answers, 5)
+        with connecting_through(pool, held):
+            answers = asyncio.ensure_future(posts(port, b'{"model":"m1"}'))
+            await asyncio.wait_for(opening.wait(), 5)
+            app.relay.abort_all("the drain's time is over")
+            go_on.set()
+            [(head, body)] = await asyncio.wait_for(answers, 5)
     assert taken == [True] and Upstream.requests == 0
     assert head.startswith(b"HTTP/1.1 503 ") and b"shutting down" in body
 
@@ -726,19 +749,21 @@ async def test_a_stream_that_fails_in_the_gateway_after_its_head_is_closed_and_r
     assert record.duration_s is not None and app.relay.body_budget.held_bytes == 0
 
 
-def test_a_pooled_connections_close_at_once_is_timed_when_seen_not_when_read(
+async def test_a_pooled_connections_close_at_once_is_timed_when_seen_not_when_read(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A request sent on a pooled connection that the upstream had closed (an engine killed, a
     keep-alive ended) is sent again on a new one, when the close came at once: timed when the
     connection saw it. A fast path's hand-over reaches the task path's check later, by as much as
     a loop busy starting a new engine takes; the close is no less immediate for that."""
-    conn = type("Reused", (), {"requests_sent": 2})()
+    conn = Connection()
+    conn.requests_sent = 2
     closed = EmptyReply("upstream closed the connection without sending a response")
     sent_at = closed.at - 0.001
     monkeypatch.setattr(exchange, "perf_counter", lambda: closed.at + 1.0)  # read a second later
     assert exchange._closed_when_reused(conn, closed, sent_at)
     late = EmptyReply("closed after working on it")
     assert not exchange._closed_when_reused(conn, late, late.at - 1.0)
-    fresh = type("Fresh", (), {"requests_sent": 1})()
+    fresh = Connection()
+    fresh.requests_sent = 1
     assert not exchange._closed_when_reused(fresh, closed, sent_at)
