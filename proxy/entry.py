@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from proxy.asgi import Scope
 from proxy.auth import ApiKeys
@@ -22,7 +22,7 @@ from proxy.protocol import FastClient
 from proxy.relay import HeadFields, Relay
 
 # The scope's key for the head's walk that ``serves_head`` made, for ``fast_after_head``.
-_FIELDS = "blazar.head_fields"
+_FIELDS: Final = "blazar.head_fields"
 
 
 @dataclass

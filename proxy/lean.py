@@ -53,7 +53,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Final, Protocol
 
 import httptools
 from mypy_extensions import mypyc_attr
@@ -73,10 +73,10 @@ from proxy.protocol import (
 from proxy.unsent import UnsentWatch
 from proxy.upstream_errors import ClientGone
 
-logger = logging.getLogger("blazar.server")
+logger: Final = logging.getLogger("blazar.server")
 
 # Header fields whose presence sends the request to the full protocol.
-_ODD = frozenset({b"transfer-encoding", b"expect", b"upgrade"})
+_ODD: Final = frozenset({b"transfer-encoding", b"expect", b"upgrade"})
 
 
 class BodyBudget(Protocol):

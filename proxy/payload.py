@@ -14,20 +14,20 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable
 from itertools import accumulate
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import orjson
 
 from proxy.errors import HTTPError
 
-_TOKEN_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens")
+_TOKEN_LIMIT_FIELDS: Final = ("max_tokens", "max_completion_tokens")
 
 
 # The deepest nesting of arrays and objects a body may have, for every route.
 # Parsing takes 1024 levels (orjson's own limit), and mlx_lm.server's json
 # loads fails near 1000 (its empty reply); 128 is serde_json's default, and
 # far more than any request's tools schemas use.
-MAX_DEPTH = 128
+MAX_DEPTH: Final = 128
 # A field's bound: an int stays one (and is written as one in an error), compiled or not (a
 # ``float`` annotation would make it a C double in compiled code: 2**53 written 9.0072e+15).
 Bound = int | float
@@ -108,8 +108,8 @@ def _too_deep() -> HTTPError:
 
 
 # For nesting_depth: brackets as steps up (1) and down (-1 as a signed byte); every other byte deleted.
-_STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
-_NOT_BRACKETS = bytes(set(range(256)) - set(b"[]{}"))
+_STEPS: Final = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
+_NOT_BRACKETS: Final = bytes(set(range(256)) - set(b"[]{}"))
 
 
 def nesting_depth(body: bytes | bytearray) -> int:
@@ -172,7 +172,7 @@ def ask_for_stream(doc: dict[str, Any], endpoint: bytes, guards: RequestGuards) 
     return True
 
 
-_GENERATION_ENDPOINTS = frozenset({b"/chat/completions", b"/completions"})
+_GENERATION_ENDPOINTS: Final = frozenset({b"/chat/completions", b"/completions"})
 
 
 def check_request(
@@ -263,7 +263,7 @@ _KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
 
 
 # The largest magnitude a JSON number keeps exactly in every parser (2**53).
-_EXACT_LIMIT = 2**53
+_EXACT_LIMIT: Final = 2**53
 
 
 def _token_bias(vocab_size: int | None) -> tuple[str, Callable[[Any], bool]]:

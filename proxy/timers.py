@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 # How late a timer may fire.
-TICK_S = 0.02
+TICK_S: Final = 0.02
 
 _Entry = tuple[float, Callable[..., object], tuple[Any, ...]]
 

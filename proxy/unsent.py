@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Protocol
+from typing import Final, Protocol
 
-logger = logging.getLogger("blazar.server")
+logger: Final = logging.getLogger("blazar.server")
 
 
 class _Handle(Protocol):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import enum
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, Final, cast
 
 import httptools
 
@@ -37,9 +37,9 @@ from proxy.upstream_errors import (
 )
 
 # Reading from the upstream pauses above this many unrelayed bytes.
-_HIGH_WATER_BYTES = 256 * 1024
+_HIGH_WATER_BYTES: Final = 256 * 1024
 # An upstream's response head larger than this is refused (as request heads are).
-MAX_HEAD_BYTES = 64 * 1024
+MAX_HEAD_BYTES: Final = 64 * 1024
 
 
 class ConnState(enum.Enum):
@@ -62,13 +62,13 @@ def _keep_alive_limit(value: bytes) -> float | None:
 
 
 # The header fields the connection notes while it reads a head.
-_NOTED = frozenset(
+_NOTED: Final = frozenset(
     {b"content-type", b"content-length", b"transfer-encoding", b"keep-alive", b"content-encoding"}
 )
 # A head with a name twice, or with one of these, is read field by field (``_read_fields``); but
 # for a head of a stream (``Transfer-Encoding: chunked``), one of the second set.
-_LONG = frozenset({b"transfer-encoding", b"keep-alive", b"content-encoding"})
-_LONG_CHUNKED = frozenset({b"content-length", b"keep-alive", b"content-encoding"})
+_LONG: Final = frozenset({b"transfer-encoding", b"keep-alive", b"content-encoding"})
+_LONG_CHUNKED: Final = frozenset({b"content-length", b"keep-alive", b"content-encoding"})
 
 
 def _ambiguous(codings: list[bytes], lengths: set[bytes]) -> bool:

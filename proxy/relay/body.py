@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Final
 
 from proxy.relay.out import Writer
 from proxy.relay.outcome import Outcome
@@ -10,10 +11,10 @@ from proxy.status import USAGE_BYTES
 from proxy.upstream import Connection
 from proxy.upstream_errors import UpstreamError
 
-log = logging.getLogger("blazar.relay")
+log: Final = logging.getLogger("blazar.relay")
 
 # Larger reads are handed to the client in slices of this size.
-SLICE_BYTES = 64 * 1024
+SLICE_BYTES: Final = 64 * 1024
 
 
 async def relay_body(conn: Connection, out: Writer, outcome: Outcome, read_timeout_s: float) -> str | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from time import perf_counter
+from typing import Final
 
 from proxy.asgi import Receive, Scope, Send, send_error, send_json
 from proxy.auth import CREDENTIAL_HEADERS
@@ -409,7 +410,7 @@ class Exchange:
 
 # How soon after the request an empty close means the upstream had closed the
 # connection already: a loopback or LAN round trip, far less than any work.
-_STALE_CLOSE_S = 0.05
+_STALE_CLOSE_S: Final = 0.05
 
 
 def _closed_when_reused(conn: Connection, exc: UpstreamError, sent_at: float) -> bool:

@@ -39,7 +39,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from time import perf_counter
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Final, cast
 
 from proxy.asgi import Receive, Scope, Send
 from proxy.headers import add_sse_headers, filter_response_headers, is_event_stream_type, response_lines
@@ -57,12 +57,12 @@ from proxy.upstream_errors import ClientGone, UpstreamError
 if TYPE_CHECKING:
     from proxy.relay.handler import Relay
 
-log = logging.getLogger("blazar.relay")
+log: Final = logging.getLogger("blazar.relay")
 
 # When the task path starts watching the client (``proxy/relay/watch.py``'s ``_WATCH_AFTER_S``).
-WATCH_AFTER_S = 0.05
+WATCH_AFTER_S: Final = 0.05
 # The largest body written from a callback in one write; a larger one goes through the task.
-MAX_BODY_BYTES = 64 * 1024
+MAX_BODY_BYTES: Final = 64 * 1024
 
 
 class FastExchange:

@@ -6,7 +6,7 @@ import collections
 import logging
 from collections.abc import Callable, Mapping
 from time import perf_counter
-from typing import Any
+from typing import Any, Final
 
 import orjson
 
@@ -34,7 +34,7 @@ from proxy.routing import RoutingTable, UpstreamAddress
 from proxy.splice import splice
 from proxy.upstream_errors import ClientGone, ConnectFailed
 
-log = logging.getLogger("blazar.relay")
+log: Final = logging.getLogger("blazar.relay")
 
 
 class Relay:

@@ -15,11 +15,12 @@ instead.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Final
 
 from proxy.headers import Header, valid_request_id
 from proxy.relay.request import unsupported_media
 
-_PLAIN_CONNECTION = frozenset({b"keep-alive", b"close"})
+_PLAIN_CONNECTION: Final = frozenset({b"keep-alive", b"close"})
 
 
 class HeadFields:

@@ -16,7 +16,7 @@ and the relay drops its parsed document before the exchange.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from proxy.asgi import Message, Receive, Scope
 from proxy.errors import HTTPError, echo
@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     from proxy.relay.head import HeadFields
 
 # curl -d sends this unless told otherwise; the body is JSON all the same.
-FORM = b"application/x-www-form-urlencoded"
-_ACCEPTED_CONTENT_TYPES = frozenset({b"application/json", FORM})
+FORM: Final = b"application/x-www-form-urlencoded"
+_ACCEPTED_CONTENT_TYPES: Final = frozenset({b"application/json", FORM})
 
 
 class BodyBudget:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Collection, Mapping
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 from proxy.admission import Admission
 from proxy.affinity import Affinity
@@ -22,7 +22,7 @@ from proxy.routing import Gate, ReplicaGate, Route, RoutingTable, UpstreamAddres
 
 # Azure OpenAI's paths (openai.AzureOpenAI writes /deployments/MODEL before the
 # endpoint, after its azure_endpoint's /openai or its base_url's /v1).
-_DEPLOYMENTS = ("/openai/deployments/", "/v1/deployments/")
+_DEPLOYMENTS: Final = ("/openai/deployments/", "/v1/deployments/")
 
 
 def deployment_path(path: str) -> str | None:
@@ -41,7 +41,7 @@ def deployment_path(path: str) -> str | None:
 
 
 # Client path → the `route` label of the request metrics.
-ROUTE_LABELS: Mapping[str, str] = {path: endpoint.name for path, endpoint in ENDPOINTS.items()}
+ROUTE_LABELS: Final[Mapping[str, str]] = {path: endpoint.name for path, endpoint in ENDPOINTS.items()}
 
 
 def targets_of(upstream: UpstreamAddress, native_apis: Collection[str]) -> dict[str, bytes]:
