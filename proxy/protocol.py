@@ -100,7 +100,9 @@ class ResponseWriter(Protocol):
 
     def write(self, body: bytes, more: bool) -> Awaitable[None] | None: ...
 
-    def respond(self, status: int, lines: list[bytes], body: bytes) -> None: ...
+    def respond(self, status: int, lines: list[bytes], body: bytes) -> None:
+        """A whole response; ``lines``: fields a strict parser read (the upstream's head) or the
+        gateway wrote, which the lean protocol does not check again."""
 
 
 class FastClient(Protocol):

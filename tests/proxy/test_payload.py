@@ -16,6 +16,7 @@ from proxy.payload import (
     MAX_DEPTH,
     FieldChecks,
     RequestGuards,
+    _openers,
     check_request,
     extract_model,
     nesting_depth,
@@ -591,3 +592,14 @@ def test_numbers_up_to_2_to_the_53_and_bounded_integers_are_taken() -> None:
     taken_by_tiny(temperature=2.0, presence_penalty=-(2**53), seed=2**64 - 1)
     with pytest.raises(HTTPError, match="2147483647"):
         model_of(body_of(model="m", max_tokens=2**31), b"/chat/completions", MLX)
+
+
+def test_the_openers_are_counted_exactly_up_to_one_past_the_limit() -> None:
+    """``_openers``: the count of ``[`` and ``{``, as ``count`` gives it, up to one past the limit."""
+    rnd = random.Random(11)
+    for _ in range(300):
+        body = bytes(rnd.choice(b'[]{}"ab, ') for _ in range(rnd.randint(0, 400)))
+        every = body.count(b"[") + body.count(b"{")
+        for limit in (0, 3, MAX_DEPTH):
+            assert _openers(body, limit) == min(every, limit + 1)
+            assert _openers(bytearray(body), limit) == min(every, limit + 1)

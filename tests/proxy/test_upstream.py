@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import pytest
+from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE
 
 from proxy.pool import Pool
 from proxy.routing import UpstreamAddress
@@ -625,3 +626,27 @@ async def test_a_connection_sent_on_again_without_being_pooled_starts_from_nothi
     assert conn.status == 0 and conn.headers == [] and not conn.whole
     conn.data_received(b"HTTP/1.1 201 Created\r\ncontent-length: 3\r\n\r\nyes")
     assert conn.status == 201 and conn.whole and conn.take_body() == b"yes" and conn.reusable
+
+
+@pytest.mark.parametrize("where", ["name", "value"])
+async def test_a_head_with_a_byte_the_client_head_check_refuses_is_refused_as_read(where: str) -> None:
+    """Every byte uvicorn's head check (``check_header_bytes``) refuses in a field's name or value
+    is refused by the connection's parser as the upstream's head is read (502, malformed), so the
+    lean protocol's ``respond`` need not check the fields it relays."""
+    pattern = HEADER_RE if where == "name" else HEADER_VALUE_RE
+    read: set[int] = set()
+    for byte in range(256):
+        odd = bytes((byte,))
+        name, value = (b"x-a" + odd + b"b", b"v") if where == "name" else (b"x-a", b"v" + odd + b"w")
+        if where == "name" and odd == b":":
+            name, value = b"x-a", b"b: v"  # the name ends at the colon: "b: v" is its value, as sent
+        conn = Connection()
+        conn.connection_made(_KeptTransport())  # type: ignore[arg-type]
+        conn.send(REQUEST, b"{}")
+        conn.data_received(b"HTTP/1.1 200 OK\r\n%b: %b\r\ncontent-length: 2\r\n\r\nok" % (name, value))
+        if pattern.search(name if where == "name" else value):
+            assert isinstance(conn.error, BadResponse), (where, byte)
+        elif conn.error is None:  # llhttp refuses more in a name than the check (any non-token byte)
+            assert conn.headers[0] == (name.lower(), value), (where, byte)
+            read.add(byte)
+    assert read.issuperset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-")
