@@ -41,6 +41,8 @@ from collections.abc import Callable
 from time import perf_counter
 from typing import TYPE_CHECKING, Final, cast
 
+from mypy_extensions import mypyc_attr
+
 from proxy.asgi import Receive, Scope, Send
 from proxy.headers import add_sse_headers, filter_response_headers, is_event_stream_type, response_lines
 from proxy.protocol import FastClient, StreamClient
@@ -65,6 +67,8 @@ WATCH_AFTER_S: Final = 0.05
 MAX_BODY_BYTES: Final = 64 * 1024
 
 
+# Made for each request: a freed one is kept for the next (compiled).
+@mypyc_attr(free_list_len=1)
 class FastExchange:
     """One request's exchange with its upstream, driven by the upstream connection's callback."""
 

@@ -17,12 +17,17 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Final
 
+from mypy_extensions import mypyc_attr
+
 from proxy.headers import Header, valid_request_id
 from proxy.relay.request import unsupported_media
 
 _PLAIN_CONNECTION: Final = frozenset({b"keep-alive", b"close"})
 
 
+# Made for each request and holding bytes and numbers only: a freed one is kept for the next
+# (compiled), and the collector never visits one.
+@mypyc_attr(acyclic=True, free_list_len=1)
 class HeadFields:
     """One walk of a request's fields: what the checks read, and the fields that cross upstream
     (``forward``: the head's lines, or None where a Connection field names fields to drop)."""

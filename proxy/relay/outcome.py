@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from time import perf_counter
 
+from mypy_extensions import mypyc_attr
+
 from proxy.accesslog import AccessLog, cut_model
 from proxy.asgi import Scope
 from proxy.assembly import ReplyAssembler
@@ -21,6 +23,8 @@ from proxy.upstream import Connection
 from proxy.upstream_errors import UpstreamError
 
 
+# Made for each request: a freed one is kept for the next (compiled).
+@mypyc_attr(free_list_len=1)
 class Outcome:
     """How one request went, from its arrival to its end."""
 

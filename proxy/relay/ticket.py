@@ -17,6 +17,8 @@ from collections.abc import Collection
 from time import perf_counter
 from typing import Any
 
+from mypy_extensions import mypyc_attr
+
 from proxy.admission import Admission
 from proxy.asgi import Receive
 from proxy.errors import HTTPError
@@ -28,6 +30,8 @@ from proxy.routing import Gate
 from proxy.upstream_errors import ClientGone
 
 
+# Made for each request: a freed one is kept for the next (compiled).
+@mypyc_attr(free_list_len=1)
 class Ticket:
     """What one request holds: its model's gate (in use), a slot of its admission, a peer's count."""
 
