@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import itertools
 import os
+from binascii import hexlify
 
 from proxy.asgi import Scope
 from proxy.headers import valid_request_id
@@ -18,14 +18,20 @@ class RequestIds:
 
     def __init__(self) -> None:
         self._prefix = os.urandom(8).hex().encode()
-        self._counter = itertools.count(1)
+        self._count = 0
+
+    def _next(self) -> bytes:
+        """A new id: the prefix and the next count, 16 hex digits (one ``hexlify`` of 8 bytes,
+        where ``%016x`` parses a format)."""
+        self._count = count = self._count + 1
+        return self._prefix + hexlify(count.to_bytes(8, "big"))
 
     def __call__(self, scope: Scope) -> bytes:
         for name, value in scope["headers"]:
             if name == b"x-request-id" and valid_request_id(value):
                 return bytes(value)
-        return b"%s%016x" % (self._prefix, next(self._counter))
+        return self._next()
 
     def of(self, given: bytes | None) -> bytes:
         """The id of a request whose first usable x-request-id is ``given`` (None: it has none)."""
-        return given if given is not None else b"%s%016x" % (self._prefix, next(self._counter))
+        return given if given is not None else self._next()

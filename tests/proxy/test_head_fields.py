@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
@@ -126,3 +127,13 @@ def test_the_walk_notes_the_checks_fields_among_those_dropped() -> None:
         assert name in request_drop()
     for name in (b"origin", b"sec-fetch-site"):
         assert name not in request_drop(CREDENTIAL_HEADERS)
+
+
+def test_new_request_ids_are_the_prefix_and_a_count_in_32_hex_digits() -> None:
+    """A request without a usable id gets the process's prefix and the next count: 32 hex digits,
+    each new one the last plus one (the count as ``%016x`` writes it)."""
+    ids = RequestIds()
+    first, second = ids.of(None), ids({"headers": [(b"x-request-id", b"bad id")]})
+    assert re.fullmatch(rb"[0-9a-f]{32}", first) and first[:16] == second[:16]
+    assert int(second[16:], 16) == int(first[16:], 16) + 1 and first[16:] == b"%016x" % 1
+    assert ids.of(b"given") == b"given" and ids({"headers": [(b"x-request-id", b"ok-1")]}) == b"ok-1"

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import random
+from bisect import bisect_left
+
 from proxy.exposition import merge_expositions
+from proxy.metrics import LATENCY_BUCKETS, OVERHEAD_BUCKETS, QUEUE_BUCKETS, bucket_of
 
 # What llama-server's /metrics looks like (tools/server: counters and gauges, no labels).
 ENGINE_TEXT = """\
@@ -70,3 +74,14 @@ def test_comments_and_blank_lines_are_not_samples() -> None:
 
 def test_no_texts_is_an_empty_exposition() -> None:
     assert merge_expositions([]) == ""
+
+
+def test_a_value_falls_in_the_bucket_bisect_gives_it() -> None:
+    """``bucket_of``: the index ``bisect_left`` gives, for the bounds of every histogram, at each
+    bound, between them, below the first and past the last (+Inf)."""
+    rnd = random.Random(5)
+    for bounds in (OVERHEAD_BUCKETS, LATENCY_BUCKETS, QUEUE_BUCKETS):
+        values = [*bounds, *(b * 0.999 for b in bounds), *(b * 1.001 for b in bounds), 0.0, -1.0]
+        values += [rnd.uniform(0, bounds[-1] * 2) for _ in range(500)]
+        for value in values:
+            assert bucket_of(bounds, value) == bisect_left(bounds, value), (bounds, value)
