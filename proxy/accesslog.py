@@ -46,7 +46,7 @@ import logging
 import time
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Final
+from typing import Final, Protocol
 
 import orjson
 from mypy_extensions import mypyc_attr
@@ -121,9 +121,12 @@ class Clock:
 _MILLIS: Final = tuple(f".{ms:03d}Z" for ms in range(1000))
 
 
-# Compiled, a Python class still (its methods compiled): a native class could not be weakly
-# referenced, as the flush at exit does.
-@mypyc_attr(native_class=False)
+class _Handle(Protocol):
+    """The loop's timer handle (uvloop's is not an ``asyncio.TimerHandle``)."""
+
+    def cancel(self) -> None: ...
+
+
 class AccessLog:
     def __init__(
         self, fmt: str = "text", trusted_proxies: Iterable[str] = (), clock: Clock | None = None
@@ -140,11 +143,15 @@ class AccessLog:
         # Whether the loop whose timer will write the waiting lines still runs (its ``is_running``,
         # set by ``_schedule``, which writes them at once where no loop runs), and that timer.
         self._loop_runs: Callable[[], bool] = _no_loop
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: _Handle | None = None
         # Formatted by each handler at each flush: one that gives back the bare
         # message gets the batch in one write (made once: a record costs ~5 µs).
         self._probe = logging.LogRecord(log.name, logging.INFO, __file__, 0, "\x00", (), None)
-        atexit.register(_flush_at_exit, weakref.ref(self))
+        # Written at exit if it is still alive then (a weak reference: a log no longer used is
+        # not kept for it), through a holder that a weak reference can reach (compiled, this
+        # class cannot be weakly referenced).
+        self._at_exit = _AtExit(self)
+        atexit.register(_flush_at_exit, weakref.ref(self._at_exit))
 
     def write(
         self,
@@ -341,10 +348,19 @@ def _no_loop() -> bool:
     return False
 
 
-def _flush_at_exit(ref: weakref.ReferenceType[AccessLog]) -> None:
-    access = ref()
-    if access is not None:
-        access.flush()
+@mypyc_attr(native_class=False)
+class _AtExit:
+    """An access log, held for the flush at exit: a Python object, which a weak reference can reach.
+    The log holds it, and it the log: the two go together, with the collector's next pass."""
+
+    def __init__(self, access: AccessLog) -> None:
+        self.access = access
+
+
+def _flush_at_exit(ref: weakref.ReferenceType[_AtExit]) -> None:
+    held = ref()
+    if held is not None:
+        held.access.flush()
 
 
 def _handlers() -> list[logging.Handler]:

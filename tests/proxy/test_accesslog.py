@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import io
 import logging
 import subprocess
@@ -354,3 +355,13 @@ def test_an_unknown_model_in_a_json_line_is_as_given_but_cut(stream: Stream) -> 
     _write_not_found(access, shown)
     (line,) = stream.getvalue().split("\n")[:-1]
     assert orjson.loads(line)["model"] == shown
+
+
+def test_a_log_no_longer_used_is_not_kept_for_the_flush_at_exit() -> None:
+    """The flush at exit holds a log by a weak reference (to the holder it makes): a log no longer
+    used goes, with the collector's next pass, and the exit's flush then has nothing to do."""
+    access = AccessLog()
+    held = weakref.ref(access._at_exit)
+    del access
+    gc.collect()
+    assert held() is None
