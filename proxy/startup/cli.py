@@ -343,7 +343,7 @@ def serve(
         if not keyed:
             _warn_open(bound)
         if compiled.STATE != "compiled":
-            _echo(f"note: the request path runs {compiled.STATE}; compiled, it takes about 30 % less CPU")
+            _echo(f"note: the request path runs {compiled.STATE}; compiled, it takes about 40 % less CPU")
         task = asyncio.ensure_future(_announce_ready(bound, app.relay.table, registry, keyed=keyed))
         announcing.add(task)
         task.add_done_callback(announcing.discard)
