@@ -18,11 +18,12 @@ def test_every_workload_is_measured_and_reported(tmp_path: Path) -> None:
     assert [(w.strip(), f.strip()) for w, f, _ in rows[1:]] == [
         (w, f) for w in WORKLOADS for f in ("opcodes", "calls and resumes", "CPU µs")
     ]
-    # A request is a thousand opcodes or more (compiled, what the modules not compiled run) and dozens
-    # of calls: a tracer that saw none failed. Every figure is measured: none is zero.
+    # A request is a thousand opcodes or more interpreted, and compiled still the harness's own and
+    # asyncio's (~200 a json request) and a score of calls: a tracer that saw none failed. Every
+    # figure is measured: none is zero.
     figures = {(w.strip(), f.strip()): float(value) for w, f, value in rows[1:]}
     assert all(value > 0 for value in figures.values())
-    assert all(figures[(w, "opcodes")] > 500 and figures[(w, "calls and resumes")] > 20 for w in WORKLOADS)
+    assert all(figures[(w, "opcodes")] > 100 and figures[(w, "calls and resumes")] > 10 for w in WORKLOADS)
 
 
 def test_a_worker_that_fails_says_why(tmp_path: Path) -> None:
