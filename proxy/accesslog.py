@@ -46,7 +46,7 @@ import logging
 import time
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Final, Protocol
+from typing import Final
 
 import orjson
 from mypy_extensions import mypyc_attr
@@ -54,6 +54,7 @@ from mypy_extensions import mypyc_attr
 from proxy.asgi import Scope
 from proxy.errors import ECHO_LIMIT
 from proxy.forwarded import ProxyTrust
+from proxy.timers import LoopTimer
 
 log: Final = logging.getLogger("blazar.access")
 
@@ -121,12 +122,6 @@ class Clock:
 _MILLIS: Final = tuple(f".{ms:03d}Z" for ms in range(1000))
 
 
-class _Handle(Protocol):
-    """The loop's timer handle (uvloop's is not an ``asyncio.TimerHandle``)."""
-
-    def cancel(self) -> None: ...
-
-
 class AccessLog:
     def __init__(
         self, fmt: str = "text", trusted_proxies: Iterable[str] = (), clock: Clock | None = None
@@ -143,7 +138,7 @@ class AccessLog:
         # Whether the loop whose timer will write the waiting lines still runs (its ``is_running``,
         # set by ``_schedule``, which writes them at once where no loop runs), and that timer.
         self._loop_runs: Callable[[], bool] = _no_loop
-        self._timer: _Handle | None = None
+        self._timer: LoopTimer | None = None
         # Formatted by each handler at each flush: one that gives back the bare
         # message gets the batch in one write (made once: a record costs ~5 µs).
         self._probe = logging.LogRecord(log.name, logging.INFO, __file__, 0, "\x00", (), None)

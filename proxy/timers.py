@@ -27,8 +27,8 @@ TICK_S: Final = 0.02
 _Entry = tuple[float, Callable[..., object], tuple[Any, ...]]
 
 
-class _Handle(Protocol):
-    """The loop's timer handle (uvloop's is not an ``asyncio.TimerHandle``)."""
+class LoopTimer(Protocol):
+    """A timer handle of the running loop (uvloop's is not an ``asyncio.TimerHandle``)."""
 
     def cancel(self) -> None: ...
 
@@ -43,7 +43,7 @@ class CoarseTimers:
         # One queue per delay: key -> (deadline, callback, args), in deadline order.
         self._queues: dict[float, dict[int, _Entry]] = {}
         self._key = 0
-        self._handle: _Handle | None = None
+        self._handle: LoopTimer | None = None
         self._armed_at = 0.0
 
     def later(self, delay_s: float, callback: Callable[..., object], *args: Any) -> int:

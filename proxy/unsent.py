@@ -5,15 +5,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Final, Protocol
+from typing import Final
+
+from proxy.timers import LoopTimer
 
 logger: Final = logging.getLogger("blazar.server")
-
-
-class _Handle(Protocol):
-    """The loop's timer handle (uvloop's is not an ``asyncio.TimerHandle``)."""
-
-    def cancel(self) -> None: ...
 
 
 class UnsentWatch:
@@ -41,7 +37,7 @@ class UnsentWatch:
         self._transport = transport
         self._stall_s = stall_s
         self._busy = busy
-        self._handle: _Handle | None = None
+        self._handle: LoopTimer | None = None
         self._size = 0
 
     def arm(self) -> None:
